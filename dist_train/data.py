@@ -1,0 +1,104 @@
+"""Deterministic data: which samples make up global batch `step` depends only on the seed and the step.
+
+Every strategy asks for the same global batch and takes its data-parallel slice of it, so one config and
+seed trains on the same samples in the same order whatever the strategy or world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from dist_train.config import DataConfig
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [batch, seq_len] int64
+    labels: torch.Tensor  # [batch, seq_len] int64, input_ids shifted by one
+
+    def __len__(self) -> int:
+        return self.input_ids.size(0)
+
+    def split(self, size: int) -> list["Batch"]:
+        return [Batch(i, l) for i, l in zip(self.input_ids.split(size), self.labels.split(size))]
+
+    def to(self, device: torch.device) -> "Batch":
+        if device.type == "cuda":  # pinned host memory lets the copy overlap with compute
+            return Batch(
+                self.input_ids.pin_memory().to(device, non_blocking=True),
+                self.labels.pin_memory().to(device, non_blocking=True),
+            )
+        return self
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+class Dataset(Protocol):
+    def sample(self, index: int) -> torch.Tensor:
+        """Tokens of sample `index`: int64 [seq_len + 1]."""
+
+
+class SyntheticDataset:
+    """Learnable sequences: token k = (start + stride * k) mod vocab, with some tokens replaced by noise."""
+
+    def __init__(self, *, vocab_size: int, seq_len: int, seed: int, noise: float) -> None:
+        self.vocab_size, self.seq_len, self.seed, self.noise = vocab_size, seq_len, seed, noise
+
+    def sample(self, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        start = torch.randint(self.vocab_size, (1,), generator=g)
+        stride = torch.randint(1, 8, (1,), generator=g)
+        tokens = (start + stride * torch.arange(self.seq_len + 1)) % self.vocab_size
+        flip = torch.rand(self.seq_len + 1, generator=g) < self.noise
+        random = torch.randint(self.vocab_size, (self.seq_len + 1,), generator=g)
+        return torch.where(flip, random, tokens).long()
+
+
+class TextFileDataset:
+    """Byte-level tokens of a local file, cut into windows of seq_len + 1; shuffled per epoch by the seed."""
+
+    def __init__(self, *, path: str, seq_len: int, seed: int) -> None:
+        data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8).long()
+        self.tokens, self.seq_len, self.seed = data, seq_len, seed
+        self.num_windows = (data.numel() - 1) // seq_len
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            self._orders = {epoch: torch.randperm(self.num_windows, generator=g)}
+        return self._orders[epoch]
+
+    def sample(self, index: int) -> torch.Tensor:
+        epoch, pos = divmod(index, self.num_windows)
+        start = int(self._order(epoch)[pos]) * self.seq_len
+        return self.tokens[start : start + self.seq_len + 1]
+
+
+def build_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int) -> Dataset:
+    if cfg.name == "textfile":
+        assert cfg.path is not None  # validated before start-up
+        return TextFileDataset(path=cfg.path, seq_len=seq_len, seed=seed)
+    return SyntheticDataset(vocab_size=vocab_size, seq_len=seq_len, seed=seed, noise=cfg.noise)
+
+
+class GlobalBatches:
+    """Global batch `step` is samples [step * B, (step + 1) * B); rank r of D takes the r-th contiguous slice."""
+
+    def __init__(self, dataset: Dataset, *, global_batch_size: int, dp_rank: int, dp_size: int) -> None:
+        assert global_batch_size % dp_size == 0
+        self.dataset = dataset
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // dp_size
+        self.first = dp_rank * self.local_batch_size
+
+    def local_batch(self, step: int) -> Batch:
+        base = step * self.global_batch_size + self.first
+        tokens = torch.stack([self.dataset.sample(base + i) for i in range(self.local_batch_size)])
+        return Batch(input_ids=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous())

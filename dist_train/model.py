@@ -1,0 +1,90 @@
+"""Causal LMs from `transformers` configs with random weights (nothing is downloaded), and their loss.
+
+This module knows nothing of distribution: strategies wrap, shard or split what it builds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_train.config import ModelConfig
+
+
+def build_model(cfg: ModelConfig, *, seed: int) -> nn.Module:
+    """Build the model on the CPU in fp32 with weights drawn from `seed` (identical on every rank)."""
+    torch.manual_seed(seed)
+    model = _build_gpt2(cfg) if cfg.arch == "gpt2" else _build_llama(cfg)
+    model.train()
+    return model
+
+
+def _build_gpt2(cfg: ModelConfig) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf = GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.max_seq_len,
+        n_embd=cfg.hidden_size,
+        n_layer=cfg.num_layers,
+        n_head=cfg.num_heads,
+        n_inner=cfg.ffn_hidden_size,
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.dropout,
+        tie_word_embeddings=cfg.tie_embeddings,
+        use_cache=False,
+        bos_token_id=None,  # no special tokens: synthetic and byte-level data
+        eos_token_id=None,
+    )
+    return GPT2LMHeadModel(hf)
+
+
+def _build_llama(cfg: ModelConfig) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        attention_dropout=cfg.dropout,
+        tie_word_embeddings=cfg.tie_embeddings,
+        use_cache=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return LlamaForCausalLM(hf)
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The repeated blocks: the unit of FSDP sharding, pipeline splitting and activation checkpointing."""
+    for path in ("transformer.h", "model.layers"):
+        module = model
+        try:
+            for part in path.split("."):
+                module = getattr(module, part)
+        except AttributeError:
+            continue
+        if isinstance(module, nn.ModuleList):
+            return module
+    raise TypeError(f"{type(model).__name__}: no transformer block list (looked for transformer.h, model.layers)")
+
+
+def count_params(model: nn.Module) -> int:
+    """Distinct parameters (a tied weight counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; `labels` are already shifted by the data pipeline."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def forward_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return causal_lm_loss(model(input_ids=input_ids).logits, labels)

@@ -1,0 +1,185 @@
+"""The strategy interface, and the pieces that strategies using a torch optimizer share.
+
+A strategy owns everything that differs between parallelisms: wrapping, forward + backward over the
+micro-batches of a step (a pipeline schedule runs both; DeepSpeed's engine owns backward), gradient
+sync during accumulation, clipping and the optimizer step, state dicts and what counts as its
+parameters, gradients and optimizer state. The training loop names no strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ContextManager, Protocol
+
+import torch
+from torch import nn
+
+from dist_train.config import PrecisionConfig, TrainConfig
+from dist_train.data import Batch
+from dist_train.model import forward_loss
+from dist_train.optim import OptimizerFactory
+from dist_train.runtime import Runtime
+from dist_train.telemetry.memory import ModelState, optimizer_state_tensors
+
+
+@dataclass
+class StepOutput:
+    """What one optimizer step leaves behind; tensors stay on the device (no sync in the step)."""
+
+    loss_sum: torch.Tensor | None  # sum of this rank's micro-batch mean losses (None: the loss is elsewhere)
+    num_microbatches: int  # how many micro-batch losses loss_sum holds
+    grad_norm: torch.Tensor | None  # global gradient norm before clipping
+
+
+@dataclass(frozen=True)
+class StrategyContext:
+    """What every strategy may use; built once by the loop."""
+
+    runtime: Runtime
+    train: TrainConfig
+    precision: PrecisionConfig
+    optimizer: OptimizerFactory
+    # A DDP comm hook through which telemetry sees the reducer's all-reduces (None: telemetry off).
+    ddp_comm_hook: Callable[..., Any] | None = None
+
+
+class Strategy(Protocol):
+    name: str
+
+    def setup(self, model: nn.Module) -> None:
+        """Wrap/shard/split `model` (built on the CPU, identical on every rank) and build the optimizer."""
+
+    def train_step(self, batch: Batch) -> StepOutput:
+        """One optimizer step over this rank's share of the global batch."""
+
+    def model_state(self) -> ModelState:
+        """The parameters, gradients and optimizer state this rank holds (local shards only)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"model": ..., "optimizer": ...} in the layout torch.distributed.checkpoint saves (sharded where sharded)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    @property
+    def lr(self) -> float: ...
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Devices whose memory this rank should report (several for nn.DataParallel)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared pieces for strategies that drive a torch optimizer themselves (single, dp, ddp, fsdp).
+# --------------------------------------------------------------------------------------------------
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision: PrecisionConfig, device: torch.device) -> ContextManager[Any]:
+    """bf16/fp16 autocast on the rank's device; fp32 runs as is."""
+    if precision.name == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=_DTYPES[precision.name])
+
+
+def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the gradients (DTensor shards are reduced across ranks), then clip if max_norm > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    full_tensor = getattr(total, "full_tensor", None)
+    if callable(full_tensor):
+        total = full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+class LocalOptimizer:
+    """Optimizer, LR schedule, loss scaling (fp16) and clipping over parameters this process updates."""
+
+    def __init__(self, ctx: StrategyContext, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.max_norm = ctx.train.grad_clip
+        self.optimizer = ctx.optimizer.build(params)
+        self.scheduler = ctx.optimizer.scheduler(self.optimizer)
+        fp16 = ctx.precision.name == "fp16"
+        self.scaler = torch.amp.GradScaler(ctx.runtime.device.type) if fp16 else None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> torch.Tensor:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        norm = grad_norm_and_clip(self.params, self.max_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def model_state(self, model: nn.Module) -> ModelState:
+        params = list(model.parameters())
+        return ModelState(
+            params=params,
+            grads=[p.grad for p in params],
+            optimizer=optimizer_state_tensors(self.optimizer),
+        )
+
+
+def accumulate(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    micro_batch_size: int,
+    opt: LocalOptimizer,
+    precision: PrecisionConfig,
+    device: torch.device,
+    no_sync: Callable[[], ContextManager[Any]],
+) -> tuple[torch.Tensor, int]:
+    """Forward + backward over the micro-batches of `batch`; gradients sync only on the last one.
+
+    Each micro-batch loss is divided by the number of micro-batches, so the accumulated gradient is
+    the gradient of the mean loss whatever the split (and, after DDP/FSDP average over ranks, the mean
+    over the global batch).
+    """
+    micro = batch.split(micro_batch_size)
+    loss_sum = torch.zeros((), device=device)
+    for i, mb in enumerate(micro):
+        sync = contextlib.nullcontext() if i == len(micro) - 1 else no_sync()
+        with sync:
+            with autocast(precision, device):
+                loss = forward_loss(model, mb.input_ids, mb.labels)
+            opt.backward(loss / len(micro))
+        loss_sum += loss.detach()
+    return loss_sum, len(micro)
+
+
+@contextlib.contextmanager
+def nothing() -> Iterator[None]:
+    yield
+
+
+def torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and optimizer state in torch.distributed.checkpoint's layout (DTensor shards stay sharded)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def load_torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -1,0 +1,42 @@
+"""DistributedDataParallel: a full replica per rank and one bucketed gradient all-reduce per step."""
+
+from __future__ import annotations
+
+from typing import Any, ContextManager
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dist_train.config import DDPConfig
+from dist_train.strategies.base import StrategyContext
+from dist_train.strategies.torch_strategy import TorchStrategy
+
+
+class DDPWrapper:
+    def __init__(self, cfg: DDPConfig, ctx: StrategyContext) -> None:
+        self.cfg, self.ctx = cfg, ctx
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        device = self.ctx.runtime.device
+        ddp = DistributedDataParallel(
+            model.to(device),
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=self.cfg.bucket_cap_mb,
+            gradient_as_bucket_view=self.cfg.gradient_as_bucket_view,
+        )
+        if self.ctx.ddp_comm_hook is not None:
+            # The reducer all-reduces from C++; the hook issues the same all-reduce where telemetry sees it.
+            ddp.register_comm_hook(state=None, hook=self.ctx.ddp_comm_hook)
+        return ddp
+
+    def no_sync(self, wrapped: nn.Module) -> ContextManager[Any]:
+        assert isinstance(wrapped, DistributedDataParallel)
+        return wrapped.no_sync()
+
+    def devices(self) -> list[torch.device]:
+        return [self.ctx.runtime.device]
+
+
+def build(cfg: DDPConfig, ctx: StrategyContext) -> TorchStrategy:
+    return TorchStrategy(cfg.name, ctx, DDPWrapper(cfg, ctx))

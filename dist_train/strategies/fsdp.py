@@ -1,0 +1,64 @@
+"""FSDP2: `fully_shard` on each transformer block, then on the root.
+
+Parameters, gradients and optimizer state are sharded across ranks (DTensors). In forward each block's
+parameters are all-gathered; `reshard_after_forward` frees them again (ZeRO-3-like) or keeps them until
+backward (ZeRO-2-like). Gradients are reduce-scattered once per step: sync is off for all but the last
+micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from dist_train.config import FSDPConfig, PrecisionConfig
+from dist_train.model import transformer_blocks
+from dist_train.strategies.base import StrategyContext
+from dist_train.strategies.torch_strategy import TorchStrategy
+
+_PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_precision(precision: PrecisionConfig) -> MixedPrecisionPolicy:
+    """Compute in the chosen dtype; keep fp32 shards and reduce gradients in fp32."""
+    return MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[precision.name], reduce_dtype=torch.float32)
+
+
+class FSDPWrapper:
+    def __init__(self, cfg: FSDPConfig, ctx: StrategyContext) -> None:
+        self.cfg, self.ctx = cfg, ctx
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        rt = self.ctx.runtime
+        mesh = init_device_mesh(rt.device.type, (rt.world_size,))
+        kwargs = dict(
+            mesh=mesh,
+            reshard_after_forward=self.cfg.reshard_after_forward,
+            mp_policy=mixed_precision(self.ctx.precision),
+        )
+        # Blocks first, then the root (embeddings, final norm, head): each block is one all-gather unit.
+        for block in transformer_blocks(model):
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    @contextlib.contextmanager
+    def no_sync(self, wrapped: nn.Module) -> Iterator[None]:
+        assert isinstance(wrapped, FSDPModule)
+        wrapped.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            wrapped.set_requires_gradient_sync(True)
+
+    def devices(self) -> list[torch.device]:
+        return [self.ctx.runtime.device]
+
+
+def build(cfg: FSDPConfig, ctx: StrategyContext) -> TorchStrategy:
+    return TorchStrategy(cfg.name, ctx, FSDPWrapper(cfg, ctx))

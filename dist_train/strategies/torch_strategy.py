@@ -1,0 +1,80 @@
+"""A strategy that drives a torch optimizer itself; single, dp, ddp and fsdp differ only in their `Wrapper`."""
+
+from __future__ import annotations
+
+from typing import Any, ContextManager, Protocol
+
+import torch
+from torch import nn
+
+from dist_train.data import Batch
+from dist_train.strategies.base import (
+    LocalOptimizer,
+    StepOutput,
+    StrategyContext,
+    accumulate,
+    load_torch_state_dict,
+    torch_state_dict,
+)
+from dist_train.telemetry.memory import ModelState
+
+
+class Wrapper(Protocol):
+    """How one parallelism wraps a model and silences gradient sync during accumulation."""
+
+    def wrap(self, model: nn.Module) -> nn.Module: ...
+
+    def no_sync(self, wrapped: nn.Module) -> ContextManager[Any]: ...
+
+    def devices(self) -> list[torch.device]: ...
+
+
+class TorchStrategy:
+    def __init__(self, name: str, ctx: StrategyContext, wrapper: Wrapper) -> None:
+        self.name, self.ctx, self.wrapper = name, ctx, wrapper
+        self.model: nn.Module | None = None  # as built, no wrapper around it
+        self.wrapped: nn.Module | None = None
+        self.opt: LocalOptimizer | None = None
+
+    def setup(self, model: nn.Module) -> None:
+        self.model = model
+        self.wrapped = self.wrapper.wrap(model)
+        # After wrapping: FSDP2's parameters are DTensor shards only from here on.
+        self.opt = LocalOptimizer(self.ctx, list(self.wrapped.parameters()))
+
+    def train_step(self, batch: Batch) -> StepOutput:
+        assert self.wrapped is not None and self.opt is not None, "setup() first"
+        self.opt.zero_grad()
+        device = self.ctx.runtime.device
+        loss_sum, n = accumulate(
+            self.wrapped,
+            batch.to(device),
+            micro_batch_size=self.ctx.train.micro_batch_size,
+            opt=self.opt,
+            precision=self.ctx.precision,
+            device=device,
+            no_sync=lambda: self.wrapper.no_sync(self.wrapped),
+        )
+        grad_norm = self.opt.step()
+        return StepOutput(loss_sum=loss_sum, num_microbatches=n, grad_norm=grad_norm)
+
+    def model_state(self) -> ModelState:
+        assert self.wrapped is not None and self.opt is not None
+        return self.opt.model_state(self.wrapped)
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.wrapped is not None and self.opt is not None
+        return torch_state_dict(self.wrapped, self.opt.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.wrapped is not None and self.opt is not None
+        load_torch_state_dict(self.wrapped, self.opt.optimizer, state)
+
+    @property
+    def lr(self) -> float:
+        assert self.opt is not None
+        return self.opt.lr
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return self.wrapper.devices()

@@ -1,0 +1,370 @@
+"""Count, size and time every collective a rank issues, without adding synchronisation.
+
+How collectives are seen:
+- FSDP2, DeepSpeed (`deepspeed.comm`'s torch backend), pipelining and our own code call the public
+  functions of `torch.distributed`; :meth:`CommTracker.install` wraps them (in both `torch.distributed`
+  and `torch.distributed.distributed_c10d`, whose deprecated aliases call the new names; a per-thread
+  depth counter makes the outermost call the only one recorded).
+- DDP's reducer all-reduces from C++; :meth:`CommTracker.ddp_comm_hook` is a comm hook that issues the
+  same bucket all-reduce through the wrapped `dist.all_reduce` (what torch's default `allreduce_hook` does).
+
+How they are timed: from issue to completion of the `Work`, never by making the training thread wait.
+Every wrapped call is issued with `async_op=True`; completion is taken from the work's future callback
+(gloo: wall clock on gloo's thread) or, on CUDA, from an event recorded in that callback, whose stream
+waits for the collective; events are read only when a logging window closes. Gloo gives no future for
+reduce-scatter and point-to-point work: a small pool of watcher threads blocks in `work.wait()` (which
+releases the GIL) and stamps the time it returns. A caller that asked for a blocking call still gets one
+(we wait on its behalf exactly as torch would). Times include waiting for the slowest peer, as in
+nccl-tests.
+
+DTensor's functional collectives (`torch.distributed._functional_collectives`, e.g. the all-reduce of
+FSDP2's gradient-norm) are counted and sized but not timed: their completion is a lazy `wait_tensor`.
+
+Sizes follow nccl-tests: the full buffer (all_gather: the gathered output; reduce_scatter: the input).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as c10d
+
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
+
+
+def busbw_factor(op: str, group_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor: what each link carries relative to the buffer size."""
+    n = group_size
+    if n <= 1:
+        return 0.0 if op in ("all_reduce", "all_gather", "reduce_scatter") else 1.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    return 1.0
+
+
+def busbw_gbps(op: str, size_bytes: float, time_s: float, group_size: int) -> float:
+    """Bus bandwidth in GB/s (1e9 bytes/s, as nccl-tests prints)."""
+    if time_s <= 0:
+        return 0.0
+    return size_bytes / time_s * busbw_factor(op, group_size) / 1e9
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _sum_nbytes(ts: Any) -> int:
+    return sum(_nbytes(t) for t in ts or ())
+
+
+# name in torch.distributed -> (op, size of the full buffer from the bound arguments)
+_SIZERS: dict[str, tuple[str, Callable[[dict[str, Any]], int]]] = {
+    "all_reduce": ("all_reduce", lambda a: _nbytes(a["tensor"])),
+    "all_reduce_coalesced": ("all_reduce", lambda a: _sum_nbytes(a["tensors"])),
+    "all_gather": ("all_gather", lambda a: _sum_nbytes(a["tensor_list"])),
+    "all_gather_single": ("all_gather", lambda a: _nbytes(a["output_tensor"])),
+    "all_gather_into_tensor": ("all_gather", lambda a: _nbytes(a["output_tensor"])),
+    "_all_gather_base": ("all_gather", lambda a: _nbytes(a["output_tensor"])),
+    "all_gather_coalesced": ("all_gather", lambda a: sum(_sum_nbytes(x) for x in a["output_tensor_lists"])),
+    "reduce_scatter": ("reduce_scatter", lambda a: _sum_nbytes(a["input_list"])),
+    "reduce_scatter_single": ("reduce_scatter", lambda a: _nbytes(a["input"])),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a: _nbytes(a["input"])),
+    "_reduce_scatter_base": ("reduce_scatter", lambda a: _nbytes(a["input"])),
+    "broadcast": ("broadcast", lambda a: _nbytes(a["tensor"])),
+    "send": ("send", lambda a: _nbytes(a["tensor"])),
+    "isend": ("send", lambda a: _nbytes(a["tensor"])),
+    "recv": ("recv", lambda a: _nbytes(a["tensor"])),
+    "irecv": ("recv", lambda a: _nbytes(a["tensor"])),
+}
+
+# functional collectives (DTensor): name -> (op, size of the full buffer from the bound arguments)
+_FUNCOL_SIZERS: dict[str, tuple[str, Callable[[dict[str, Any]], int]]] = {
+    "all_reduce": ("all_reduce", lambda a: _nbytes(a["self"])),
+    "all_gather_tensor": ("all_gather", lambda a: _nbytes(a["self"]) * _funcol_size(a["group"])),
+    "all_gather_single": ("all_gather", lambda a: _nbytes(a["self"]) * _funcol_size(a["group"])),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a: _nbytes(a["self"])),
+    "reduce_scatter_single": ("reduce_scatter", lambda a: _nbytes(a["self"])),
+    "broadcast": ("broadcast", lambda a: _nbytes(a["self"])),
+}
+
+
+def _funcol_size(group: Any) -> int:
+    return funcol._expand_group(group)[2]
+
+
+@dataclass
+class _Record:
+    op: str
+    nbytes: int
+    group_size: int
+    start_s: float
+    end_s: float | None = None
+    start_event: Any = None
+    end_event: Any = None
+    done: bool = False
+
+    def duration_s(self) -> float | None:
+        if self.start_event is not None:
+            if self.end_event is None:
+                return None
+            self.end_event.synchronize()  # only at window close, never in the step
+            return self.start_event.elapsed_time(self.end_event) / 1e3
+        return None if self.end_s is None else self.end_s - self.start_s
+
+
+@dataclass
+class OpTotals:
+    count: int = 0
+    bytes: int = 0
+    time_s: float = 0.0
+    timed_bytes: int = 0  # bytes of the ops whose completion time is known
+    group_size: int = 1
+
+    def add(self, rec: _Record, duration: float | None) -> None:
+        self.count += 1
+        self.bytes += rec.nbytes
+        self.group_size = max(self.group_size, rec.group_size)
+        if duration is not None:
+            self.time_s += duration
+            self.timed_bytes += rec.nbytes
+
+    def busbw_gbps(self, op: str) -> float:
+        """Bus bandwidth of the timed ops of this window, nccl-tests conventions."""
+        return busbw_gbps(op, self.timed_bytes, self.time_s, self.group_size)
+
+
+@dataclass
+class CommTracker:
+    """Patches torch.distributed while installed; `drain()` hands back what completed since the last drain."""
+
+    cuda_events: bool = False
+    _records: list[_Record] = field(default_factory=list)
+    _originals: dict[tuple[Any, str], Any] = field(default_factory=dict)
+    _local: threading.local = field(default_factory=threading.local)
+    _paused: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _watchers: ThreadPoolExecutor | None = None
+
+    # ---------------------------------------------------------------- install / uninstall
+    def install(self) -> "CommTracker":
+        for name, (op, sizer) in _SIZERS.items():
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue  # an older torch without this name
+            wrapped = self._wrap(original, op, sizer)
+            for module in (dist, c10d):
+                if getattr(module, name, None) is original:
+                    self._originals[(module, name)] = original
+                    setattr(module, name, wrapped)
+        original_batch = c10d.batch_isend_irecv
+        wrapped_batch = self._wrap_batch_p2p(original_batch)
+        for module in (dist, c10d):
+            if getattr(module, "batch_isend_irecv", None) is original_batch:
+                self._originals[(module, "batch_isend_irecv")] = original_batch
+                setattr(module, "batch_isend_irecv", wrapped_batch)
+        for name, (op, sizer) in _FUNCOL_SIZERS.items():
+            original = getattr(funcol, name, None)
+            if original is not None:
+                self._originals[(funcol, name)] = original
+                setattr(funcol, name, self._wrap_funcol(original, op, sizer))
+        return self
+
+    def uninstall(self) -> None:
+        for (module, name), original in self._originals.items():
+            setattr(module, name, original)
+        self._originals.clear()
+        if self._watchers is not None:
+            self._watchers.shutdown(wait=True)
+            self._watchers = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Telemetry's own collectives (gathering metrics to rank 0) are not the training's."""
+        previous, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = previous
+
+    # ---------------------------------------------------------------- DDP
+    def ddp_comm_hook(self, process_group, bucket):  # type: ignore[no-untyped-def]
+        """torch's default all-reduce hook, issued through the wrapped `dist.all_reduce` so it is seen.
+
+        (No annotations: DDP compares them with dist.GradBucket / Future, and this module's are strings.)
+        """
+        group = process_group if process_group is not None else dist.group.WORLD
+        tensor = bucket.buffer()
+        tensor.div_(dist.get_world_size(group))
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    # ---------------------------------------------------------------- recording
+    def _depth(self) -> int:
+        return getattr(self._local, "depth", 0)
+
+    @contextlib.contextmanager
+    def _nested(self) -> Iterator[None]:
+        self._local.depth = self._depth() + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+
+    def _should_record(self) -> bool:
+        return not self._paused and self._depth() == 0
+
+    def _new_record(self, op: str, nbytes: int, group: Any, size: int | None = None) -> _Record:
+        if size is None:
+            size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        rec = _Record(op=op, nbytes=nbytes, group_size=size, start_s=time.perf_counter())
+        if self.cuda_events:
+            rec.start_event = torch.cuda.Event(enable_timing=True)
+            rec.start_event.record()
+        with self._lock:
+            self._records.append(rec)
+        return rec
+
+    def _on_complete(self, recs: list[_Record], work: Any) -> None:
+        """Stamp completion from the work's future; never waits."""
+        if work is None:  # e.g. this rank is not in the group: nothing ran, nothing to time
+            for rec in recs:
+                rec.done = True
+            return
+        try:
+            fut = work.get_future()
+        except (RuntimeError, AttributeError):
+            fut = None
+        if fut is None:  # gloo's reduce-scatter and p2p: a watcher thread waits instead of us
+            self._watch(recs, work)
+            return
+
+        def stamp(_fut: Any) -> None:
+            end = time.perf_counter()
+            for rec in recs:
+                if rec.start_event is not None:
+                    rec.end_event = torch.cuda.Event(enable_timing=True)
+                    rec.end_event.record()  # on a stream that waits for the collective
+                rec.end_s = end
+                rec.done = True
+
+        fut.then(stamp)
+
+    def _watch(self, recs: list[_Record], work: Any) -> None:
+        if self._watchers is None:
+            self._watchers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dist_train-comm-watch")
+
+        def wait_and_stamp() -> None:
+            try:
+                work.wait()  # releases the GIL; the training thread is not held
+            except Exception:  # the training thread sees the failure itself when it waits
+                pass
+            end = time.perf_counter()
+            for rec in recs:
+                rec.end_s, rec.done = end, True
+
+        self._watchers.submit(wait_and_stamp)
+
+    def _wrap_funcol(self, original: Callable, op: str, sizer: Callable[[dict[str, Any]], int]) -> Callable:
+        sig = inspect.signature(original)
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self._should_record():
+                arguments = sig.bind(*args, **kwargs).arguments
+                rec = self._new_record(op, sizer(arguments), None, size=_funcol_size(arguments["group"]))
+                rec.done = True  # counted and sized; completion is a lazy wait_tensor, so untimed
+            with self._nested():
+                return original(*args, **kwargs)
+
+        return wrapper
+
+    def _wrap(self, original: Callable, op: str, sizer: Callable[[dict[str, Any]], int]) -> Callable:
+        sig = inspect.signature(original)
+        takes_async = "async_op" in sig.parameters
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not self._should_record():
+                return original(*args, **kwargs)
+            bound = sig.bind(*args, **kwargs)
+            arguments = bound.arguments
+            rec = self._new_record(op, sizer(arguments), arguments.get("group"))
+            if not takes_async:  # send / recv block; isend / irecv return work
+                with self._nested():
+                    result = original(*args, **kwargs)
+                if name_blocks(original):
+                    rec.end_s, rec.done = time.perf_counter(), True
+                    if rec.start_event is not None:
+                        rec.end_event = torch.cuda.Event(enable_timing=True)
+                        rec.end_event.record()
+                else:
+                    self._on_complete([rec], result)
+                return result
+            wanted_async = arguments.get("async_op", False)
+            arguments["async_op"] = True
+            with self._nested():
+                work = original(*bound.args, **bound.kwargs)
+            self._on_complete([rec], work)
+            if wanted_async:
+                return work
+            if work is not None:
+                work.wait()
+            return None
+
+        return wrapper
+
+    def _wrap_batch_p2p(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(p2p_op_list: list) -> list:
+            if not self._should_record():
+                return original(p2p_op_list)
+            recs = []
+            for p2p in p2p_op_list:
+                op = "send" if getattr(p2p.op, "__name__", "") in ("isend", "send") else "recv"
+                recs.append(self._new_record(op, _nbytes(p2p.tensor), p2p.group))
+            with self._nested():
+                works = original(p2p_op_list)
+            if works and len(works) == len(recs):
+                for rec, work in zip(recs, works):
+                    self._on_complete([rec], work)
+            elif works:
+                self._on_complete(recs, works[-1])
+            else:
+                for rec in recs:
+                    rec.done = True
+            return works
+
+        return wrapper
+
+    # ---------------------------------------------------------------- reading
+    def drain(self) -> dict[str, OpTotals]:
+        """Totals per op of the records completed since the last drain; pending ones stay for the next."""
+        with self._lock:
+            records, self._records = self._records, []
+        totals = {op: OpTotals() for op in COMM_OPS}
+        pending = []
+        for rec in records:
+            if not rec.done:
+                pending.append(rec)
+                continue
+            totals[rec.op].add(rec, rec.duration_s())
+        with self._lock:
+            self._records[:0] = pending
+        return totals
+
+
+def name_blocks(fn: Callable) -> bool:
+    return getattr(fn, "__name__", "") in ("send", "recv")

@@ -1,0 +1,182 @@
+"""Per-rank telemetry of each logging window, gathered to rank 0 on logging steps only.
+
+In the step: device tensors are kept (loss, grad norm) and a wall-clock stamp is taken; nothing is
+synchronised or moved to the host. When a window closes every rank builds one record (memory by
+category, allocator and RSS peaks, collectives, step time), rank 0 gathers them with the training's
+collectives paused, adds the global figures (loss over the global batch, throughput, MFU) and hands the
+records to the sinks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dist_train.runtime import Runtime
+from dist_train.strategies.base import StepOutput, Strategy
+from dist_train.telemetry.comm import COMM_OPS, CommTracker
+from dist_train.telemetry.memory import HostPeak, cuda_peaks, reset_cuda_peaks
+from dist_train.telemetry.sinks import Sink
+
+GLOBAL_KEYS = ("loss", "lr", "grad_norm", "throughput/tokens_per_s", "throughput/samples_per_s", "mfu")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Work per optimizer step, for throughput and MFU."""
+
+    tokens_per_step: int
+    samples_per_step: int
+    flops_per_token: float
+    peak_flops: float | None  # per device; None: no MFU
+    num_devices: int
+
+
+@dataclass
+class _Pending:
+    loss_sum: torch.Tensor | None
+    num_microbatches: int
+    grad_norm: torch.Tensor | None
+
+
+@dataclass
+class Telemetry:
+    runtime: Runtime
+    strategy: Strategy
+    sink: Sink
+    workload: Workload
+    tracker: CommTracker | None = None
+    _host: HostPeak = field(default_factory=HostPeak)
+    _window: list[_Pending] = field(default_factory=list)
+    _window_start_s: float = 0.0
+    step_end_s: list[float] = field(default_factory=list)
+    start_s: float = 0.0
+    history: list[list[dict[str, Any]]] = field(default_factory=list)  # rank 0: records of every window
+    step_losses: list[float] = field(default_factory=list)  # rank 0: global loss of every logged step
+
+    def start(self) -> None:
+        self._reset_peaks()
+        if self.tracker is not None:
+            self.tracker.drain()  # set-up traffic (DDP's initial broadcast, ...) is not a step's
+        self.start_s = self._window_start_s = time.perf_counter()
+
+    def step_end(self, step: int, out: StepOutput) -> None:
+        self._window.append(_Pending(out.loss_sum, out.num_microbatches, out.grad_norm))
+        self.step_end_s.append(time.perf_counter())
+        self.sink.on_step(step)
+
+    def log(self, step: int) -> None:
+        """Close the window ending at `step` (1-based); every rank must call it."""
+        if not self._window:
+            return
+        if self.runtime.device.type == "cuda":
+            torch.cuda.synchronize(self.runtime.device)  # the one sync: at the window's end, not in a step
+            self.step_end_s[-1] = time.perf_counter()
+        local = self._local_record(step)
+        records = self._gather(local)
+        self._window, self._window_start_s = [], self.step_end_s[-1]
+        self._reset_peaks()
+        if records is not None:
+            records = self._add_global(records)
+            self.history.append(records)
+            self.sink.log(step, records)
+
+    # ------------------------------------------------------------------ building records
+    def _local_record(self, step: int) -> dict[str, Any]:
+        n = len(self._window)
+        rec: dict[str, Any] = {"step": step, "rank": self.runtime.rank}
+        rec.update(self.strategy.model_state().bytes())
+        rec.update(cuda_peaks(self.strategy.devices))
+        rec["memory/peak_rss_bytes"] = self._host.peak_bytes()
+        if self.tracker is not None:
+            for op, totals in self.tracker.drain().items():
+                rec[f"comm/{op}/count"] = totals.count / n
+                rec[f"comm/{op}/bytes"] = totals.bytes / n
+                rec[f"comm/{op}/time_s"] = totals.time_s / n
+                rec[f"comm/{op}/busbw_gbps"] = totals.busbw_gbps(op)
+        rec["time/step_s"] = (self.step_end_s[-1] - self._window_start_s) / n
+        rec["_losses"] = [
+            (float(p.loss_sum.detach().float().cpu()) if p.loss_sum is not None else None, p.num_microbatches)
+            for p in self._window
+        ]
+        norms = [float(p.grad_norm.detach().float().cpu()) for p in self._window if p.grad_norm is not None]
+        rec["_grad_norm"] = sum(norms) / len(norms) if norms else None
+        rec["lr"] = self.strategy.lr
+        return rec
+
+    def _gather(self, local: dict[str, Any]) -> list[dict[str, Any]] | None:
+        if not (self.runtime.has_group and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [local]
+        out: list[Any] | None = [None] * dist.get_world_size() if self.runtime.is_main else None
+        if self.tracker is not None:
+            with self.tracker.paused():
+                dist.gather_object(local, out, dst=0)
+        else:
+            dist.gather_object(local, out, dst=0)
+        return out
+
+    def _add_global(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Loss over the global batch (wherever it lives), throughput and MFU; the same on every record."""
+        num_steps = len(records[0]["_losses"])
+        losses = []
+        for i in range(num_steps):
+            parts = [r["_losses"][i] for r in records if r["_losses"][i][0] is not None]
+            total = sum(n for _, n in parts)
+            losses.append(sum(s for s, _ in parts) / total if total else float("nan"))
+        self.step_losses.extend(losses)
+        norms = [r["_grad_norm"] for r in records if r["_grad_norm"] is not None]
+        step_s = records[0]["time/step_s"]
+        w = self.workload
+        glob: dict[str, Any] = {
+            "loss": sum(losses) / len(losses),
+            "grad_norm": norms[0] if norms else None,
+            "throughput/tokens_per_s": w.tokens_per_step / step_s if step_s > 0 else 0.0,
+            "throughput/samples_per_s": w.samples_per_step / step_s if step_s > 0 else 0.0,
+        }
+        if w.peak_flops:
+            glob["mfu"] = glob["throughput/tokens_per_s"] * w.flops_per_token / (w.peak_flops * w.num_devices)
+        out = []
+        for r in records:
+            r = {k: v for k, v in r.items() if not k.startswith("_")}
+            r.update(glob)
+            out.append(r)
+        return out
+
+    def _reset_peaks(self) -> None:
+        self._host.reset()
+        reset_cuda_peaks(self.strategy.devices)
+
+    # ------------------------------------------------------------------ summary
+    def mean_step_s(self, warmup_steps: int) -> float:
+        """Mean wall-clock step time on this rank, leaving out the first `warmup_steps` steps."""
+        ends = self.step_end_s
+        if not ends:
+            return 0.0
+        if warmup_steps >= len(ends) or warmup_steps == 0:
+            return (ends[-1] - self.start_s) / len(ends)
+        return (ends[-1] - ends[warmup_steps - 1]) / (len(ends) - warmup_steps)
+
+    def per_rank_summary(self) -> list[dict[str, Any]]:
+        """Rank 0: for every rank the peak of each memory figure and the mean per step of each comm figure."""
+        if not self.history:
+            return []
+        out = []
+        for rank in range(len(self.history[0])):
+            windows = [records[rank] for records in self.history]
+            row: dict[str, Any] = {"rank": rank}
+            for key in windows[-1]:
+                if key.startswith("memory/"):
+                    row[key] = max(w.get(key, 0) for w in windows)
+            steps = [w["step"] for w in windows]
+            spans = [s - p for s, p in zip(steps, [0] + steps[:-1])]
+            for op in COMM_OPS:
+                for stat in ("count", "bytes", "time_s"):
+                    key = f"comm/{op}/{stat}"
+                    if key in windows[-1]:
+                        row[key] = sum(w[key] * n for w, n in zip(windows, spans)) / sum(spans)
+            out.append(row)
+        return out
