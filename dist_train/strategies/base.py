@@ -69,6 +69,12 @@ class Strategy(Protocol):
     def devices(self) -> list[torch.device]:
         """Devices whose memory this rank should report (several for nn.DataParallel)."""
 
+    def extra_metrics(self) -> dict[str, float]:
+        """Strategy-specific figures of the window just closed (e.g. `pipeline/bubble_fraction`); {} if none.
+
+        Called once per logging window on every rank, after the window's steps; keys carry a prefix.
+        """
+
 
 # --------------------------------------------------------------------------------------------------
 # Shared pieces for strategies that drive a torch optimizer themselves (single, dp, ddp, fsdp).

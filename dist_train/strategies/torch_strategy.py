@@ -78,3 +78,6 @@ class TorchStrategy:
     @property
     def devices(self) -> list[torch.device]:
         return self.wrapper.devices()
+
+    def extra_metrics(self) -> dict[str, float]:
+        return {}

@@ -98,6 +98,7 @@ class Telemetry:
                 rec[f"comm/{op}/bytes"] = totals.bytes / n
                 rec[f"comm/{op}/time_s"] = totals.time_s / n
                 rec[f"comm/{op}/busbw_gbps"] = totals.busbw_gbps(op)
+        rec.update(self.strategy.extra_metrics())
         rec["time/step_s"] = (self.step_end_s[-1] - self._window_start_s) / n
         rec["_losses"] = [
             (float(p.loss_sum.detach().float().cpu()) if p.loss_sum is not None else None, p.num_microbatches)

@@ -1,0 +1,78 @@
+"""Launch real training runs the way users do (python or torchrun) and read what they leave behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "launch" / "train.py"
+
+# Small and fast: the tiny model, 5 steps, every step logged, 4 micro-batches of 2 on one process.
+FAST = ["model=tiny", "train.steps=5", "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=2"]
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(
+        OMP_NUM_THREADS="1",
+        WANDB_MODE=e.get("WANDB_MODE", "offline"),
+        WANDB_SILENT="true",
+        PYTHONUNBUFFERED="1",
+        TORCH_EXTENSIONS_DIR=e.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dist_train" / "torch_extensions")),
+    )
+    e.pop("RANK", None)
+    e.pop("WORLD_SIZE", None)
+    e.update(extra)
+    return e
+
+
+def launch(
+    overrides: list[str],
+    *,
+    run_dir: Path,
+    nproc: int = 0,
+    timeout: float = 600,
+    script: Path = TRAIN,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """nproc=0: `python launch/train.py`; nproc>=1: `torchrun --standalone --nproc_per_node=nproc`."""
+    if nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
+    else:
+        cmd = [sys.executable, str(script)]
+    cmd += overrides + [f"hydra.run.dir={run_dir}"]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=env(**(extra_env or {})), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def train_ok(overrides: list[str], *, run_dir: Path, nproc: int = 0, **kw: Any) -> dict[str, Any]:
+    """Run to completion and return summary.json; fail the test with the run's output otherwise."""
+    proc = launch(overrides, run_dir=run_dir, nproc=nproc, **kw)
+    if proc.returncode != 0:
+        raise AssertionError(f"run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return summary(run_dir)
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def last_step(run_dir: Path) -> list[dict[str, Any]]:
+    """Records of the last logged step, one per rank, in rank order."""
+    rows = metrics(run_dir)
+    last = max(r["step"] for r in rows)
+    return sorted((r for r in rows if r["step"] == last), key=lambda r: r["rank"])
+
+
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)

@@ -1,0 +1,56 @@
+"""Real 2-process runs (gloo on CPU) of DDP and FSDP compared with one process: same losses, right bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import FAST, last_step, metrics, rel_diff, train_ok
+
+pytestmark = pytest.mark.multiproc
+
+
+def _assert_same_losses(single: dict, other: dict) -> None:
+    assert len(other["losses"]) == len(single["losses"]) == 5
+    for step, (a, b) in enumerate(zip(other["losses"], single["losses"]), start=1):
+        assert rel_diff(a, b) < 1e-5, f"step {step}: {a} vs single {b}"
+
+
+def test_ddp_matches_single_and_all_reduces_one_gradient_per_step(single_run, tmp_path):
+    _, single = single_run
+    s = train_ok(["strategy=ddp", "logger=none", *FAST], run_dir=tmp_path, nproc=2)
+    _assert_same_losses(single, s)
+    assert s["world_size"] == 2 and s["accumulation_steps"] == 2
+    n = s["num_params"]
+    for rec in last_step(tmp_path):
+        assert rec["memory/params_bytes"] == 4 * n  # a full fp32 replica on every rank
+        assert rec["memory/grads_bytes"] == 4 * n
+        assert rec["memory/optimizer_bytes"] >= 8 * n  # Adam's two fp32 moments (+ step counters)
+        # no_sync during accumulation: exactly one gradient's worth all-reduced per step
+        assert rec["comm/all_reduce/bytes"] == 4 * n
+        assert rec["comm/all_reduce/time_s"] > 0
+        assert rec["comm/all_gather/count"] == 0 and rec["comm/reduce_scatter/count"] == 0
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_matches_single_and_holds_half_the_model_state(single_run, tmp_path, reshard):
+    _, single = single_run
+    s = train_ok(
+        ["strategy=fsdp", f"strategy.reshard_after_forward={str(reshard).lower()}", "logger=none", *FAST],
+        run_dir=tmp_path,
+        nproc=2,
+    )
+    _assert_same_losses(single, s)
+    n = s["num_params"]
+    ranks = last_step(tmp_path)
+    assert sum(r["memory/params_bytes"] for r in ranks) == 4 * n  # the shards add up to one copy
+    for rec in ranks:
+        assert rec["memory/params_bytes"] == pytest.approx(2 * n, rel=0.02)  # half of 4 bytes/param
+        assert rec["memory/grads_bytes"] == pytest.approx(2 * n, rel=0.02)
+        assert rec["comm/reduce_scatter/bytes"] == 4 * n  # one gradient reduce-scattered per step
+        assert rec["comm/all_gather/count"] > 0 and rec["comm/all_gather/time_s"] > 0
+    # resharding after forward gathers the parameters again in backward: more all-gather traffic
+    gathered = ranks[0]["comm/all_gather/bytes"]
+    units, micro = 5, 2  # 4 blocks + root, 2 micro-batches per rank
+    per_unit_gathers = 2 if reshard else 1
+    assert gathered == pytest.approx(4 * n * micro * per_unit_gathers, rel=0.01)
+    assert ranks[0]["comm/all_gather/count"] == units * micro * per_unit_gathers
