@@ -48,6 +48,9 @@ class StrategyConfig:
     def check(self, world_size: int) -> None:
         """Strategy-specific checks; world_size is the number of processes that will run."""
 
+    def check_run(self, run: "RunConfig", world_size: int) -> None:
+        """Checks that also need the model/train values (e.g. a pipeline's stages vs layers); default none."""
+
 
 @dataclass
 class SingleConfig(StrategyConfig):
@@ -148,11 +151,62 @@ class PipelineConfig(StrategyConfig):
     def check(self, world_size: int) -> None:
         _choice("strategy.schedule", self.schedule, ("gpipe", "1f1b"))
         _require(
+            self.name not in ("gpipe", "1f1b") or self.name == self.schedule,
+            f"strategy.schedule={self.schedule!r} contradicts strategy={self.name}; "
+            f"pick the schedule by name: strategy={self.schedule}",
+        )
+        _require(
             world_size >= 2,
             f"strategy={self.name} needs at least 2 processes (one pipeline stage each), got WORLD_SIZE={world_size}",
         )
         if self.num_microbatches is not None:
             _require(self.num_microbatches >= 1, f"strategy.num_microbatches={self.num_microbatches} must be >= 1")
+
+    # ---------------------------------------------------------------- pipeline: checks needing run values
+    def microbatches(self, train: "TrainConfig") -> int:
+        """Micro-batches per step: strategy.num_microbatches, else global_batch_size // micro_batch_size."""
+        if self.num_microbatches is not None:
+            return self.num_microbatches
+        return train.global_batch_size // train.micro_batch_size
+
+    def check_run(self, run: "RunConfig", world_size: int) -> None:
+        stages, layers, batch = world_size, run.model.num_layers, run.train.global_batch_size
+        _require(
+            layers >= stages,
+            f"model.num_layers={layers} is fewer than the {stages} pipeline stages (one per process, "
+            f"WORLD_SIZE={stages}); strategy={self.name} needs model.num_layers >= WORLD_SIZE",
+        )
+        if self.num_microbatches is None:
+            _require(
+                batch % run.train.micro_batch_size == 0,
+                f"train.global_batch_size={batch} must be divisible by train.micro_batch_size="
+                f"{run.train.micro_batch_size} (or set strategy.num_microbatches)",
+            )
+        micro = self.microbatches(run.train)
+        _require(
+            batch % micro == 0,
+            f"strategy.num_microbatches={micro} must divide train.global_batch_size={batch} "
+            "(every micro-batch the same size)",
+        )
+        if self.schedule == "1f1b":
+            _require(
+                micro >= stages,
+                f"strategy.num_microbatches={micro} must be >= the {stages} pipeline stages for strategy=1f1b",
+            )
+        if self.split_points is not None:
+            points = list(self.split_points)
+            edges = [0, *points, layers]  # every stage needs at least one block
+            ok = len(points) == stages - 1 and all(a < b for a, b in zip(edges, edges[1:]))
+            _require(
+                ok,
+                f"strategy.split_points={points} must be {stages - 1} increasing block indices in [1, {layers - 1}] "
+                f"(the first block of stages 1..{stages - 1}; WORLD_SIZE={stages}, model.num_layers={layers})",
+            )
+        _require(
+            run.precision.name != "fp16",
+            f"precision=fp16 is not supported with strategy={self.name} (each stage would skip steps on its own "
+            "overflows); use precision=bf16 or precision=fp32",
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,6 +290,8 @@ class TelemetryConfig:
     peak_flops: Optional[float] = None
     # Count and time collectives.
     comm: bool = True
+    # Track the bytes autograd saves for backward (memory/activations_bytes).
+    activations: bool = True
 
 
 @dataclass
@@ -335,6 +391,7 @@ def validate(run: RunConfig, world_size: int) -> None:
 
     _choice("strategy.name", run.strategy.name, tuple(available()))
     run.strategy.check(world_size)
+    run.strategy.check_run(run, world_size)
     dp = run.strategy.data_parallel_size(world_size)
     per_step = t.micro_batch_size * dp
     _require(

@@ -83,6 +83,7 @@ def _train(run: RunConfig, cfg: DictConfig, runtime: Any) -> dict[str, Any] | No
     from dist_train.optim import OptimizerFactory
     from dist_train.rundir import agree_on_run_dir
     from dist_train.strategies import StrategyContext, build_strategy
+    from dist_train.telemetry.activations import ActivationMeter
     from dist_train.telemetry.comm import CommTracker
     from dist_train.telemetry.flops import embedding_params, flops_per_token, peak_flops
     from dist_train.telemetry.recorder import Telemetry, Workload
@@ -129,7 +130,10 @@ def _train(run: RunConfig, cfg: DictConfig, runtime: Any) -> dict[str, Any] | No
         sink = _sinks(run, cfg, runtime, run_dir) if runtime.is_main else None
         from dist_train.telemetry.sinks import NullSink
 
-        telemetry = Telemetry(runtime=runtime, strategy=strategy, sink=sink or NullSink(), workload=workload, tracker=tracker)
+        telemetry = Telemetry(
+            runtime=runtime, strategy=strategy, sink=sink or NullSink(), workload=workload, tracker=tracker,
+            activations=ActivationMeter() if run.telemetry.activations else None,
+        )
         log.info(
             "model=%s params=%s global_batch=%d micro_batch=%d accumulation=%d data_parallel=%d",
             run.model.name, f"{num_params:,}", t.global_batch_size, t.micro_batch_size,
@@ -137,7 +141,9 @@ def _train(run: RunConfig, cfg: DictConfig, runtime: Any) -> dict[str, Any] | No
         )
         telemetry.start()
         for step in range(t.steps):
-            out = strategy.train_step(batches.local_batch(step))
+            batch = batches.local_batch(step)
+            with telemetry.measuring():
+                out = strategy.train_step(batch)
             telemetry.step_end(step + 1, out)
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
                 telemetry.log(step + 1)

@@ -9,6 +9,7 @@ records to the sinks.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from dist_train.runtime import Runtime
 from dist_train.strategies.base import StepOutput, Strategy
+from dist_train.telemetry.activations import ActivationMeter
 from dist_train.telemetry.comm import COMM_OPS, CommTracker
 from dist_train.telemetry.memory import HostPeak, cuda_peaks, reset_cuda_peaks
 from dist_train.telemetry.sinks import Sink
@@ -50,6 +52,7 @@ class Telemetry:
     sink: Sink
     workload: Workload
     tracker: CommTracker | None = None
+    activations: ActivationMeter | None = None
     _host: HostPeak = field(default_factory=HostPeak)
     _window: list[_Pending] = field(default_factory=list)
     _window_start_s: float = 0.0
@@ -63,6 +66,10 @@ class Telemetry:
         if self.tracker is not None:
             self.tracker.drain()  # set-up traffic (DDP's initial broadcast, ...) is not a step's
         self.start_s = self._window_start_s = time.perf_counter()
+
+    def measuring(self) -> Any:
+        """Context for the step itself: activation bytes are counted while it is open."""
+        return self.activations.measuring() if self.activations is not None else contextlib.nullcontext()
 
     def step_end(self, step: int, out: StepOutput) -> None:
         self._window.append(_Pending(out.loss_sum, out.num_microbatches, out.grad_norm))
@@ -90,6 +97,8 @@ class Telemetry:
         n = len(self._window)
         rec: dict[str, Any] = {"step": step, "rank": self.runtime.rank}
         rec.update(self.strategy.model_state().bytes())
+        if self.activations is not None:
+            rec["memory/activations_bytes"] = self.activations.peak_bytes
         rec.update(cuda_peaks(self.strategy.devices))
         rec["memory/peak_rss_bytes"] = self._host.peak_bytes()
         if self.tracker is not None:
@@ -148,6 +157,8 @@ class Telemetry:
         return out
 
     def _reset_peaks(self) -> None:
+        if self.activations is not None:
+            self.activations.reset_peak()
         self._host.reset()
         reset_cuda_peaks(self.strategy.devices)
 

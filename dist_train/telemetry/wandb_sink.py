@@ -25,7 +25,9 @@ PER_RANK_PREFIXES = ("memory/", "comm/", "time/")
 def resolve_mode(mode: str) -> str:
     """`auto` means online only when an API key is configured; WANDB_MODE in the environment wins."""
     env = os.environ.get("WANDB_MODE")
-    if env:
+    if env == "":
+        del os.environ["WANDB_MODE"]  # wandb rejects an empty mode; empty means unset
+    elif env:
         return env
     if mode != "auto":
         return mode

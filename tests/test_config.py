@@ -1,0 +1,94 @@
+"""Config errors: found before any process group starts, one line naming the key and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from dist_train.config import ConfigError, register_configs, validate
+from dist_train.rundir import register_resolvers
+from dist_train.train import experiment_group, to_run_config
+from tests.helpers import ROOT, launch
+
+register_configs()
+register_resolvers()
+
+
+def run_config(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return cfg, to_run_config(cfg)
+
+
+def test_defaults_validate_for_one_and_two_processes():
+    _, run = run_config()
+    validate(run, 1)
+    validate(run, 2)
+    assert run.strategy.name == "ddp" and run.model.name == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "needle"),
+    [
+        (["train.global_batch_size=10", "train.micro_batch_size=4"], 1, "train.global_batch_size=10"),
+        (["train.global_batch_size=6", "train.micro_batch_size=2"], 2, "data-parallel size (2)"),
+        (["train.steps=-1"], 1, "train.steps=-1 must be >= 1"),
+        (["strategy=dp"], 2, "strategy=dp"),
+        (["strategy=single"], 2, "strategy=single"),
+        (["data=textfile"], 1, "data.path"),
+        (["data=textfile", "data.path=/nonexistent/file.txt"], 1, "data.path='/nonexistent/file.txt'"),
+        (["strategy.name=banana"], 1, "strategy.name='banana' is not supported; allowed:"),
+        (["precision.name=fp8"], 1, "precision.name='fp8'"),
+        (["train.seq_len=4096"], 1, "train.seq_len=4096 exceeds model.max_seq_len"),
+        (["model.num_heads=5"], 1, "model.hidden_size=64 must be divisible by model.num_heads=5"),
+    ],
+)
+def test_bad_values_are_one_clear_line(overrides, world, needle):
+    _, run = run_config(*overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(run, world)
+    message = str(err.value)
+    assert needle in message and "\n" not in message
+
+
+def test_textfile_needs_a_byte_vocab(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("hello world " * 50)
+    _, run = run_config("data=textfile", f"data.path={path}", "model.vocab_size=128")
+    with pytest.raises(ConfigError, match="model.vocab_size>=256"):
+        validate(run, 1)
+
+
+def test_experiment_group_ignores_strategy_but_not_the_model():
+    a, _ = run_config("strategy=ddp")
+    b, _ = run_config("strategy=fsdp")
+    c, _ = run_config("strategy=ddp", "model.num_layers=2")
+    assert experiment_group(a) == experiment_group(b) != experiment_group(c)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nproc", "needle"),
+    [
+        (["train.global_batch_size=7"], 0, "config error: train.global_batch_size=7"),
+        (["train.steps=-3"], 0, "config error: train.steps=-3"),
+        (["strategy=dp"], 2, "config error: strategy=dp"),
+    ],
+)
+def test_cli_reports_one_line_and_no_traceback(tmp_path, overrides, nproc, needle):
+    proc = launch(overrides + ["logger=none"], run_dir=tmp_path / "run", nproc=nproc, timeout=120)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
+    assert len(ours) == 1 and needle in ours[0], proc.stderr[-3000:]
+    # Our process prints one line and no traceback; under torchrun the *launcher* then adds its own
+    # ChildFailedError summary, whose frames are torch's, never ours.
+    frames = [line for line in proc.stderr.splitlines() if line.strip().startswith('File "')]
+    assert not [f for f in frames if "dist_train" in f or "launch/train.py" in f], proc.stderr[-3000:]
+    assert proc.stderr.lstrip().startswith("config error:") or nproc > 0
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_unknown_strategy_group_lists_the_choices(tmp_path):
+    proc = launch(["strategy=banana"], run_dir=tmp_path / "run", timeout=120)
+    assert proc.returncode != 0
+    assert "Could not find 'strategy/banana'" in proc.stderr and "ddp" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,93 @@
+"""What a run leaves behind: one run directory, metrics.jsonl, summary.json, per-rank logs, an offline W&B run."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import FAST, launch, metrics, rel_diff, train_ok
+from tests.wandb_log import read_run
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_ddp_with_wandb_offline_leaves_every_output_and_right_figures(single_run, tmp_path):
+    proc = launch(["strategy=ddp", "logger=wandb", *FAST], run_dir=tmp_path, nproc=2, extra_env={"WANDB_MODE": ""})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "wandb sync" in proc.stderr  # the offline run says how to upload it
+    s = train_ok.__globals__["summary"](tmp_path)
+    n = s["num_params"]
+
+    # metrics.jsonl: one object per rank per logged step
+    rows = metrics(tmp_path)
+    assert sorted((r["step"], r["rank"]) for r in rows) == [(step, rank) for step in range(1, 6) for rank in (0, 1)]
+    assert {"loss", "lr", "grad_norm", "time/step_s", "throughput/tokens_per_s", "memory/peak_rss_bytes",
+            "memory/activations_bytes", "comm/all_reduce/busbw_gbps"} <= set(rows[-1])
+    assert "mfu" not in rows[-1]  # no known peak FLOP/s on a CPU: no made-up MFU
+
+    # summary.json
+    _, single = single_run
+    assert rel_diff(s["final_loss"], single["final_loss"]) < 1e-5
+    assert s["strategy"] == "ddp" and s["world_size"] == 2 and s["mean_step_s"] > 0
+    assert [r["rank"] for r in s["ranks"]] == [0, 1]
+    assert all(r["memory/params_bytes"] == 4 * n for r in s["ranks"])
+    assert (tmp_path / "config.yaml").read_text().count("strategy:") == 1
+    assert (tmp_path / "logs" / "rank0.log").exists() and (tmp_path / "logs" / "rank1.log").exists()
+
+    # exactly one W&B run (rank 0 only), named by strategy and world size, whose figures match metrics.jsonl
+    runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(runs) == 1
+    wb = read_run(Path(runs[0]))
+    assert wb["run"]["name"] == "ddp-ws2" and wb["run"]["group"].startswith("exp-")
+    last = wb["history"][-1]
+    assert last["_step"] == 5
+    assert last["loss"] == pytest.approx(s["final_loss"], rel=1e-9)
+    assert last["comm/all_reduce/bytes/rank0"] == last["comm/all_reduce/bytes/rank1"] == 4 * n
+    assert last["memory/params_bytes/rank1"] == 4 * n
+    assert wb["summary"]["final_loss"] == pytest.approx(s["final_loss"], rel=1e-9)
+
+
+def test_ranks_share_the_default_run_directory(tmp_path):
+    """No hydra.run.dir given: both ranks must still pick one directory (torchrun's run id names it)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import TRAIN, env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN),
+           "strategy=fsdp", "logger=none", "train.steps=1"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    dirs = [p for p in (tmp_path / "outputs").iterdir()]
+    assert len(dirs) == 1, dirs
+    assert sorted(p.name for p in (dirs[0] / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    assert len(metrics(dirs[0])) == 2
+    assert not list(dirs[0].glob("*.log"))  # no shared Hydra log that both ranks append to
+
+
+def test_dp_on_cpu_runs_says_it_parallelises_nothing_and_matches_single(single_run, tmp_path):
+    proc = launch(["strategy=dp", "logger=none", *FAST], run_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "parallelises nothing" in proc.stderr
+    _, single = single_run
+    s = train_ok.__globals__["summary"](tmp_path)
+    assert s["losses"] == pytest.approx(single["losses"], rel=1e-6)
+
+
+def test_ddp_runs_without_torchrun_as_one_process(single_run, tmp_path):
+    s = train_ok(["strategy=ddp", "logger=none", *FAST], run_dir=tmp_path)
+    _, single = single_run
+    assert s["world_size"] == 1 and s["accumulation_steps"] == 4
+    assert s["losses"] == pytest.approx(single["losses"], rel=1e-5)
+
+
+def test_textfile_data_trains_and_ranks_agree(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    common = ["data=textfile", f"data.path={text}", "logger=none", *FAST]
+    one = train_ok(["strategy=single", *common], run_dir=tmp_path / "single")
+    two = train_ok(["strategy=fsdp", *common], run_dir=tmp_path / "fsdp", nproc=2)
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert one["losses"][-1] < one["losses"][0]  # repetitive English is learnable in 5 steps

@@ -1,0 +1,112 @@
+"""Pure parts: bus-bandwidth maths, LR schedule, data determinism and slicing, byte counting, FLOPs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_train.config import DataConfig, TrainConfig
+from dist_train.data import GlobalBatches, SyntheticDataset, TextFileDataset, build_dataset
+from dist_train.optim import LRSchedule
+from dist_train.telemetry.activations import ActivationMeter
+from dist_train.telemetry.comm import busbw_factor, busbw_gbps
+from dist_train.telemetry.flops import flops_per_token, peak_flops
+from dist_train.telemetry.memory import ModelState, tensor_bytes
+from dist_train.telemetry.wandb_sink import wandb_payload
+
+
+@pytest.mark.parametrize(
+    ("op", "n", "factor"),
+    [("all_reduce", 8, 2 * 7 / 8), ("all_gather", 8, 7 / 8), ("reduce_scatter", 4, 3 / 4),
+     ("broadcast", 8, 1.0), ("send", 2, 1.0), ("recv", 2, 1.0), ("all_reduce", 2, 1.0)],
+)
+def test_busbw_factor_follows_nccl_tests(op, n, factor):
+    assert busbw_factor(op, n) == pytest.approx(factor)
+
+
+def test_busbw_gbps_is_size_over_time_times_factor():
+    # 1 GB all-reduced in 0.1 s on 4 ranks: algbw 10 GB/s, busbw 10 * 2 * 3/4 = 15 GB/s
+    assert busbw_gbps("all_reduce", 1e9, 0.1, 4) == pytest.approx(15.0)
+    assert busbw_gbps("all_gather", 1e9, 0.0, 4) == 0.0
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    t = TrainConfig(steps=10, lr_warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
+    f = LRSchedule(t)
+    assert [f(0), f(1)] == [0.5, 1.0]
+    assert f(2) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(0.1)
+    assert all(f(i) >= f(i + 1) for i in range(2, 10))
+    assert LRSchedule(TrainConfig(lr_schedule="constant"))(7) == 1.0
+
+
+def test_synthetic_data_is_a_function_of_seed_and_index():
+    a = SyntheticDataset(vocab_size=256, seq_len=16, seed=1, noise=0.1)
+    b = SyntheticDataset(vocab_size=256, seq_len=16, seed=1, noise=0.1)
+    c = SyntheticDataset(vocab_size=256, seq_len=16, seed=2, noise=0.1)
+    assert torch.equal(a.sample(5), b.sample(5))
+    assert not torch.equal(a.sample(5), c.sample(5))
+    assert a.sample(0).shape == (17,) and int(a.sample(0).max()) < 256
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_data_parallel_slices_reassemble_the_global_batch(dp_size):
+    ds = SyntheticDataset(vocab_size=64, seq_len=8, seed=3, noise=0.2)
+    whole = GlobalBatches(ds, global_batch_size=8, dp_rank=0, dp_size=1).local_batch(step=2)
+    parts = [GlobalBatches(ds, global_batch_size=8, dp_rank=r, dp_size=dp_size).local_batch(step=2) for r in range(dp_size)]
+    assert torch.equal(torch.cat([p.input_ids for p in parts]), whole.input_ids)
+    assert torch.equal(whole.labels[:, :-1], whole.input_ids[:, 1:])  # labels are next tokens
+
+
+def test_textfile_windows_are_byte_tokens_and_cover_an_epoch(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes(bytes(range(200)) * 3)  # 600 bytes
+    ds = build_dataset(DataConfig(name="textfile", path=str(path)), vocab_size=256, seq_len=9, seed=0)
+    assert isinstance(ds, TextFileDataset)
+    windows = {tuple(ds.sample(i).tolist()) for i in range(ds.num_windows)}
+    assert len(windows) == ds.num_windows == (600 - 1) // 9
+    assert all(len(w) == 10 for w in windows)
+    second_epoch = {tuple(ds.sample(ds.num_windows + i).tolist()) for i in range(ds.num_windows)}
+    assert second_epoch == windows  # the next epoch reshuffles the same windows
+    assert [ds.sample(i).tolist() for i in range(3)] != [ds.sample(ds.num_windows + i).tolist() for i in range(3)]
+
+
+def test_tensor_bytes_counts_shared_storage_once():
+    a = torch.zeros(10, dtype=torch.float32)
+    view = a[:5]
+    b = torch.zeros(3, dtype=torch.bfloat16)
+    assert tensor_bytes([a, a, b, None]) == 40 + 6
+    state = ModelState(params=[a], grads=[b, None], optimizer=[torch.zeros(4, dtype=torch.float64)])
+    assert state.bytes() == {"memory/params_bytes": 40, "memory/grads_bytes": 6, "memory/optimizer_bytes": 32}
+    assert tensor_bytes([view]) == 20  # a view at offset 0 counts its own bytes
+
+
+def test_activation_meter_counts_saved_tensors_and_frees_them_after_backward():
+    lin = torch.nn.Linear(256, 256, bias=False)
+    meter = ActivationMeter()
+    x = torch.randn(32, 256, requires_grad=True)
+    with meter.measuring():
+        y = torch.relu(lin(x)).sum()  # saves x (32*256*4) and the relu output (32*256*4); not the weight
+    assert meter.live_bytes == 2 * 32 * 256 * 4
+    y.backward()
+    del y
+    assert meter.live_bytes == 0 and meter.peak_bytes == 2 * 32 * 256 * 4
+
+
+def test_flops_per_token_and_peak_lookup():
+    # 6 * (non-embedding params) + 12 * layers * hidden * seq
+    assert flops_per_token(num_params=1000, num_embedding_params=200, num_layers=2, hidden_size=8, seq_len=4) == 6 * 800 + 12 * 2 * 8 * 4
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert peak_flops("NVIDIA L40S", "bf16") == 362e12  # not mistaken for an L4
+    assert peak_flops("cpu", "fp32") is None
+
+
+def test_wandb_payload_keys_per_rank_and_max():
+    recs = [
+        {"rank": 0, "loss": 2.0, "lr": 0.1, "memory/params_bytes": 10, "comm/all_reduce/bytes": 5.0},
+        {"rank": 1, "loss": 2.0, "lr": 0.1, "memory/params_bytes": 30, "comm/all_reduce/bytes": 5.0},
+    ]
+    p = wandb_payload(recs)
+    assert p["loss"] == 2.0 and p["lr"] == 0.1
+    assert p["memory/params_bytes/rank0"] == 10 and p["memory/params_bytes/rank1"] == 30
+    assert p["memory/params_bytes/max"] == 30
