@@ -1,0 +1,24 @@
+# The two quickstart commands (README): `make demo` and `make test`. Both install first, into .venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch 2.13.0; on a CUDA machine use `make install TORCH_SPEC=torch` (or a CUDA pin).
+TORCH_SPEC ?= torch==2.13.0
+NPROC ?= 2
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/dist_train/torch_extensions
+
+.PHONY: install demo test
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first (same command): an unpinned `torch` requirement would pull the CUDA build.
+	$(PY) -m pip install "$(TORCH_SPEC)" -e ".[dev]"
+	touch $@
+
+# A 2-process DDP run on CPU (gloo), logged to metrics.jsonl, summary.json and an offline W&B run.
+demo: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py strategy=ddp
+
+test: install
+	$(PY) -m pytest -q
