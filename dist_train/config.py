@@ -247,6 +247,8 @@ class TrainConfig:
     lr_schedule: str = "constant"
     lr_warmup_steps: int = 0
     min_lr_ratio: float = 0.1
+    # Recompute each transformer block in backward instead of keeping its activations.
+    activation_checkpointing: bool = False
 
 
 @dataclass

@@ -76,6 +76,19 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
     raise TypeError(f"{type(model).__name__}: no transformer block list (looked for transformer.h, model.layers)")
 
 
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each transformer block's activations in backward instead of keeping them.
+
+    Applied before any strategy wraps the model (then FSDP shards, DeepSpeed or a pipeline stage holds the
+    wrapped blocks), as torchtitan does. Non-reentrant checkpointing: works with DDP, FSDP2 and no_sync.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    blocks = transformer_blocks(model)
+    for i, block in enumerate(blocks):
+        blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
 def count_params(model: nn.Module) -> int:
     """Distinct parameters (a tied weight counts once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -79,7 +79,7 @@ def _train(run: RunConfig, cfg: DictConfig, runtime: Any) -> dict[str, Any] | No
     import torch
 
     from dist_train.data import GlobalBatches, build_dataset
-    from dist_train.model import build_model, count_params
+    from dist_train.model import apply_activation_checkpointing, build_model, count_params
     from dist_train.optim import OptimizerFactory
     from dist_train.rundir import agree_on_run_dir
     from dist_train.strategies import StrategyContext, build_strategy
@@ -100,6 +100,8 @@ def _train(run: RunConfig, cfg: DictConfig, runtime: Any) -> dict[str, Any] | No
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     model = build_model(run.model, seed=t.seed)
+    if t.activation_checkpointing:
+        apply_activation_checkpointing(model)  # a model transform: before any strategy wraps the model
     num_params = count_params(model)
     fpt = flops_per_token(
         num_params=num_params, num_embedding_params=embedding_params(model),

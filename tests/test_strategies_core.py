@@ -54,3 +54,12 @@ def test_fsdp_matches_single_and_holds_half_the_model_state(single_run, tmp_path
     per_unit_gathers = 2 if reshard else 1
     assert gathered == pytest.approx(4 * n * micro * per_unit_gathers, rel=0.01)
     assert ranks[0]["comm/all_gather/count"] == units * micro * per_unit_gathers
+
+
+def test_activation_checkpointing_keeps_the_loss_and_cuts_activation_bytes(single_run, tmp_path):
+    single_dir, single = single_run
+    s = train_ok(["strategy=single", "train.activation_checkpointing=true", "logger=none", *FAST], run_dir=tmp_path)
+    assert s["losses"] == pytest.approx(single["losses"], rel=1e-6)
+    kept = last_step(single_dir)[0]["memory/activations_bytes"]
+    recomputed = last_step(tmp_path)[0]["memory/activations_bytes"]
+    assert kept > 0 and recomputed < kept / 4  # only block inputs (and the head) stay alive
