@@ -91,3 +91,28 @@ def test_textfile_data_trains_and_ranks_agree(tmp_path):
     two = train_ok(["strategy=fsdp", *common], run_dir=tmp_path / "fsdp", nproc=2)
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert one["losses"][-1] < one["losses"][0]  # repetitive English is learnable in 5 steps
+
+
+def test_two_agents_meet_through_a_rendezvous_endpoint_like_two_nodes(single_run, tmp_path):
+    """The multi-node path: two torchrun agents (one process each) join through c10d at an endpoint."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.helpers import TRAIN, env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=dt-test-job",
+           str(TRAIN), "strategy=ddp", "logger=none", *FAST]
+    agents = [subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    outs = [a.communicate(timeout=300) for a in agents]
+    assert all(a.returncode == 0 for a in agents), outs[0][1][-3000:] + outs[1][1][-3000:]
+    run_dir = tmp_path / "outputs" / "ddp-dt-test-job"  # named from the shared rendezvous id
+    s = train_ok.__globals__["summary"](run_dir)
+    assert s["world_size"] == 2
+    assert s["losses"] == pytest.approx(single_run[1]["losses"], rel=1e-5)
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
