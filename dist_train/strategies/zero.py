@@ -1,0 +1,295 @@
+"""DeepSpeed ZeRO stages 1-3 behind the strategy interface; `strategy.stage` picks the stage.
+
+The DeepSpeed config is derived from the run's own config (:func:`deepspeed_config`), so one Hydra
+config trains the same way under every strategy; `strategy.extra` is deep-merged over it. DeepSpeed's
+engine owns backward (loss scaling by 1/accumulation), gradient reduction, clipping and the optimizer
+step; the optimizer and LR schedule are ours (`OptimizerFactory`), handed to DeepSpeed.
+
+What each stage partitions across the data-parallel ranks (fp32 Adam, N ranks, Psi parameters):
+  stage 1: optimizer state                      params 4Psi, grads 4Psi,   optimizer 12Psi/N
+  stage 2: + gradients                          params 4Psi, grads 4Psi/N, optimizer 12Psi/N
+  stage 3: + parameters                         params 4Psi/N, grads 4Psi/N, optimizer 12Psi/N
+The optimizer's 12Psi/N are Adam's two moments (8Psi/N) plus DeepSpeed's fp32 master copy of the
+partition (4Psi/N), which DeepSpeed keeps even when training in fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dist_train.config import PrecisionConfig, TrainConfig, ZeroConfig
+from dist_train.data import Batch
+from dist_train.model import forward_loss
+from dist_train.strategies.base import StepOutput, StrategyContext
+from dist_train.telemetry.memory import ModelState, optimizer_state_tensors, tensor_bytes
+
+DEFAULT_EXTENSIONS_DIR = Path.home() / ".cache" / "dist_train" / "torch_extensions"
+
+
+# --------------------------------------------------------------------------------------------------
+# The DeepSpeed config, derived from ours (a pure function: unit-tested without DeepSpeed).
+# --------------------------------------------------------------------------------------------------
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `extra` merged in; nested dicts merge key by key, anything else in `extra` wins."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def deepspeed_config(
+    *, zero: ZeroConfig, train: TrainConfig, precision: PrecisionConfig, data_parallel_size: int
+) -> dict[str, Any]:
+    """The DeepSpeed config that trains like every other strategy under the same run config."""
+    accumulation = train.global_batch_size // (train.micro_batch_size * data_parallel_size)
+    zero_opt: dict[str, Any] = {"stage": zero.stage}
+    if zero.stage == 3:
+        # DeepSpeed keeps parameters under 1e5 elements gathered on every rank by default (not worth
+        # a collective each). Here every parameter is partitioned, as the ZeRO paper and FSDP do, so
+        # stage 3 shards what it says; raise it through strategy.extra for speed on large models.
+        zero_opt["stage3_param_persistence_threshold"] = 0
+    if zero.offload_optimizer:
+        zero_opt["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if zero.offload_params:
+        zero_opt["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config: dict[str, Any] = {
+        "train_batch_size": train.global_batch_size,
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        # DeepSpeed clips at 1.0 unless told otherwise; 0 disables, as train.grad_clip does.
+        "gradient_clipping": float(train.grad_clip),
+        "fp16": {"enabled": precision.name == "fp16"},
+        "bf16": {"enabled": precision.name == "bf16"},
+        "zero_optimization": zero_opt,
+        # The optimizer is our torch optimizer (same math as every strategy), not a DeepSpeed op:
+        # ZeRO accepts it only with this flag, and offload only with the second one (DeepSpeedCPUAdam
+        # would be faster on the CPU side, but it is another optimizer and another compiled op).
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        # Our telemetry reports progress, memory and collectives; DeepSpeed's own printing stays off.
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return deep_merge(config, zero.extra)
+
+
+# --------------------------------------------------------------------------------------------------
+# Start-up: the comm op's build cache, DeepSpeed's comm backend over our process group.
+# --------------------------------------------------------------------------------------------------
+
+
+def use_extensions_cache() -> str:
+    """DeepSpeed compiles a shared-memory comm op on first use (tens of seconds): build it once, here."""
+    path = os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def init_deepspeed_comm(backend: str | None) -> None:
+    """Wrap the process group the runtime already started in `deepspeed.comm`.
+
+    DeepSpeed's torch backend binds `dist.all_gather_into_tensor` / `dist.reduce_scatter_tensor` when it
+    is built; rebinding them to late lookups means every collective goes through whatever
+    `torch.distributed` exposes at call time (telemetry's wrappers, installed before or after).
+    """
+    import deepspeed
+    import deepspeed.comm.comm as ds_comm
+    import torch.distributed as dist
+
+    # DeepSpeed calls these torch names, not the user: their deprecation notice is noise in every run.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning,
+    )
+    deepspeed.init_distributed(dist_backend=backend, dist_init_required=False, verbose=False)
+    cdb = ds_comm.cdb
+    if cdb is not None and hasattr(cdb, "all_gather_function"):
+        cdb.all_gather_function = lambda *a, **kw: dist.all_gather_into_tensor(*a, **kw)
+        cdb.reduce_scatter_function = lambda *a, **kw: dist.reduce_scatter_tensor(*a, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# The strategy.
+# --------------------------------------------------------------------------------------------------
+
+
+def _cloned(obj: Any) -> Any:
+    """A copy of nested containers whose tensors are detached clones."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class ZeroModelState(ModelState):
+    """ModelState whose gradient bytes were counted during the step, after each backward.
+
+    DeepSpeed frees its gradient buffers (stage 1/2) inside the optimizer step, so at logging time there
+    is nothing left to count; holding references until then would keep them alive and change the memory
+    being measured. The bytes are counted with the same function, the largest after any backward.
+    """
+
+    def __init__(self, *, params: list[torch.Tensor], optimizer: list[torch.Tensor], grads_bytes: int) -> None:
+        super().__init__(params=params, grads=[], optimizer=optimizer)
+        self.grads_bytes = grads_bytes
+
+    def bytes(self) -> dict[str, int]:
+        out = super().bytes()
+        out["memory/grads_bytes"] = self.grads_bytes
+        return out
+
+
+class ZeroStrategy:
+    def __init__(self, cfg: ZeroConfig, ctx: StrategyContext) -> None:
+        self.name, self.cfg, self.ctx = cfg.name, cfg, ctx
+        self.engine: Any = None
+        self._grads_bytes = 0  # peak gradient bytes of the last step, counted at the boundary
+
+    def setup(self, model: nn.Module) -> None:
+        use_extensions_cache()
+        import deepspeed
+
+        rt = self.ctx.runtime
+        # DeepSpeed insists on LOCAL_RANK, which a plain `python launch/train.py` run does not set.
+        os.environ.setdefault("LOCAL_RANK", str(rt.local_rank))
+        init_deepspeed_comm(rt.backend)
+        config = deepspeed_config(
+            zero=self.cfg, train=self.ctx.train, precision=self.ctx.precision,
+            data_parallel_size=self.cfg.data_parallel_size(rt.world_size),
+        )
+        optimizer = self.ctx.optimizer.build(model.parameters())
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=self.ctx.optimizer.scheduler(optimizer),
+            config=config,
+            dist_init_required=False,
+        )
+
+    def train_step(self, batch: Batch) -> StepOutput:
+        engine = self.engine
+        assert engine is not None, "setup() first"
+        micro = batch.to(self.ctx.runtime.device).split(self.ctx.train.micro_batch_size)
+        # DeepSpeed's step applies the update after exactly gradient_accumulation_steps backwards.
+        assert len(micro) == engine.gradient_accumulation_steps(), (len(micro), engine.gradient_accumulation_steps())
+        loss_sum = torch.zeros((), device=self.ctx.runtime.device)
+        grads_bytes = 0
+        for mb in micro:
+            loss = forward_loss(engine, mb.input_ids, mb.labels)
+            engine.backward(loss)  # scales by 1/accumulation: the gradient of the mean micro-batch loss
+            grads_bytes = max(grads_bytes, tensor_bytes(self._gradient_tensors()))
+            engine.step()  # an optimizer step only at the accumulation boundary
+            loss_sum += loss.detach().float()
+        self._grads_bytes = grads_bytes
+        norm = engine.get_global_grad_norm()  # before clipping; a float or a tensor depending on the stage
+        grad_norm = None if norm is None else torch.as_tensor(norm, dtype=torch.float32).detach()
+        return StepOutput(loss_sum=loss_sum, num_microbatches=len(micro), grad_norm=grad_norm)
+
+    # ---------------------------------------------------------------- what this rank holds
+    def _params(self) -> list[nn.Parameter]:
+        return list(self.engine.module.parameters())
+
+    def _master_partitions(self) -> list[torch.Tensor]:
+        """DeepSpeed's fp32 master copy of this rank's partition (the tensors the optimizer updates)."""
+        opt = self.engine.optimizer
+        name = "fp32_partitioned_groups_flat" if self.cfg.stage == 3 else "single_partition_of_fp32_groups"
+        return list(getattr(opt, name))
+
+    def _gradient_tensors(self) -> list[torch.Tensor | None]:
+        """Gradient storage this rank holds right after a backward (counted then: see ZeroModelState).
+
+        Stage 1 accumulates full gradients in `.grad` until the boundary, then keeps only its reduced
+        partition (`averaged_gradients`); stage 2 reduces every micro-batch into its partition
+        (`all_grad_tensors` while accumulating, `averaged_gradients` at the boundary); stage 3 keeps one
+        persistent flat partition buffer. DeepSpeed's reduction bucket (`reduce_bucket_size` elements,
+        5e8 by default) is a communication staging buffer and is not counted, as FSDP's are not.
+        """
+        opt = self.engine.optimizer
+        # With optimizer offload the fp32 gradient partition lives on the CPU beside the master copy.
+        offloaded = [getattr(t, "grad", None) for t in self._master_partitions()]
+        if self.cfg.stage == 3:
+            # averaged_gradients are views into this buffer; pass the buffer alone so nothing counts twice
+            return [getattr(opt, "grad_partitions_flat_buffer", None), *offloaded, *(p.grad for p in self._params())]
+        out: list[torch.Tensor | None] = [p.grad for p in self._params()] + offloaded
+        for holder in (getattr(opt, "averaged_gradients", None), getattr(opt, "all_grad_tensors", None)):
+            for value in (holder or {}).values():
+                out.extend(value if isinstance(value, (list, tuple)) else [value])
+        return [t for t in out if isinstance(t, torch.Tensor)]
+
+    def model_state(self) -> ModelState:
+        assert self.engine is not None, "setup() first"
+        opt = self.engine.optimizer
+        if self.cfg.stage == 3:
+            # Each parameter's local partition (`ds_tensor`), plus the full tensor of any parameter that
+            # is gathered right now (persistent small ones if the threshold was raised through `extra`).
+            params = [p.ds_tensor for p in self._params()] + [p.data for p in self._params() if p.data.numel() > 0]
+        else:
+            params = list(opt.bit16_groups_flat)  # the flat buffer the module's parameters are views of
+        # DeepSpeed's fp32 master copy of this rank's partition is optimizer state: it exists only for
+        # the optimizer (even in fp32 training, where it duplicates the partition of the parameters).
+        return ZeroModelState(
+            params=params,
+            optimizer=optimizer_state_tensors(opt.optimizer) + self._master_partitions(),
+            grads_bytes=self._grads_bytes,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"model": the full state dict (stage 3 gathers it), "optimizer": this rank's ZeRO partition}.
+
+        The optimizer entry is DeepSpeed's own per-rank layout (fp32 master partition and its Adam
+        state): it reloads on the same world size and stage only.
+        """
+        assert self.engine is not None, "setup() first"
+        model = self.engine.module
+        if self.cfg.stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+                model_sd = _cloned(model.state_dict())
+        else:
+            model_sd = _cloned(model.state_dict())
+        # DeepSpeed's state dict holds the live fp32 partitions and moments: copy, or training mutates it.
+        return {"model": model_sd, "optimizer": _cloned(self.engine.optimizer.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # The optimizer's state carries the fp32 master partition, from which every rank's parameters
+        # are rewritten (and all-gathered); the model entry is for consumers outside DeepSpeed.
+        # DeepSpeed indexes the list by data-parallel rank; each rank holds (and reads) only its own entry.
+        assert self.engine is not None, "setup() first"
+        dp_size = self.cfg.data_parallel_size(self.ctx.runtime.world_size)
+        self.engine.optimizer.load_state_dict([state["optimizer"]] * dp_size, load_from_fp32_weights=True)
+        if self.cfg.stage < 3:
+            # Stage 1/2 restore only the fp32 partitions; copy them into the parameters and all-gather
+            # (stage 3 does this itself), or the next forward would run on the old weights.
+            self.engine.optimizer.update_lp_params()
+
+    @property
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return [self.ctx.runtime.device]
+
+    def extra_metrics(self) -> dict[str, float]:
+        return {}
+
+
+def build(cfg: ZeroConfig, ctx: StrategyContext) -> ZeroStrategy:
+    return ZeroStrategy(cfg, ctx)
