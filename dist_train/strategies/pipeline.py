@@ -1,0 +1,319 @@
+"""Pipeline parallelism on `torch.distributed.pipelining`: GPipe or 1F1B, one stage per rank.
+
+The model (built identically on every rank) is cut into K = world-size stages of contiguous
+transformer blocks, balanced by parameter count unless `split_points` is given; the first stage also
+runs the embeddings, the last the final norm, the LM head and the loss. Every rank receives the whole
+global batch: the schedule cuts it into `num_microbatches` micro-batches, stage 0 feeds the token ids,
+the last stage the labels, and activations / their gradients travel by send/recv between neighbours.
+
+Matching one process (the same-loss promise):
+- each micro-batch's loss is divided by M inside the loss function and the schedule does not rescale
+  (`scale_grads=False`): the accumulated gradient is the gradient of the mean over the global batch,
+  computed exactly as `accumulate` does for the other strategies;
+- the gradient norm is global: every stage's squared norm is all-reduced before clipping, so every
+  stage clips by the same coefficient a single process would use;
+- tied input/output embeddings: the first stage holds the embedding, the last its own copy as the head.
+  Their gradients are summed across the two stages after backward (what autograd does in one process),
+  so both copies take the same optimizer step and stay equal; the norm counts the weight once.
+
+Bubble telemetry: each stage's busy compute (its forward, the loss, its backward, its local gradient
+norm) is timed; the span runs from the start of the schedule's `step()` until the gradient-norm
+all-reduce returns, which is the first moment every stage has drained (so a stage that finishes early
+still counts its wait for the others). `1 - busy / span` is the fraction of that span the stage spent
+idle: waiting for its neighbours, in send/recv and the all-reduce, in schedule bookkeeping. It sits
+next to the GPipe formula (K-1)/(M+K-1), which assumes equal stages and free communication. The
+optimizer step is outside the span (no pipeline there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from dist_train.config import PipelineConfig
+from dist_train.data import Batch
+from dist_train.model import causal_lm_loss
+from dist_train.strategies.base import (
+    LocalOptimizer,
+    StepOutput,
+    StrategyContext,
+    autocast,
+    load_torch_state_dict,
+    torch_state_dict,
+)
+from dist_train.strategies.pipeline_stages import (
+    LAYOUTS,
+    Stage,
+    arch_of,
+    build_stage,
+    is_tied,
+    param_counts,
+    split_layers,
+    stage_ranges,
+)
+from dist_train.telemetry.memory import ModelState
+
+log = logging.getLogger("dist_train")
+
+_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def bubble_formula(*, num_stages: int, num_microbatches: int) -> float:
+    """GPipe's idle fraction (K-1)/(M+K-1) for K equal stages and M micro-batches (1F1B's is the same)."""
+    k, m = num_stages, num_microbatches
+    return (k - 1) / (m + k - 1)
+
+
+class BusyClock:
+    """Per step: the schedule's span and the intervals this stage computed, read at window close.
+
+    CPU: wall clock. CUDA: events recorded on the current stream and read only in `drain()` (the loop
+    synchronises at window close anyway), so timing adds no synchronisation to the step. An event pair
+    around a kernel sequence measures the stream from the first to the last kernel, which excludes the
+    time the stream waited for a receive issued before it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._steps: list[tuple[Any, Any, list[tuple[Any, Any]]]] = []
+        self._begin: Any = None
+        self._busy: list[tuple[Any, Any]] = []
+
+    def _stamp(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _elapsed_s(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        start = self._stamp()
+        try:
+            yield
+        finally:
+            self._busy.append((start, self._stamp()))
+
+    def step_begin(self) -> None:
+        self._begin, self._busy = self._stamp(), []
+
+    def step_end(self) -> None:
+        self._steps.append((self._begin, self._stamp(), self._busy))
+
+    def drain(self) -> list[tuple[float, float]]:
+        """(busy_s, span_s) of every step since the last drain."""
+        steps, self._steps = self._steps, []
+        return [
+            (sum(self._elapsed_s(a, b) for a, b in busy), self._elapsed_s(begin, end)) for begin, end, busy in steps
+        ]
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage whose forward and backward run under the run's autocast and are timed as busy."""
+
+    def __init__(self, *args: Any, clock: BusyClock, precision: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.clock, self.precision = clock, precision
+        sent = kwargs["output_args"]
+        self._sent = (tuple(sent.shape), sent.dtype)
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.busy(), autocast(self.precision, self.device):
+            out = super().forward_maybe_with_nosync(*args, **kwargs)
+        # The receiver allocated its buffer from the static shape: a mismatch would garble the transfer.
+        assert self.is_last or (tuple(out.shape), out.dtype) == self._sent, f"stage output {out.shape} {out.dtype}"
+        return out
+
+    def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        with self.clock.busy():
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+
+
+class PipelineStrategy:
+    def __init__(self, cfg: PipelineConfig, ctx: StrategyContext) -> None:
+        self.name, self.cfg, self.ctx = cfg.name, cfg, ctx
+        rt = ctx.runtime
+        self.device = rt.device
+        self.num_stages, self.stage_index = rt.world_size, rt.rank
+        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.num_stages - 1
+        self.num_microbatches = cfg.microbatches(ctx.train)
+        self.micro_batch_size = ctx.train.global_batch_size // self.num_microbatches
+        self.clock = BusyClock(self.device)
+        self.module: Stage | None = None
+        self.opt: LocalOptimizer | None = None
+        self.schedule: Any = None
+        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses (last stage), unscaled
+        self._tied: nn.Parameter | None = None  # this stage's copy of a tied embedding/head weight
+        self._tied_group: Any = None
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, model: nn.Module) -> None:
+        first_extra, block_params, last_extra = param_counts(model)
+        if self.cfg.split_points is not None:
+            bounds = list(self.cfg.split_points)
+        else:
+            bounds = split_layers(
+                block_params, num_stages=self.num_stages, first_extra=first_extra, last_extra=last_extra
+            )
+        self._log_split(bounds, block_params=block_params, first_extra=first_extra, last_extra=last_extra)
+        tied = is_tied(model)
+        layout = LAYOUTS[arch_of(model)]
+        self.module = build_stage(model, bounds=bounds, stage_index=self.stage_index).to(self.device)
+        if tied:
+            # new_group is collective: every rank calls it, only the first and last stage use it.
+            self._tied_group = dist.new_group([0, self.num_stages - 1])
+            holder = layout.embedding if self.is_first else layout.head if self.is_last else None
+            if holder is not None:
+                self._tied = self.module.model.get_submodule(holder).weight
+        self.opt = LocalOptimizer(self.ctx, list(self.module.parameters()))
+        stage = TimedStage(
+            self.module, self.stage_index, self.num_stages, self.device,
+            input_args=self._example_input(), output_args=self._example_output(),
+            clock=self.clock, precision=self.ctx.precision,
+        )
+        self.schedule = _SCHEDULES[self.cfg.schedule](
+            stage, n_microbatches=self.num_microbatches, loss_fn=self._loss, scale_grads=False
+        )
+
+    def _log_split(self, bounds: list[int], *, block_params: list[int], first_extra: int, last_extra: int) -> None:
+        ranges = stage_ranges(bounds, num_layers=len(block_params))
+        parts = []
+        for s, (lo, hi) in enumerate(ranges):
+            n = sum(block_params[lo:hi]) + (first_extra if s == 0 else 0) + (last_extra if s == len(ranges) - 1 else 0)
+            parts.append(f"stage{s}: blocks [{lo}, {hi}) {n:,} params")
+        how = "strategy.split_points" if self.cfg.split_points is not None else "balanced by parameter count"
+        log.info("pipeline %s, %s: %s", self.cfg.schedule, how, " | ".join(parts))
+        same = self.micro_batch_size == self.ctx.train.micro_batch_size
+        log.info(
+            "pipeline: %d micro-batches of %d samples per step (train.micro_batch_size=%d is %s)",
+            self.num_microbatches, self.micro_batch_size, self.ctx.train.micro_batch_size,
+            "the same" if same else "overridden by strategy.num_microbatches",
+        )
+
+    def _hidden_size(self) -> int:
+        assert self.module is not None
+        return int(self.module.config.hidden_size)
+
+    def _example_input(self) -> torch.Tensor:
+        """Static shapes of what a stage receives, so no metadata has to travel at the first step."""
+        shape = (self.micro_batch_size, self.ctx.train.seq_len)
+        if self.is_first:
+            return torch.empty(shape, dtype=torch.long, device="meta")
+        # Hidden states stay in the parameters' dtype (fp32) under autocast: each block's residual add
+        # promotes its bf16 matmul output back to the fp32 residual stream.
+        return torch.empty((*shape, self._hidden_size()), dtype=torch.float32, device="meta", requires_grad=True)
+
+    def _example_output(self) -> torch.Tensor:
+        shape = (self.micro_batch_size, self.ctx.train.seq_len)
+        if not self.is_last:
+            return torch.empty((*shape, self._hidden_size()), dtype=torch.float32, device="meta", requires_grad=True)
+        assert self.module is not None
+        dtype = torch.float32 if self.ctx.precision.name == "fp32" else torch.bfloat16  # logits; never sent
+        return torch.empty((*shape, int(self.module.config.vocab_size)), dtype=dtype, device="meta", requires_grad=True)
+
+    # ------------------------------------------------------------------ the step
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Last stage, per micro-batch: record the mean loss, return it / M for backward (see module doc)."""
+        with self.clock.busy(), autocast(self.ctx.precision, self.device):
+            loss = causal_lm_loss(logits, labels)
+        self._losses.append(loss.detach())
+        return loss / self.num_microbatches
+
+    def train_step(self, batch: Batch) -> StepOutput:
+        assert self.opt is not None and self.schedule is not None, "setup() first"
+        self.opt.zero_grad()
+        self._losses = []
+        args = (batch.input_ids.to(self.device),) if self.is_first else ()
+        target = batch.labels.to(self.device) if self.is_last else None
+        self.clock.step_begin()
+        self.schedule.step(*args, target=target, return_outputs=False)
+        if self._tied_group is not None and self._tied is not None:
+            # One process accumulates embedding + head gradients into one weight; here they are on two stages.
+            dist.all_reduce(self._tied.grad, group=self._tied_group)
+        grad_norm = self._global_norm()
+        # The norm's all-reduce returns once every stage has drained: the end of the pipeline's span. A stage
+        # whose schedule finished early (the last one, under GPipe) waited in it: that wait is bubble too.
+        self.clock.step_end()
+        if self.opt.max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.opt.params, self.opt.max_norm, grad_norm)
+        self.opt.optimizer.step()
+        self.opt.scheduler.step()
+        loss_sum = None
+        if self.is_last:
+            assert len(self._losses) == self.num_microbatches, "one loss per micro-batch"
+            loss_sum = torch.zeros((), device=self.device)
+            for loss in self._losses:  # the same order of additions as `accumulate`
+                loss_sum += loss
+        return StepOutput(loss_sum=loss_sum, num_microbatches=self.num_microbatches, grad_norm=grad_norm)
+
+    def _global_norm(self) -> torch.Tensor:
+        """L2 norm over every stage's gradients (a tied weight once); all stages clip by it, as one process would."""
+        assert self.opt is not None
+        duplicate = self._tied if (self._tied is not None and not self.is_first) else None
+        grads = [p.grad for p in self.opt.params if p.grad is not None and p is not duplicate]
+        with self.clock.busy():
+            local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
+            squared = local.to(self.device).pow(2)
+        dist.all_reduce(squared)  # the sum over stages; stays on the device, no host sync
+        return squared.sqrt()
+
+    # ------------------------------------------------------------------ the rest of the interface
+    def model_state(self) -> ModelState:
+        assert self.opt is not None and self.module is not None
+        return self.opt.model_state(self.module)  # this stage's share only (a tied weight: each holder's copy)
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.opt is not None and self.module is not None
+        # The pruned HF model: keys are the full model's names, so stage checkpoints fit together.
+        return torch_state_dict(self.module.model, self.opt.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.opt is not None and self.module is not None
+        load_torch_state_dict(self.module.model, self.opt.optimizer, state)
+
+    @property
+    def lr(self) -> float:
+        assert self.opt is not None
+        return self.opt.lr
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return [self.device]
+
+    def extra_metrics(self) -> dict[str, float]:
+        assert self.module is not None
+        steps = self.clock.drain()
+        out: dict[str, float] = {
+            "pipeline/stage": self.stage_index,
+            "pipeline/num_stages": self.num_stages,
+            "pipeline/num_microbatches": self.num_microbatches,
+            "pipeline/micro_batch_size": self.micro_batch_size,
+            "pipeline/first_block": self.module.start,
+            "pipeline/num_blocks": self.module.end - self.module.start,
+            "pipeline/bubble_fraction_formula": bubble_formula(
+                num_stages=self.num_stages, num_microbatches=self.num_microbatches
+            ),
+        }
+        if steps:
+            out["pipeline/busy_s"] = sum(b for b, _ in steps) / len(steps)
+            out["pipeline/schedule_s"] = sum(s for _, s in steps) / len(steps)
+            out["pipeline/bubble_fraction"] = sum(1 - b / s for b, s in steps if s > 0) / len(steps)
+        return out
+
+
+def build(cfg: PipelineConfig, ctx: StrategyContext) -> PipelineStrategy:
+    return PipelineStrategy(cfg, ctx)

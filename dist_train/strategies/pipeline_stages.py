@@ -1,0 +1,237 @@
+"""Cut a `transformers` causal LM into pipeline stages; no torch.distributed in here.
+
+A stage runs: the embeddings (first stage only), a contiguous range of transformer blocks, then the
+final norm and the LM head (last stage only). It calls the same HF submodules in the same order with
+the same arguments as the full model's forward, so each stage computes bit for bit what those layers
+compute inside the unsplit model (the same-loss promise rests on this).
+
+The stage keeps the *pruned* HF model as its only child: the modules other stages own are set to
+None, so every parameter keeps its original name (``transformer.h.3.attn.c_attn.weight``), which is
+what a checkpoint written per stage needs to be reassembled, and the pruned parameters can be freed.
+
+Also here: the balanced split of blocks over stages by parameter count (a pure function).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+# --------------------------------------------------------------------------------------------------
+# The split.
+# --------------------------------------------------------------------------------------------------
+
+
+def split_layers(
+    block_params: Sequence[int], *, num_stages: int, first_extra: int = 0, last_extra: int = 0
+) -> list[int]:
+    """Boundaries (first block of stages 1..K-1) that minimise the largest stage's parameter count.
+
+    Stage s holds blocks [b[s-1], b[s]); the first stage also holds `first_extra` parameters (the
+    embeddings) and the last `last_extra` (final norm and LM head). Every stage gets at least one
+    block. Exact (dynamic programming over cut positions); among equally good splits the one with
+    the earliest cuts wins, so the result is deterministic.
+    """
+    n, k = len(block_params), num_stages
+    if k < 1 or n < k:
+        raise ValueError(f"cannot split {n} blocks into {k} stages (each stage needs at least one block)")
+    prefix = [0]
+    for count in block_params:
+        prefix.append(prefix[-1] + count)
+
+    def load(stage: int, lo: int, hi: int) -> int:
+        extra = (first_extra if stage == 0 else 0) + (last_extra if stage == k - 1 else 0)
+        return prefix[hi] - prefix[lo] + extra
+
+    # best[s][i]: smallest possible max load when stages 0..s-1 hold blocks [0, i).
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0
+    for s in range(1, k + 1):
+        for i in range(s, n - (k - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], load(s - 1, j, i))
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds, i = [], n
+    for s in range(k, 1, -1):
+        i = cut[s][i]
+        bounds.append(i)
+    return bounds[::-1]
+
+
+def stage_ranges(bounds: Sequence[int], *, num_layers: int) -> list[tuple[int, int]]:
+    """[start, end) of the blocks of every stage, from the boundaries."""
+    edges = [0, *bounds, num_layers]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Where the parts of each architecture live (dotted paths inside the HF model).
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    first: tuple[str, ...]  # only the first stage runs these (embeddings)
+    blocks: str  # the nn.ModuleList of transformer blocks
+    last: tuple[str, ...]  # only the last stage runs these (final norm, LM head)
+    embedding: str  # the input embedding (tied to the head when tie_word_embeddings)
+    head: str
+
+
+LAYOUTS = {
+    "gpt2": Layout(
+        first=("transformer.wte", "transformer.wpe", "transformer.drop"),
+        blocks="transformer.h",
+        last=("transformer.ln_f", "lm_head"),
+        embedding="transformer.wte",
+        head="lm_head",
+    ),
+    # rotary_emb holds buffers only: every stage keeps its own (it is neither first nor last).
+    "llama": Layout(
+        first=("model.embed_tokens",),
+        blocks="model.layers",
+        last=("model.norm", "lm_head"),
+        embedding="model.embed_tokens",
+        head="lm_head",
+    ),
+}
+
+
+def _get(model: nn.Module, path: str) -> nn.Module:
+    module = model
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _drop(model: nn.Module, path: str) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(_get(model, parent) if parent else model, name, None)  # nn.Module allows None children
+
+
+def _num_params(modules: Sequence[nn.Module]) -> int:
+    params = {id(p): p for m in modules for p in m.parameters()}
+    return sum(p.numel() for p in params.values())
+
+
+def arch_of(model: nn.Module) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in LAYOUTS:
+        raise TypeError(f"{type(model).__name__}: pipeline stages exist for {sorted(LAYOUTS)}, not {model_type!r}")
+    return model_type
+
+
+def param_counts(model: nn.Module) -> tuple[int, list[int], int]:
+    """(first-stage extra, per-block counts, last-stage extra) as each stage would hold them.
+
+    A tied head counts on the last stage too: that stage holds its own copy of the embedding matrix.
+    """
+    layout = LAYOUTS[arch_of(model)]
+    blocks = _get(model, layout.blocks)
+    first = _num_params([_get(model, p) for p in layout.first])
+    last = _num_params([_get(model, p) for p in layout.last])
+    return first, [_num_params([b]) for b in blocks], last
+
+
+def is_tied(model: nn.Module) -> bool:
+    layout = LAYOUTS[arch_of(model)]
+    return _get(model, layout.embedding).weight is _get(model, layout.head).weight
+
+
+# --------------------------------------------------------------------------------------------------
+# The stage module.
+# --------------------------------------------------------------------------------------------------
+
+
+class Stage(nn.Module):
+    """Blocks [start, end) of `model`, plus embeddings if first and norm + head if last.
+
+    Input: token ids [batch, seq] (first stage) or hidden states [batch, seq, hidden].
+    Output: hidden states, or logits [batch, seq, vocab] on the last stage.
+    """
+
+    def __init__(self, model: nn.Module, *, start: int, end: int, is_first: bool, is_last: bool) -> None:
+        super().__init__()
+        self.arch = arch_of(model)
+        layout = LAYOUTS[self.arch]
+        num_layers = len(_get(model, layout.blocks))
+        for path in () if is_first else layout.first:
+            _drop(model, path)
+        for path in () if is_last else layout.last:
+            _drop(model, path)
+        for i in [*range(start), *range(end, num_layers)]:
+            _drop(model, f"{layout.blocks}.{i}")
+        self.model = model  # pruned in place: parameter names stay those of the full model
+        self.start, self.end, self.is_first, self.is_last = start, end, is_first, is_last
+        self.config = model.config
+
+    def blocks(self) -> list[nn.Module]:
+        layout = LAYOUTS[self.arch]
+        module_list = _get(self.model, layout.blocks)
+        return [module_list[i] for i in range(self.start, self.end)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gpt2(x) if self.arch == "gpt2" else self._llama(x)
+
+    @staticmethod
+    def _positions(x: torch.Tensor) -> torch.Tensor:
+        return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+
+    def _mask(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        from transformers.masking_utils import create_causal_mask
+
+        # As the full model builds it (with sdpa and no padding mask: None, causal by `is_causal`).
+        return create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
+        )
+
+    # Mirrors GPT2Model.forward + GPT2LMHeadModel.forward (transformers 5.x), no cache, no padding.
+    def _gpt2(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.model.transformer
+        positions = self._positions(x)
+        if self.is_first:
+            hidden = t.wte(x)
+            hidden = hidden + t.wpe(positions).to(hidden.device)
+            hidden = t.drop(hidden)
+        else:
+            hidden = x
+        mask = self._mask(hidden, positions)
+        for block in self.blocks():
+            hidden = block(
+                hidden, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=positions
+            )
+        if not self.is_last:
+            return hidden
+        return self.model.lm_head(t.ln_f(hidden))
+
+    # Mirrors LlamaModel.forward + LlamaForCausalLM.forward (transformers 5.x), no cache, no padding.
+    def _llama(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.model.model
+        hidden = m.embed_tokens(x) if self.is_first else x
+        positions = self._positions(hidden)
+        mask = self._mask(hidden, positions)
+        rotary = m.rotary_emb(hidden, position_ids=positions)
+        for block in self.blocks():
+            hidden = block(
+                hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions,
+                past_key_values=None, use_cache=False,
+            )
+        if not self.is_last:
+            return hidden
+        return self.model.lm_head(m.norm(hidden))
+
+
+def build_stage(model: nn.Module, *, bounds: Sequence[int], stage_index: int) -> Stage:
+    """Stage `stage_index` of len(bounds) + 1; prunes `model` in place to what that stage runs."""
+    layout = LAYOUTS[arch_of(model)]
+    num_layers = len(_get(model, layout.blocks))
+    ranges = stage_ranges(bounds, num_layers=num_layers)
+    start, end = ranges[stage_index]
+    return Stage(model, start=start, end=end, is_first=stage_index == 0, is_last=stage_index == len(ranges) - 1)
