@@ -1,0 +1,94 @@
+"""Run the matrix, then build the table, verdicts, predictions, pictures, report and W&B run."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from dist_train.compare.settings import CompareConfig, StrategySpec, parse, resolve_out_dir, split_argv
+
+
+@dataclass
+class Comparison:
+    out_dir: Path
+    rows: list[dict[str, Any]]
+    report: Path
+    wandb_dir: Optional[Path]
+
+
+def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = "") -> Comparison:
+    from dist_train.compare.document import fit_section, render
+    from dist_train.compare.plots import make_plots
+    from dist_train.compare.predicted import add_prediction
+    from dist_train.compare.report import write_tables
+    from dist_train.compare.runner import run_strategy
+    from dist_train.compare.table import build_row
+    from dist_train.compare.verdict import add_verdicts
+    from dist_train.estimate.compose import compose_training_config
+
+    base = compose_training_config(training)  # a bad training override fails here, before any run
+    out_dir = resolve_out_dir(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    group = cfg.group or out_dir.name
+    specs = [StrategySpec.parse(s) for s in cfg.strategies]
+    rows = []
+    for spec in specs:
+        print(f"[compare] {spec.label}: running ...", file=sys.stderr, flush=True)
+        result = run_strategy(spec, training=training, nproc=cfg.nproc, out_dir=out_dir, group=group,
+                              timeout_s=cfg.timeout_s)
+        rows.append(build_row(result))
+        print(f"[compare] {spec.label}: {rows[-1]['status']} in {result.seconds:.1f} s {result.reason}",
+              file=sys.stderr, flush=True)
+    add_verdicts(rows, rtol=cfg.loss_rtol)
+    for row in rows:
+        _predict_safely(row, memory_rtol=cfg.memory_rtol)
+    plots = make_plots(rows, out_dir)
+    write_tables(rows, out_dir)
+    (out_dir / "compare.json").write_text(json.dumps({"compare": asdict(cfg), "training_overrides": training,
+                                                      "group": group, "command": command}, indent=2))
+    fit = fit_section(base, cfg, strategies=[s.name for s in specs])
+    report = out_dir / "report.md"
+    report.write_text(render(rows=rows, cfg=cfg, out_dir=out_dir, group=group, command=command,
+                             training=training, base=base, plots=plots, fit=fit))
+    wandb_dir = None
+    if _wants_wandb(cfg, base):
+        from dist_train.compare.wandb_log import log_comparison
+
+        wandb_dir = log_comparison(rows, logger=base["logger"], group=group, out_dir=out_dir, images=plots)
+    return Comparison(out_dir, rows, report, wandb_dir)
+
+
+def _predict_safely(row: dict[str, Any], *, memory_rtol: float) -> None:
+    """A strategy the estimator cannot model keeps its measured row, with the reason."""
+    from dist_train.compare.predicted import add_prediction
+
+    try:
+        add_prediction(row, memory_rtol=memory_rtol)
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        row["prediction_error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _wants_wandb(cfg: CompareConfig, base: dict[str, Any]) -> bool:
+    return cfg.wandb if cfg.wandb is not None else base["logger"]["name"] == "wandb"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        own, training = split_argv(argv)
+        cfg = parse(own)
+    except Exception as exc:  # noqa: BLE001 - OmegaConf and our own checks: one line, exit 2
+        print(f"compare: {exc}", file=sys.stderr)
+        return 2
+    command = "python launch/compare.py " + " ".join(shlex.quote(a) for a in argv)
+    result = run_comparison(cfg, training, command=command)
+    for row in result.rows:
+        print(f"{row['strategy']:>12}  {row['verdict']}")
+    print(f"report: {result.report}")
+    if result.wandb_dir is not None:
+        print(f"W&B comparison run: {result.wandb_dir}")
+    return 0

@@ -1,0 +1,66 @@
+"""The estimator's prediction for each run, from the run's own config.yaml, beside what the run measured.
+
+Model state is compared rank by rank (a pipeline's stages differ) and the row keeps, per category, the
+worst rank's signed error (predicted - measured) / measured. The measured optimizer bytes include the
+master copy where a strategy keeps one (DeepSpeed counts its fp32 partition there) and a few bytes of
+step counters; the prediction's optimizer column is optimizer state + master weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from dist_train.estimate import ModelShape, predict_comm, predict_memory, setup_from_config
+from dist_train.estimate.memory import RankMemory
+
+STATE_CATEGORIES = ("params", "grads", "optimizer")
+
+
+def predicted_bytes(rank: RankMemory, category: str) -> float:
+    if category == "optimizer":
+        return rank.optimizer + rank.master
+    return float(getattr(rank, category))
+
+
+def rel_error(predicted: float, measured: float) -> Optional[float]:
+    if measured == 0:
+        return 0.0 if predicted == 0 else None
+    return (predicted - measured) / measured
+
+
+def add_prediction(row: dict[str, Any], *, memory_rtol: float) -> None:
+    """Adds pred_* and err_* columns and model_state_ok to an ok row."""
+    if row["status"] != "ok":
+        return
+    cfg = OmegaConf.to_container(OmegaConf.load(Path(row["run_dir"]) / "config.yaml"), resolve=True)
+    setup = setup_from_config(cfg, world_size=row["world_size"])  # type: ignore[arg-type]
+    shape = ModelShape.from_config(cfg["model"])  # type: ignore[index]
+    ranks = predict_memory(shape, setup)
+    measured = row["mem_per_rank"]
+    errors_ok = True
+    for cat in (*STATE_CATEGORIES, "activations"):
+        pred = [predicted_bytes(r, cat) for r in ranks]
+        meas = [m.get(cat, 0) for m in measured]
+        errs = [rel_error(p, m) for p, m in zip(pred, meas)]
+        worst = max(errs, key=lambda e: float("inf") if e is None else abs(e)) if errs else None
+        row[f"pred_{cat}_bytes"] = max(pred)
+        row[f"err_{cat}"] = worst
+        if cat in STATE_CATEGORIES:
+            errors_ok = errors_ok and worst is not None and abs(worst) <= memory_rtol
+    row["model_state_ok"] = errors_ok
+    row["pred_regime"] = setup.resolved_regime
+    add_comm_prediction(row, shape=shape, setup=setup)
+
+
+def add_comm_prediction(row: dict[str, Any], *, shape: ModelShape, setup: Any) -> None:
+    per_rank = predict_comm(shape, setup)
+    totals = [sum(c.bytes for c in colls) for colls in per_rank]
+    row["pred_comm_bytes_per_step"] = max(totals) if totals else 0.0
+    for colls in per_rank[:1] if setup.family != "pipeline" else per_rank:
+        for c in colls:
+            key = f"pred_comm_{c.op}_bytes"
+            row[key] = max(row.get(key, 0.0), c.bytes)
+    row["err_comm_bytes"] = rel_error(row["pred_comm_bytes_per_step"], row.get("comm_bytes_per_step", 0.0))

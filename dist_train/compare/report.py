@@ -1,0 +1,124 @@
+"""report.md, table.csv and table.json: the comparison as a person and as a program read it."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from dist_train.compare.table import COMM_OPS, MEMORY_CATEGORIES
+from dist_train.estimate.render import human_bytes
+
+# Scalar columns of table.csv, in order (a column absent from every row is left out).
+CSV_COLUMNS = [
+    "strategy", "status", "reason", "verdict", "agrees", "world_size", "data_parallel_size", "num_params", "steps",
+    "step_s", "compute_s", "comm_s", "tokens_per_s",
+    *(f"comm_{op}_s" for op in COMM_OPS),
+    *(f"mem_{c}_{k}_bytes" for c in (*MEMORY_CATEGORIES, "peak_rss", "peak_allocated") for k in ("max", "spread")),
+    "comm_bytes_per_step", *(f"comm_{op}_bytes" for op in COMM_OPS),
+    "final_loss", "loss_dev", "loss_max_rel_dev",
+    *(f"{p}_{c}" for c in ("params", "grads", "optimizer", "activations") for p in ("pred", "err")),
+    "model_state_ok", "pred_regime", "pred_comm_bytes_per_step", "err_comm_bytes",
+    "run_dir", "log", "wall_s",
+]
+
+
+def _csv_key(name: str) -> str:
+    return f"{name}_bytes" if name.startswith("pred_") and not name.startswith("pred_regime") else name
+
+
+def write_tables(rows: list[dict[str, Any]], out_dir: Path) -> tuple[Path, Path]:
+    columns = [c for c in CSV_COLUMNS if any(_csv_key(c) in r for r in rows)]
+    csv_path, json_path = out_dir / "table.csv", out_dir / "table.json"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for r in rows:
+            writer.writerow(["" if r.get(_csv_key(c)) is None else r.get(_csv_key(c)) for c in columns])
+    json_path.write_text(json.dumps(rows, indent=2, default=str))
+    return csv_path, json_path
+
+
+# ------------------------------------------------------------------ Markdown pieces
+def md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def ms(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def pct(err: Optional[float]) -> str:
+    return "n/a" if err is None else f"{err * 100:+.1f}%"
+
+
+def mem_cell(row: dict[str, Any], cat: str) -> str:
+    if f"mem_{cat}_max_bytes" not in row:
+        return "-"
+    spread = row[f"mem_{cat}_spread_bytes"]
+    return human_bytes(row[f"mem_{cat}_max_bytes"]) + (f" (±{human_bytes(spread)})" if spread else "")
+
+
+def verdict_mark(row: dict[str, Any]) -> str:
+    return {True: "OK", False: "DIFFERS", None: "-"}[row.get("agrees")] if row["status"] == "ok" else "FAILED"
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    headers = ["strategy", "ranks", "step ms", "compute ms", "comm ms", "tokens/s",
+               "params (max, ±spread)", "grads", "optimizer", "activations", "peak RSS",
+               "comm bytes/step", "final loss", "Δ vs single", "verdict"]
+    body = []
+    for r in rows:
+        if r["status"] != "ok":
+            body.append([f"**{r['strategy']}**", "-", *["-"] * 12, f"FAILED: {r['reason']}"])
+            continue
+        body.append([
+            f"**{r['strategy']}**", r["world_size"], ms(r["step_s"]), ms(r["compute_s"]), ms(r["comm_s"]),
+            f"{r['tokens_per_s']:,.0f}", *(mem_cell(r, c) for c in (*MEMORY_CATEGORIES, "peak_rss")),
+            human_bytes(r["comm_bytes_per_step"]), f"{r['final_loss']:.6f}",
+            f"{r['loss_dev']:+.1e}" if "loss_dev" in r else "-", verdict_mark(r),
+        ])
+    return md_table(headers, body)
+
+
+def comm_table(rows: list[dict[str, Any]]) -> str:
+    ops = [op for op in COMM_OPS if any(f"comm_{op}_bytes" in r for r in rows)]
+    headers = ["strategy", *(f"{op} ms / bytes" for op in ops), "total bytes/step", "predicted bytes/step", "error"]
+    body = []
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        cells = [f"{ms(r.get(f'comm_{op}_s', 0.0))} / {human_bytes(r.get(f'comm_{op}_bytes', 0.0))}" for op in ops]
+        body.append([r["strategy"], *cells, human_bytes(r["comm_bytes_per_step"]),
+                     human_bytes(r.get("pred_comm_bytes_per_step")), pct(r.get("err_comm_bytes"))])
+    return md_table(headers, body)
+
+
+def prediction_table(rows: list[dict[str, Any]], *, memory_rtol: float) -> str:
+    headers = ["strategy", "regime", *(f"{c} pred / meas (err)" for c in ("params", "grads", "optimizer")),
+               f"model state within {memory_rtol:.0%}", "activations pred / meas (err)"]
+    body = []
+    for r in rows:
+        if r["status"] != "ok" or "pred_params_bytes" not in r:
+            continue
+        cells = [f"{human_bytes(r[f'pred_{c}_bytes'])} / {human_bytes(r.get(f'mem_{c}_max_bytes'))} ({pct(r[f'err_{c}'])})"
+                 for c in ("params", "grads", "optimizer", "activations")]
+        body.append([r["strategy"], r["pred_regime"], *cells[:3], "yes" if r["model_state_ok"] else "**NO**", cells[3]])
+    return md_table(headers, body)
+
+
+def runs_table(rows: list[dict[str, Any]], out_dir: Path) -> str:
+    body = [[r["strategy"], r["status"], f"`{_rel(r['run_dir'], out_dir)}/`", f"[log]({_rel(r['log'], out_dir)})",
+             f"{r['wall_s']:.1f}"] for r in rows]
+    return md_table(["strategy", "status", "run directory (summary.json, metrics.jsonl, config.yaml)", "log",
+                     "wall s"], body)
+
+
+def _rel(path: str, out_dir: Path) -> str:
+    try:
+        return str(Path(path).relative_to(out_dir))
+    except ValueError:
+        return path

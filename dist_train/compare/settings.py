@@ -1,0 +1,90 @@
+"""The comparison's own options (`compare.*`), split from the training overrides every run shares."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+DEFAULT_STRATEGIES = ["single", "ddp", "fsdp", "zero1", "zero2", "zero3", "gpipe"]
+
+
+@dataclass
+class CompareConfig:
+    # Strategy names (conf/strategy/<name>.yaml). `name+key=value+...` adds overrides for that row only,
+    # e.g. fsdp+strategy.reshard_after_forward=false.
+    strategies: list[str] = field(default_factory=lambda: list(DEFAULT_STRATEGIES))
+    # Processes per multi-process strategy (single and dp always run one process).
+    nproc: int = 2
+    # None: outputs/compare-<YYYYmmdd-HHMMSS>.
+    out_dir: Optional[str] = None
+    # W&B group of the runs and of the comparison's own W&B run; None: the output directory's name.
+    group: Optional[str] = None
+    # Per strategy, wall-clock seconds before the run is stopped and reported as timed out.
+    timeout_s: float = 900.0
+    # A strategy agrees with single when every step's loss is within this relative difference.
+    loss_rtol: float = 1e-4
+    # Predicted-vs-measured model-state memory passes within this relative error.
+    memory_rtol: float = 0.10
+    # Log the comparison as its own W&B run (a Table + charts); None: when training logs to W&B.
+    wandb: Optional[bool] = None
+    # "Would it fit" section of the report: per-GPU memory, GPU counts and model sizes to ask about.
+    gpu_gib: float = 80.0
+    fit_gpus: list[int] = field(default_factory=lambda: [8, 64, 1024])
+    fit_models: list[str] = field(default_factory=lambda: ["7b", "70b"])
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ValueError(f"compare.nproc={self.nproc} must be >= 1")
+        if not self.strategies:
+            raise ValueError("compare.strategies is empty; e.g. compare.strategies=[single,ddp,fsdp]")
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One row of the comparison: a strategy name plus that row's own overrides."""
+
+    label: str
+    name: str
+    overrides: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "StrategySpec":
+        name, *extra = str(text).split("+")
+        return cls(label=str(text), name=name, overrides=tuple(extra))
+
+    @property
+    def dirname(self) -> str:
+        # no '=' or '+': the directory is passed back to Hydra as hydra.run.dir=<dir>
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.label)
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(compare.* options, training overrides). `hydra.run.dir=PATH` is taken as compare.out_dir."""
+    own, training = [], []
+    for arg in argv:
+        if arg.startswith("compare."):
+            own.append(arg[len("compare."):])
+        elif arg.startswith("hydra.run.dir="):
+            own.append("out_dir=" + arg.split("=", 1)[1])
+        else:
+            training.append(arg)
+    for arg in training:
+        if arg.split("=", 1)[0].lstrip("+~") == "strategy":
+            raise ValueError(f"{arg!r}: the strategies come from compare.strategies=[...], not strategy=")
+    return own, training
+
+
+def parse(own: list[str]) -> CompareConfig:
+    merged = OmegaConf.merge(OmegaConf.structured(CompareConfig), OmegaConf.from_dotlist(own))
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def resolve_out_dir(cfg: CompareConfig) -> Path:
+    if cfg.out_dir:
+        return Path(cfg.out_dir).resolve()
+    return Path("outputs", f"compare-{time.strftime('%Y%m%d-%H%M%S')}").resolve()

@@ -1,0 +1,111 @@
+"""One row per strategy, read from what its run left behind (summary.json, metrics.jsonl).
+
+Memory: per category, the max over ranks of each rank's peak, and the spread (max - min) over ranks.
+Time: the run's mean step time (warm-up steps left out, as summary.json does); the collective time of
+the same steps from metrics.jsonl, averaged over ranks. Async collectives overlap compute, so their
+time is an upper bound of the communication the step waits for; compute = step - comm, clipped at 0.
+Bytes: buffer bytes per step (nccl-tests convention), the max over ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dist_train.compare.runner import RunResult
+
+MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
+from dist_train.telemetry.comm import COMM_OPS  # one list of ops for telemetry and the report
+
+
+def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics_path = run_dir / "metrics.jsonl"
+    records = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()] if metrics_path.is_file() else []
+    return summary, records
+
+
+def base_row(result: RunResult) -> dict[str, Any]:
+    return {
+        "strategy": result.spec.label,
+        "status": "ok" if result.ok else ("timeout" if result.returncode is None else "failed"),
+        "reason": result.reason,
+        "run_dir": str(result.run_dir),
+        "log": str(result.log_path),
+        "wall_s": round(result.seconds, 2),
+    }
+
+
+def build_row(result: RunResult) -> dict[str, Any]:
+    row = base_row(result)
+    if not result.ok:
+        return row
+    summary, records = read_run(result.run_dir)
+    ranks = summary.get("ranks", [])
+    row.update({
+        "world_size": summary["world_size"], "data_parallel_size": summary["data_parallel_size"],
+        "num_params": summary["num_params"], "steps": summary["steps"],
+    })
+    row.update(memory_columns(ranks))
+    row.update(time_columns(summary, records))
+    row.update(comm_bytes_columns(ranks))
+    row["final_loss"] = summary["final_loss"]
+    row["losses"] = summary["losses"]
+    return row
+
+
+def memory_columns(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for cat in (*MEMORY_CATEGORIES, "peak_rss", "peak_allocated"):
+        values = [r[f"memory/{cat}_bytes"] for r in ranks if f"memory/{cat}_bytes" in r]
+        if values:
+            out[f"mem_{cat}_max_bytes"] = max(values)
+            out[f"mem_{cat}_spread_bytes"] = max(values) - min(values)
+    out["mem_per_rank"] = [{cat: r.get(f"memory/{cat}_bytes", 0) for cat in MEMORY_CATEGORIES} for r in ranks]
+    return out
+
+
+def timed_windows(records: list[dict[str, Any]], warmup_steps: int) -> list[tuple[int, list[dict[str, Any]]]]:
+    """(steps in window, per-rank records) of the logging windows after the warm-up steps."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        by_step.setdefault(r["step"], []).append(r)
+    steps = sorted(by_step)
+    spans = [(s, s - p) for s, p in zip(steps, [0] + steps[:-1])]
+    kept = [(n, by_step[s]) for s, n in spans if s > warmup_steps]
+    return kept or [(n, by_step[s]) for s, n in spans]
+
+
+def time_columns(summary: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+    step_s = summary["mean_step_s"]
+    windows = timed_windows(records, summary.get("timing_warmup_steps", 0))
+    total_steps = sum(n for n, _ in windows) or 1
+    out: dict[str, Any] = {"step_s": step_s, "tokens_per_s": summary["tokens_per_s"]}
+    comm_s = 0.0
+    for op in COMM_OPS:
+        key = f"comm/{op}/time_s"
+        per_step = sum(n * _mean(r.get(key, 0.0) for r in recs) for n, recs in windows) / total_steps
+        if per_step > 0:
+            out[f"comm_{op}_s"] = per_step
+        comm_s += per_step
+    out["comm_s"] = comm_s
+    out["compute_s"] = max(step_s - comm_s, 0.0)
+    return out
+
+
+def comm_bytes_columns(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    totals = [0.0] * len(ranks)
+    for op in COMM_OPS:
+        values = [r.get(f"comm/{op}/bytes", 0.0) for r in ranks]
+        totals = [t + v for t, v in zip(totals, values)]
+        if any(values):
+            out[f"comm_{op}_bytes"] = max(values)
+    out["comm_bytes_per_step"] = max(totals) if totals else 0.0
+    return out
+
+
+def _mean(values: Any) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0

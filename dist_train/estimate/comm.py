@@ -1,0 +1,115 @@
+"""Communication per optimizer step of each strategy, per rank.
+
+Two views of the same traffic:
+- buffer bytes per collective (nccl-tests convention, the one `telemetry/comm.py` records: an all-reduce
+  counts its buffer, an all-gather its gathered output, a reduce-scatter its input), to compare with a
+  run's `comm/<op>/bytes`;
+- ring traffic each rank sends, buffer x nccl-tests bus factor (all-reduce 2(N-1)/N, all-gather and
+  reduce-scatter (N-1)/N): the ZeRO paper's volumes, 2Ψ for DDP / ZeRO-1 / ZeRO-2 (a reduce-scatter plus
+  an all-gather, or one all-reduce) and 3Ψ for ZeRO-3 / FSDP (parameters gathered in forward and again
+  in backward, gradients reduce-scattered), times (N-1)/N. DeepSpeed's ZeRO-1/2 (regime `deepspeed`)
+  all-reduce the gradients instead of reduce-scattering them, 3Ψ with the parameter all-gather.
+
+Gradient accumulation over M micro-batches changes the counts, and the prediction follows what the code
+does: DDP and FSDP2 (no_sync / set_requires_gradient_sync) reduce once per step, DeepSpeed ZeRO-2/3
+reduce gradients on every micro-batch (engine.allreduce_gradients: "ZeRO stage >= 2 communicates during
+non gradient accumulation boundaries as well"), ZeRO-1 at the boundary only; ZeRO-3 and FSDP with
+reshard_after_forward gather every parameter twice per micro-batch. A pipeline sends one activation
+(s x b x h) forward and one gradient backward per micro-batch across each stage boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dist_train.estimate.memory import element_bytes, state_bytes
+from dist_train.estimate.setup import Setup
+from dist_train.estimate.shapes import ModelShape
+
+
+def bus_factor(op: str, group_size: int) -> float:
+    """Bytes a rank sends per buffer byte: nccl-tests' bus factor (as telemetry.comm.busbw_factor, without
+    importing torch), except that a recv sends nothing (its bytes are the peer's send)."""
+    n = group_size
+    if op in ("all_reduce", "all_gather", "reduce_scatter"):
+        if n <= 1:
+            return 0.0
+        return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+    return 0.0 if op == "recv" else 1.0
+
+
+@dataclass(frozen=True)
+class Collective:
+    op: str  # all_reduce | all_gather | reduce_scatter | send | recv
+    bytes: float  # buffer bytes per step, all calls together
+    what: str
+    elem: int = 4  # bytes per element moved
+
+    def ring_bytes(self, group_size: int) -> float:
+        return self.bytes * bus_factor(self.op, group_size)
+
+    def ring_elements(self, group_size: int) -> float:
+        """Elements each rank sends: the ZeRO paper's unit (2Ψ, 3Ψ)."""
+        return self.ring_bytes(group_size) / self.elem
+
+
+def predict_comm(shape: ModelShape, setup: Setup) -> list[list[Collective]]:
+    """For every rank, the collectives of one optimizer step."""
+    if setup.family == "pipeline":
+        return [_pipeline(shape, setup, stage=k) for k in range(setup.num_stages)]
+    return [_data_parallel(shape.num_params, setup)] * setup.world_size
+
+
+def _data_parallel(num_params: float, setup: Setup) -> list[Collective]:
+    n, m = setup.data_parallel_size, setup.microbatches_per_step
+    if n == 1 or setup.family in ("single", "dp"):
+        return []
+    b = state_bytes(
+        precision=setup.precision, optimizer=setup.optimizer, momentum=setup.momentum, regime=setup.resolved_regime
+    )
+    if setup.family == "ddp":
+        return [Collective("all_reduce", num_params * b.grads, "gradients, once per step (no_sync while accumulating)",
+                           int(b.grads))]
+    if setup.family == "fsdp":
+        gathers = m * (2 if setup.reshard_after_forward else 1)
+        compute = element_bytes(setup.precision)  # MixedPrecisionPolicy(param_dtype) gathers in the compute dtype
+        return [
+            Collective("all_gather", gathers * num_params * compute, f"parameters, {gathers}x per step", compute),
+            Collective("reduce_scatter", num_params * 4, "fp32 gradients (reduce_dtype), once per step", 4),
+        ]
+    stage = setup.zero_stage
+    if stage >= 3:
+        return [
+            Collective("all_gather", 2 * m * num_params * b.weights,
+                       f"parameters, forward + backward, {m} micro-batch(es)", int(b.weights)),
+            Collective("reduce_scatter", m * num_params * b.grads, f"gradients, every micro-batch ({m})", int(b.grads)),
+        ]
+    reduces = m if stage == 2 else 1
+    # The paper reduce-scatters gradients (Ψ of ring traffic); DeepSpeed 0.19's stage 1/2 all-reduces each
+    # gradient bucket and keeps its own partition (use_multi_rank_bucket_allreduce=True by default): 2Ψ.
+    op = "all_reduce" if setup.resolved_regime == "deepspeed" else "reduce_scatter"
+    return [
+        Collective(op, reduces * num_params * b.grads, f"gradients, {reduces}x per step", int(b.grads)),
+        Collective("all_gather", num_params * b.weights, "updated parameters after the step", int(b.weights)),
+    ]
+
+
+def _pipeline(shape: ModelShape, setup: Setup, *, stage: int) -> list[Collective]:
+    k, m = setup.num_stages, setup.microbatches_per_step
+    # Under autocast the residual stream between blocks stays fp32; otherwise it has the training dtype.
+    elem = 4 if setup.resolved_regime == "autocast" else element_bytes(setup.precision)
+    boundary = setup.seq_len * setup.micro_batch_size * shape.hidden_size * elem
+    sends = (stage < k - 1) + (stage > 0)  # activations forward, gradients backward
+    return [
+        Collective("send", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem),
+        Collective("recv", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem),
+    ]
+
+
+def ring_bytes(collectives: list[Collective], *, group_size: int) -> float:
+    return sum(c.ring_bytes(group_size) for c in collectives)
+
+
+def ring_volume_psi(collectives: list[Collective], *, group_size: int, num_params: float) -> float:
+    """Elements each rank sends per step in units of Ψ (the ZeRO paper's 2Ψ / 3Ψ, x (N-1)/N)."""
+    return sum(c.ring_elements(group_size) for c in collectives) / num_params

@@ -1,0 +1,38 @@
+"""Compose the training config with Hydra's compose API from the same conf/ directory training uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def compose_training_config(overrides: list[str]) -> dict[str, Any]:
+    """The resolved run config (no `hydra` node) that `launch/train.py <overrides>` would see."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dist_train.config import register_configs
+    from dist_train.rundir import register_resolvers
+
+    register_configs()
+    register_resolvers()
+    GlobalHydra.instance().clear()  # a caller (tests, compare) may have initialised Hydra already
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    GlobalHydra.instance().clear()
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def model_config(name: str) -> dict[str, Any]:
+    """conf/model/<name>.yaml merged over the ModelConfig defaults."""
+    from dist_train.config import ModelConfig
+
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"model {name!r}: no {path}")
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path))
+    return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,70 @@
+"""Which strategies fit in G GiB per GPU, for a model on N GPUs: the worst rank's predicted total."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from dist_train.estimate.memory import RankMemory, model_state_bytes, predict_memory
+from dist_train.estimate.setup import Setup, family_of
+from dist_train.estimate.shapes import ModelShape
+
+GIB = 2**30
+
+DEFAULT_FIT_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "gpipe")
+DEFAULT_FIT_GPUS = (8, 64, 1024)
+
+
+@dataclass(frozen=True)
+class FitModel:
+    """A model to ask about: a full shape (activations predicted) or only a parameter count (model state only)."""
+
+    name: str
+    num_params: float
+    shape: Optional[ModelShape] = None
+
+
+@dataclass(frozen=True)
+class FitCell:
+    model: str
+    strategy: str
+    world_size: int
+    peak_bytes: Optional[float]  # worst rank; None: cannot run (note says why)
+    fits: bool
+    note: str = ""
+
+
+def worst_rank(ranks: list[RankMemory]) -> RankMemory:
+    return max(ranks, key=lambda r: r.total)
+
+
+def fit_cell(model: FitModel, *, base: Setup, strategy: str, world_size: int, gpu_bytes: float) -> FitCell:
+    """`base` gives precision, optimizer, micro-batch, sequence length; a pipeline runs M = K micro-batches."""
+    family, stage, schedule = family_of(strategy)
+    setup = replace(base, strategy=strategy, family=family, zero_stage=stage, schedule=schedule,
+                    world_size=world_size, split_points=None,
+                    num_microbatches=world_size if family == "pipeline" else None, global_batch_size=None)
+    if model.shape is not None:
+        if family == "pipeline" and world_size > model.shape.num_layers:
+            return FitCell(model.name, strategy, world_size, None, False,
+                           f"{world_size} stages > {model.shape.num_layers} layers")
+        peak = worst_rank(predict_memory(model.shape, setup)).total
+        note = ""
+    else:
+        share = model.num_params / setup.num_stages  # no shape: an even pipeline split
+        peak = model_state_bytes(share, setup).model_state
+        note = "model state only"
+    return FitCell(model.name, strategy, world_size, peak, peak <= gpu_bytes, note)
+
+
+def fit_table(models: list[FitModel], *, base: Setup, strategies: list[str], gpus: list[int],
+              gpu_gib: float, seq_len: Optional[int] = None) -> list[FitCell]:
+    """Every model x strategy x GPU count; activations at `seq_len` (None: each model's max_seq_len)."""
+    cells = []
+    for m in models:
+        s_len = seq_len or (m.shape.max_seq_len if m.shape is not None else base.seq_len)
+        model_base = replace(base, seq_len=s_len)
+        for s in strategies:
+            for n in gpus:
+                cells.append(fit_cell(m, base=model_base, strategy=s, world_size=n, gpu_bytes=gpu_gib * GIB))
+    return cells

@@ -1,0 +1,133 @@
+"""What a prediction needs to know about a run: strategy family, world size, precision, optimizer, batch.
+
+Built from the same config training composes (or from a run's own config.yaml), so a prediction and
+the run it is compared with cannot disagree on the inputs. Strategies are recognised by the fields
+their schema has (`stage`: DeepSpeed ZeRO, `schedule`: pipeline, ...) and, for names whose YAML does
+not exist yet, by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+FAMILIES = ("single", "dp", "ddp", "fsdp", "zero", "pipeline")
+
+# name -> (family, ZeRO stage, pipeline schedule) for the strategies this project has or plans.
+KNOWN_STRATEGIES: dict[str, tuple[str, int, str]] = {
+    "single": ("single", 0, ""),
+    "dp": ("dp", 0, ""),
+    "ddp": ("ddp", 0, ""),
+    "fsdp": ("fsdp", 0, ""),
+    "zero1": ("zero", 1, ""),
+    "zero2": ("zero", 2, ""),
+    "zero3": ("zero", 3, ""),
+    "gpipe": ("pipeline", 0, "gpipe"),
+    "1f1b": ("pipeline", 0, "1f1b"),
+}
+
+# How model state is stored (bytes per parameter; see memory.state_bytes):
+#   autocast  - fp32 weights, gradients and optimizer state; 16-bit only inside forward/backward. What
+#               torch autocast (single/dp/ddp/pipeline) and FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
+#               reduce_dtype=fp32) do here: the fp32 parameters (or shards) are the master copy.
+#   mixed     - the ZeRO paper's mixed precision: 16-bit weights and gradients, fp32 master weights and
+#               fp32 optimizer state (K = 12 for Adam); in fp32 training there is no separate master.
+#   deepspeed - `mixed`, except that DeepSpeed ZeRO keeps an fp32 master partition even when training in
+#               fp32 (stage 1/2: `single_partition_of_fp32_groups`, stage 3: `fp32_partitioned_groups_flat`
+#               are `.float().clone()`s of the weights whatever their dtype).
+#   pure      - every state tensor in the training dtype, no master (e.g. fp16 Adam moments: 4 B/param).
+#   auto      - what this project's code does: `deepspeed` for ZeRO, `autocast` for everything else.
+REGIMES = ("auto", "autocast", "mixed", "deepspeed", "pure")
+
+
+@dataclass(frozen=True)
+class Setup:
+    strategy: str
+    family: str
+    world_size: int = 1
+    zero_stage: int = 0
+    schedule: str = ""
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    momentum: float = 0.0
+    micro_batch_size: int = 1
+    seq_len: int = 2048
+    # None: one micro-batch per data-parallel rank per step.
+    global_batch_size: Optional[int] = None
+    # Pipeline only; None = global_batch_size // micro_batch_size.
+    num_microbatches: Optional[int] = None
+    split_points: Optional[tuple[int, ...]] = None
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    regime: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"strategy family {self.family!r} unknown; allowed: {', '.join(FAMILIES)}")
+        if self.regime not in REGIMES:
+            raise ValueError(f"regime={self.regime!r} unknown; allowed: {', '.join(REGIMES)}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size} must be >= 1")
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1 if self.family in ("single", "dp", "pipeline") else self.world_size
+
+    @property
+    def num_stages(self) -> int:
+        return self.world_size if self.family == "pipeline" else 1
+
+    @property
+    def microbatches_per_step(self) -> int:
+        """Micro-batches each rank runs per optimizer step (gradient accumulation or pipeline micro-batches)."""
+        if self.family == "pipeline" and self.num_microbatches:
+            return self.num_microbatches
+        if self.global_batch_size is None:
+            return 1
+        return max(1, self.global_batch_size // (self.micro_batch_size * self.data_parallel_size))
+
+    @property
+    def resolved_regime(self) -> str:
+        if self.regime != "auto":
+            return self.regime
+        return "deepspeed" if self.family == "zero" else "autocast"
+
+
+def family_of(name: str, strategy: Optional[Mapping[str, Any]] = None) -> tuple[str, int, str]:
+    """(family, ZeRO stage, schedule) from the strategy's config fields, else from its name."""
+    s = dict(strategy or {})
+    if "stage" in s:
+        return "zero", int(s["stage"]), ""
+    if "schedule" in s:
+        return "pipeline", 0, str(s["schedule"])
+    if "reshard_after_forward" in s:
+        return "fsdp", 0, ""
+    if "bucket_cap_mb" in s:
+        return "ddp", 0, ""
+    if name in KNOWN_STRATEGIES:
+        return KNOWN_STRATEGIES[name]
+    raise ValueError(f"strategy {name!r}: cannot tell its family; known: {', '.join(KNOWN_STRATEGIES)}")
+
+
+def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: Any) -> Setup:
+    """A Setup from a resolved run config (a dict with strategy/train/precision/optimizer groups)."""
+    strategy = dict(cfg.get("strategy") or {})
+    name = str(overrides.pop("strategy", None) or strategy.get("name"))
+    if name != strategy.get("name"):
+        strategy = {}  # a different strategy than the config's: judge by name only
+    family, stage, schedule = family_of(name, strategy)
+    train, optimizer = cfg.get("train", {}), cfg.get("optimizer", {})
+    split = strategy.get("split_points")
+    fields: dict[str, Any] = dict(
+        strategy=name, family=family, world_size=world_size, zero_stage=stage, schedule=schedule,
+        precision=str(cfg.get("precision", {}).get("name", "fp32")),
+        optimizer=str(optimizer.get("name", "adamw")), momentum=float(optimizer.get("momentum", 0.0) or 0.0),
+        micro_batch_size=int(train.get("micro_batch_size", 1)), seq_len=int(train.get("seq_len", 2048)),
+        global_batch_size=train.get("global_batch_size"),
+        num_microbatches=strategy.get("num_microbatches"),
+        split_points=tuple(split) if split else None,
+        reshard_after_forward=bool(strategy.get("reshard_after_forward", True)),
+    )
+    fields.update(overrides)
+    return Setup(**fields)

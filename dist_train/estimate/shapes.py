@@ -1,0 +1,130 @@
+"""Model shapes and their parameter counts, computed from the config (no model is built).
+
+The counts reproduce what `transformers` builds for `dist_train.model` (GPT-2 with biases and learned
+positions; Llama without biases, SwiGLU MLP, grouped-query attention), so a prediction for `model=tiny`
+uses the same Ψ as the run, and a 70B shape costs no memory to describe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    arch: str  # gpt2 | llama
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int
+    max_seq_len: int
+    num_kv_heads: Optional[int] = None  # None: num_heads (no grouped-query attention)
+    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+
+    @classmethod
+    def from_config(cls, model: Any) -> "ModelShape":
+        """From a ModelConfig, a DictConfig or a plain dict of the `model` group."""
+        get = model.get if isinstance(model, Mapping) else lambda k, d=None: getattr(model, k, d)
+        return cls(
+            name=str(get("name", "model")), arch=str(get("arch", "gpt2")),
+            num_layers=int(get("num_layers")), hidden_size=int(get("hidden_size")), num_heads=int(get("num_heads")),
+            vocab_size=int(get("vocab_size")), max_seq_len=int(get("max_seq_len", 2048)),
+            num_kv_heads=get("num_kv_heads"), ffn_hidden_size=get("ffn_hidden_size"),
+            tie_embeddings=bool(get("tie_embeddings", False)), dropout=float(get("dropout", 0.0) or 0.0),
+        )
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    # ------------------------------------------------------------------ parameter counts
+    def layer_params(self) -> int:
+        h, f, kv = self.hidden_size, self.ffn, self.kv_dim
+        if self.arch == "gpt2":
+            attn = h * 3 * h + 3 * h + h * h + h  # c_attn, c_proj (with biases)
+            mlp = h * f + f + f * h + h  # c_fc, c_proj
+            return attn + mlp + 2 * 2 * h  # two LayerNorms (weight + bias)
+        attn = h * h + 2 * h * kv + h * h  # q, k, v, o; no biases
+        mlp = 3 * h * f  # gate, up, down
+        return attn + mlp + 2 * h  # two RMSNorms (weight only)
+
+    def embedding_params(self) -> int:
+        """Input side: token embedding (+ learned positions for GPT-2)."""
+        positions = self.max_seq_len * self.hidden_size if self.arch == "gpt2" else 0
+        return self.vocab_size * self.hidden_size + positions
+
+    def head_params(self) -> int:
+        """Output side: final norm and (untied) LM head."""
+        norm = 2 * self.hidden_size if self.arch == "gpt2" else self.hidden_size
+        head = 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
+        return norm + head
+
+    def last_stage_params(self) -> int:
+        """What a pipeline's last stage holds beyond its blocks: a tied head is a second copy there."""
+        return self.head_params() + (self.vocab_size * self.hidden_size if self.tie_embeddings else 0)
+
+    @property
+    def num_params(self) -> int:
+        return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params()
+
+
+# Public shapes far beyond this machine, for "does it fit" questions (Touvron et al. 2023, Llama 2 table).
+PRESETS: dict[str, ModelShape] = {
+    "7b": ModelShape(name="llama2-7b", arch="llama", num_layers=32, hidden_size=4096, num_heads=32,
+                     vocab_size=32000, max_seq_len=4096, ffn_hidden_size=11008),
+    "13b": ModelShape(name="llama2-13b", arch="llama", num_layers=40, hidden_size=5120, num_heads=40,
+                      vocab_size=32000, max_seq_len=4096, ffn_hidden_size=13824),
+    "70b": ModelShape(name="llama2-70b", arch="llama", num_layers=80, hidden_size=8192, num_heads=64,
+                      num_kv_heads=8, vocab_size=32000, max_seq_len=4096, ffn_hidden_size=28672),
+}
+
+
+def stage_bounds(shape: ModelShape, *, num_stages: int, split_points: Optional[list[int]] = None) -> list[int]:
+    """First block of stages 1..K-1: `split_points` if given, else the pipeline strategy's own balanced
+    split (dist_train.strategies.pipeline_stages.split_layers), so the prediction splits as the run does."""
+    if split_points:
+        return list(split_points)
+    if num_stages > shape.num_layers:
+        raise ValueError(f"{num_stages} pipeline stages need as many blocks; {shape.name} has {shape.num_layers}")
+    try:
+        from dist_train.strategies.pipeline_stages import split_layers
+    except ImportError:  # no pipeline strategy installed: cut evenly by block count
+        return [round(k * shape.num_layers / num_stages) for k in range(1, num_stages)]
+    return split_layers(
+        [shape.layer_params()] * shape.num_layers, num_stages=num_stages,
+        first_extra=shape.embedding_params(), last_extra=shape.last_stage_params(),
+    )
+
+
+def stage_params(shape: ModelShape, *, num_stages: int, split_points: Optional[list[int]] = None) -> list[int]:
+    """Parameters held by each pipeline stage: embeddings on the first, final norm and head on the last."""
+    out = []
+    for k, layers in enumerate(stage_layers(shape, num_stages=num_stages, split_points=split_points)):
+        n = layers * shape.layer_params()
+        n += shape.embedding_params() if k == 0 else 0
+        n += shape.last_stage_params() if k == num_stages - 1 else 0
+        out.append(n)
+    return out
+
+
+def stage_layers(shape: ModelShape, *, num_stages: int, split_points: Optional[list[int]] = None) -> list[int]:
+    bounds = [0, *stage_bounds(shape, num_stages=num_stages, split_points=split_points), shape.num_layers]
+    return [bounds[k + 1] - bounds[k] for k in range(num_stages)]

@@ -1,0 +1,128 @@
+"""A real comparison on CPU: single, ddp and fsdp (2 processes, 3 steps, tiny model) plus two rows that fail."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dist_train.compare.runner import failure_reason
+from dist_train.compare.settings import StrategySpec, split_argv
+from tests.helpers import ROOT, env
+
+pytestmark = pytest.mark.multiproc
+
+COMPARE = ROOT / "launch" / "compare.py"
+STRATEGIES = "[single,ddp,fsdp,bogus,fsdp+train.lr=-1]"
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, Any]], str]:
+    out = tmp_path_factory.mktemp("compare")
+    cmd = [sys.executable, str(COMPARE), f"compare.strategies={STRATEGIES}", "compare.nproc=2",
+           f"compare.out_dir={out}", "compare.wandb=true", "compare.fit_gpus=[8,1024]",
+           "logger=none", "model=tiny", "train.steps=3", "train.log_every=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    rows = {r["strategy"]: r for r in json.loads((out / "table.json").read_text())}
+    return out, rows, proc.stdout
+
+
+def test_every_strategy_is_a_row_and_failures_say_why(comparison):
+    out, rows, stdout = comparison
+    assert list(rows) == ["single", "ddp", "fsdp", "bogus", "fsdp+train.lr=-1"]
+    for name in ("single", "ddp", "fsdp"):
+        assert rows[name]["status"] == "ok", rows[name]
+    assert rows["bogus"]["status"] == "failed"
+    assert "Could not find 'strategy/bogus'" in rows["bogus"]["reason"]
+    assert rows["fsdp+train.lr=-1"]["status"] == "failed"
+    assert rows["fsdp+train.lr=-1"]["reason"].startswith("config error: train.lr=-1.0 must be > 0")
+    with open(out / "table.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert [r["strategy"] for r in csv_rows] == list(rows)
+    assert "report:" in stdout
+
+
+def test_table_holds_measured_numbers_traceable_to_runs(comparison):
+    out, rows, _ = comparison
+    for name in ("single", "ddp", "fsdp"):
+        row = rows[name]
+        summary = json.loads((Path(row["run_dir"]) / "summary.json").read_text())
+        assert Path(row["run_dir"]).parent == out
+        assert row["final_loss"] == summary["final_loss"] and row["step_s"] == summary["mean_step_s"]
+        assert row["mem_params_max_bytes"] == max(r["memory/params_bytes"] for r in summary["ranks"])
+        assert row["tokens_per_s"] > 0 and row["step_s"] > 0
+        assert row["compute_s"] + row["comm_s"] >= row["step_s"] - 1e-9
+    n = rows["single"]["num_params"]
+    assert rows["single"]["comm_bytes_per_step"] == 0
+    assert rows["ddp"]["comm_all_reduce_bytes"] == 4 * n  # one fp32 gradient all-reduce per step
+    assert rows["ddp"]["comm_all_reduce_s"] > 0
+    assert rows["fsdp"]["mem_params_max_bytes"] == pytest.approx(2 * n, rel=0.02)  # half of 4 B/param
+    assert rows["fsdp"]["comm_all_gather_bytes"] > 0 and rows["fsdp"]["comm_reduce_scatter_bytes"] == 4 * n
+
+
+def test_verdicts_agree_with_single(comparison):
+    _, rows, _ = comparison
+    assert rows["single"]["agrees"] is True
+    for name in ("ddp", "fsdp"):
+        assert rows[name]["agrees"] is True, rows[name]["verdict"]
+        assert rows[name]["verdict"].startswith("agrees with single")
+        assert rows[name]["loss_max_rel_dev"] < 1e-4
+    assert rows["bogus"]["agrees"] is None
+
+
+def test_predicted_model_state_within_ten_percent(comparison):
+    _, rows, _ = comparison
+    for name in ("single", "ddp", "fsdp"):
+        row = rows[name]
+        for cat in ("params", "grads", "optimizer"):
+            assert row[f"err_{cat}"] is not None and abs(row[f"err_{cat}"]) < 0.10, (name, cat, row[f"err_{cat}"])
+        assert row["model_state_ok"] is True
+        assert abs(row["err_comm_bytes"] or 0) < 0.01  # collective bytes per step, predicted exactly
+
+
+def test_report_and_pictures(comparison):
+    out, rows, _ = comparison
+    report = (out / "report.md").read_text()
+    for png in ("memory_per_rank", "step_time", "comm_bytes", "loss_curves", "predicted_vs_measured"):
+        path = out / f"{png}.png"
+        assert path.is_file() and path.stat().st_size > 5000, png
+        assert f"]({png}.png)" in report
+    assert "## Verdicts" in report and "## Predicted vs measured" in report and "## Would it fit?" in report
+    assert "llama2-70b" in report
+    for row in rows.values():
+        assert Path(row["run_dir"]).name in report  # every row names its run directory
+
+
+def test_wandb_comparison_run_written_offline(comparison):
+    out, _, stdout = comparison
+    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
+    assert "W&B comparison run" in stdout
+
+
+# -------------------------------------------------------------------- pure parts
+def test_strategy_specs_and_argv_split():
+    spec = StrategySpec.parse("fsdp+strategy.reshard_after_forward=false")
+    assert (spec.name, spec.overrides) == ("fsdp", ("strategy.reshard_after_forward=false",))
+    assert "=" not in spec.dirname and "+" not in spec.dirname
+    own, training = split_argv(["compare.nproc=4", "model=tiny", "hydra.run.dir=/x"])
+    assert own == ["nproc=4", "out_dir=/x"] and training == ["model=tiny"]
+    with pytest.raises(ValueError, match="compare.strategies"):
+        split_argv(["strategy=ddp"])
+
+
+def test_failure_reason_prefers_the_child_error_over_torchrun():
+    log = "\n".join([
+        "[rank1]: Traceback (most recent call last):",
+        "[rank1]:   File \"x.py\", line 1, in <module>",
+        "[rank1]: RuntimeError: shapes do not match",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+        "launch/train.py FAILED",
+    ])
+    assert failure_reason(log, 1) == "RuntimeError: shapes do not match at x.py:1 (exit 1)"

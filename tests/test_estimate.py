@@ -1,0 +1,162 @@
+"""The estimator's formulas against hand-computed cases (ZeRO paper, Korthikanti et al., KV cache)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_train.config import ModelConfig
+from dist_train.estimate import (
+    PRESETS,
+    ModelShape,
+    Setup,
+    kv_cache_bytes,
+    model_state_bytes,
+    predict_comm,
+    predict_memory,
+    stage_params,
+    state_bytes,
+)
+from dist_train.estimate.cli import main as estimate_main
+from dist_train.estimate.comm import ring_volume_psi
+from dist_train.estimate.memory import layer_activation_bytes, pipeline_in_flight
+
+GB = 1e9
+
+
+def _setup(strategy: str, family: str, **kw) -> Setup:
+    return Setup(strategy=strategy, family=family, **kw)
+
+
+def test_70b_fp16_adam_weights_grads_moments():
+    """All state in fp16 (no master copy): 2 + 2 + 2x2 bytes per parameter."""
+    s = _setup("ddp", "ddp", world_size=8, precision="fp16", optimizer="adam", regime="pure")
+    m = model_state_bytes(70e9, s)
+    assert (m.params, m.grads, m.master, m.optimizer) == (140 * GB, 140 * GB, 0, 280 * GB)
+
+
+def test_zero_paper_figure_1_7_5b_on_64_gpus():
+    """Rajbhandari et al. Fig. 1: Ψ = 7.5B, N = 64, K = 12 (fp32 master + Adam moments), fp16 mixed precision."""
+    psi, n = 7.5e9, 64
+    # the paper prints 120, 31.4, 16.6, 1.9 GB: (2+2+12)Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N
+    expected = {0: 120 * GB, 1: 31.40625 * GB, 2: 16.640625 * GB, 3: 1.875 * GB}
+    for stage, total in expected.items():
+        family = "ddp" if stage == 0 else "zero"
+        s = _setup(f"zero{stage}", family, zero_stage=stage, world_size=n, precision="fp16", regime="mixed")
+        assert model_state_bytes(psi, s).model_state == pytest.approx(total, rel=1e-12), stage
+    # K = 12 split into a 4-byte master copy and 8 bytes of moments
+    b = state_bytes(precision="fp16", optimizer="adamw", regime="mixed")
+    assert (b.weights, b.grads, b.master, b.optimizer) == (2, 2, 4, 8)
+
+
+def test_zero3_on_64_gpus_shards_every_category():
+    s = _setup("zero3", "zero", zero_stage=3, world_size=64, precision="bf16", regime="mixed")
+    m = model_state_bytes(64e9, s)
+    assert (m.params, m.grads, m.master, m.optimizer) == (2 * GB, 2 * GB, 4 * GB, 8 * GB)
+
+
+def test_what_this_project_keeps_per_strategy():
+    psi, n = 1000, 2
+    # torch strategies: fp32 parameters are the master copy whatever the compute precision
+    ddp = model_state_bytes(psi, _setup("ddp", "ddp", world_size=n, precision="bf16"))
+    assert (ddp.params, ddp.grads, ddp.master, ddp.optimizer) == (4000, 4000, 0, 8000)
+    fsdp = model_state_bytes(psi, _setup("fsdp", "fsdp", world_size=n, precision="bf16"))
+    assert (fsdp.params, fsdp.grads, fsdp.master, fsdp.optimizer) == (2000, 2000, 0, 4000)
+    # DeepSpeed keeps an fp32 master partition even in fp32 training
+    z1 = model_state_bytes(psi, _setup("zero1", "zero", zero_stage=1, world_size=n))
+    assert (z1.params, z1.grads, z1.master, z1.optimizer) == (4000, 4000, 2000, 4000)
+    z2 = model_state_bytes(psi, _setup("zero2", "zero", zero_stage=2, world_size=n, precision="bf16"))
+    assert (z2.params, z2.grads, z2.master, z2.optimizer) == (2000, 1000, 2000, 4000)
+
+
+def test_sgd_state_with_and_without_momentum():
+    assert state_bytes(precision="fp32", optimizer="sgd", momentum=0.9, regime="autocast").optimizer == 4
+    assert state_bytes(precision="fp32", optimizer="sgd", momentum=0.0, regime="autocast").optimizer == 0
+
+
+def test_parameter_counts_match_the_built_models():
+    from dist_train.model import build_model, count_params
+
+    tiny = ModelConfig()  # the defaults are conf/model/tiny.yaml's shape
+    assert ModelShape.from_config(tiny).num_params == count_params(build_model(tiny, seed=0)) == 241024
+    llama = ModelConfig(name="l", arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                        ffn_hidden_size=96, vocab_size=100, max_seq_len=32, tie_embeddings=True)
+    assert ModelShape.from_config(llama).num_params == count_params(build_model(llama, seed=0))
+    assert PRESETS["7b"].num_params == pytest.approx(6.74e9, rel=1e-3)
+    assert PRESETS["70b"].num_params == pytest.approx(68.98e9, rel=1e-3)
+
+
+def test_kv_cache_formula():
+    # Llama-2-70B: 2 x batch 1 x 80 layers x 8 kv heads x 128 head_dim x 4096 context x 2 bytes
+    assert kv_cache_bytes(PRESETS["70b"], batch=1, context=4096, elem=2) == 2 * 80 * 8 * 128 * 4096 * 2 == 1.25 * 2**30
+    # without GQA the kv heads are all heads: 7B, batch 4, context 2048, fp16
+    assert kv_cache_bytes(PRESETS["7b"], batch=4, context=2048, elem=2) == 2 * 4 * 32 * 32 * 128 * 2048 * 2
+
+
+def test_korthikanti_activations_per_layer():
+    """s·b·h·(34 + 5·a·s/h) bytes for a GPT layer with 16-bit activations, dropout and eager attention."""
+    shape = ModelShape(name="gpt", arch="gpt2", num_layers=1, hidden_size=1024, num_heads=16, vocab_size=1000,
+                       max_seq_len=2048, dropout=0.1)
+    s, b, h, a = 2048, 4, 1024, 16
+    got = layer_activation_bytes(shape, micro_batch_size=b, seq_len=s, elem=2, attention_scores=True, fused_gelu=True)
+    assert got == s * b * h * (34 + 5 * a * s / h)
+    # fp32, no dropout, SDPA attention (no a·s² scores): Korthikanti's 16 saved values of 4 bytes per hidden
+    # unit, plus 3 x ffn (= 12 h) that transformers' composed tanh GELU saves on top
+    no_drop = ModelShape(**{**shape.__dict__, "dropout": 0.0})
+    assert layer_activation_bytes(no_drop, micro_batch_size=b, seq_len=s, elem=4, fused_gelu=True) == s * b * h * 16 * 4
+    assert layer_activation_bytes(no_drop, micro_batch_size=b, seq_len=s, elem=4) == s * b * h * (16 + 12) * 4
+
+
+def test_checkpointing_keeps_layer_inputs_plus_one_layer():
+    shape = PRESETS["7b"]
+    base = _setup("ddp", "ddp", world_size=8, precision="bf16", micro_batch_size=1, seq_len=4096)
+    full = predict_memory(shape, base)[0].activations
+    ckpt = predict_memory(shape, Setup(**{**base.__dict__, "activation_checkpointing": True}))[0].activations
+    layer = layer_activation_bytes(shape, micro_batch_size=1, seq_len=4096, elem=2)
+    head = 4096 * (2 * 4096 * 2 + 32000 * 4)
+    assert full == 32 * layer + head
+    assert ckpt == 32 * 4096 * 4096 * 2 + layer + head
+
+
+def test_comm_volume_ring_terms():
+    shape = ModelShape.from_config(ModelConfig())
+    psi, n = shape.num_params, 8
+    for name, family, stage, volume in (("ddp", "ddp", 0, 2), ("zero1", "zero", 1, 2), ("zero2", "zero", 2, 2),
+                                        ("zero3", "zero", 3, 3), ("fsdp", "fsdp", 0, 3)):
+        s = _setup(name, family, zero_stage=stage, world_size=n, regime="mixed")  # one micro-batch per step
+        got = ring_volume_psi(predict_comm(shape, s)[0], group_size=n, num_params=psi)
+        assert got == pytest.approx(volume * (n - 1) / n), name
+    # what DeepSpeed 0.19 does: all-reduce the gradient buckets (2Ψ) plus the parameter all-gather (Ψ)
+    ds = _setup("zero2", "zero", zero_stage=2, world_size=n)
+    assert ring_volume_psi(predict_comm(shape, ds)[0], group_size=n, num_params=psi) == pytest.approx(3 * (n - 1) / n)
+    ddp = predict_comm(shape, _setup("ddp", "ddp", world_size=2, global_batch_size=8, micro_batch_size=2))[0]
+    assert [(c.op, c.bytes) for c in ddp] == [("all_reduce", 4 * psi)]  # no_sync: once per step
+    fsdp = predict_comm(shape, _setup("fsdp", "fsdp", world_size=2, global_batch_size=8, micro_batch_size=2))[0]
+    assert {c.op: c.bytes for c in fsdp} == {"all_gather": 2 * 2 * 4 * psi, "reduce_scatter": 4 * psi}
+    z2 = predict_comm(shape, _setup("zero2", "zero", zero_stage=2, world_size=2, global_batch_size=8,
+                                    micro_batch_size=2))[0]
+    assert {c.op: c.bytes for c in z2} == {"all_reduce": 2 * 4 * psi, "all_gather": 4 * psi}  # as measured
+
+
+def test_pipeline_stages_hold_their_share():
+    shape = ModelShape.from_config(ModelConfig())
+    parts = stage_params(shape, num_stages=2)
+    assert sum(parts) == shape.num_params and len(parts) == 2
+    s = _setup("1f1b", "pipeline", schedule="1f1b", world_size=4, num_microbatches=8)
+    assert [pipeline_in_flight(s, stage=k) for k in range(4)] == [4, 3, 2, 1]
+    g = _setup("gpipe", "pipeline", schedule="gpipe", world_size=4, num_microbatches=8)
+    assert [pipeline_in_flight(g, stage=k) for k in range(4)] == [8] * 4
+
+
+def test_cli_prints_a_table_and_a_fit_answer(capsys):
+    code = estimate_main(["model=llama_1b", "strategy=zero3", "world_size=8", "precision=bf16", "gpu_gib=80",
+                          "fit.gpus=[8,1024]"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "zero3 (zero stage 3) on 8 ranks" in out and "regime deepspeed" in out
+    assert "llama2-70b" in out and "N=1024" in out
+    assert "KV cache" in out and "ring volume" in out
+
+
+def test_cli_rejects_a_bad_option(capsys):
+    assert estimate_main(["regime=nonsense"]) == 2
+    assert "regime" in capsys.readouterr().err
