@@ -8,6 +8,7 @@ string where an int belongs) and :func:`validate` rejects combinations no single
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -22,6 +23,14 @@ class ConfigError(ValueError):
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _importable(module: str) -> bool:
+    """Whether `import module` can work, without importing it (deepspeed's import costs seconds)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules[module] is None (import blocked)
+        return False
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -48,8 +57,19 @@ class StrategyConfig:
     def check(self, world_size: int) -> None:
         """Strategy-specific checks; world_size is the number of processes that will run."""
 
+    def microbatches_per_step(self, train: "TrainConfig", world_size: int) -> int:
+        """Micro-batches each rank runs per optimizer step (gradient accumulation)."""
+        return train.global_batch_size // (train.micro_batch_size * self.data_parallel_size(world_size))
+
     def check_run(self, run: "RunConfig", world_size: int) -> None:
-        """Checks that also need the model/train values (e.g. a pipeline's stages vs layers); default none."""
+        """Checks that also need the model/train values; by default, that the global batch splits evenly."""
+        t, dp = run.train, self.data_parallel_size(world_size)
+        per_step = t.micro_batch_size * dp
+        _require(
+            t.global_batch_size % per_step == 0,
+            f"train.global_batch_size={t.global_batch_size} must be divisible by train.micro_batch_size "
+            f"({t.micro_batch_size}) x data-parallel size ({dp}) = {per_step}",
+        )
 
 
 @dataclass
@@ -132,6 +152,20 @@ class ZeroConfig(StrategyConfig):
             not self.offload_params or self.stage == 3,
             f"strategy.offload_params=true needs strategy.stage=3 (got {self.stage})",
         )
+        _require(
+            _importable("deepspeed"),
+            f"strategy={self.name} needs DeepSpeed, which is not importable in this environment; "
+            "`pip install deepspeed` or pick strategy=ddp|fsdp",
+        )
+        if self.offload_optimizer or self.offload_params:
+            import torch
+
+            what = "optimizer and parameters" if self.offload_params else "optimizer"
+            _require(
+                torch.cuda.is_available(),
+                f"strategy={self.name} offloads the {what} from GPU to CPU memory, but no CUDA GPU is visible; "
+                f"on CPU use strategy=zero{self.stage} (no offload)",
+            )
 
 
 @dataclass
@@ -169,6 +203,9 @@ class PipelineConfig(StrategyConfig):
             return self.num_microbatches
         return train.global_batch_size // train.micro_batch_size
 
+    def microbatches_per_step(self, train: "TrainConfig", world_size: int) -> int:
+        return self.microbatches(train)
+
     def check_run(self, run: "RunConfig", world_size: int) -> None:
         stages, layers, batch = world_size, run.model.num_layers, run.train.global_batch_size
         _require(
@@ -199,7 +236,8 @@ class PipelineConfig(StrategyConfig):
             ok = len(points) == stages - 1 and all(a < b for a, b in zip(edges, edges[1:]))
             _require(
                 ok,
-                f"strategy.split_points={points} must be {stages - 1} increasing block indices in [1, {layers - 1}] "
+                f"strategy.split_points={points} must be a list of {stages - 1} strictly increasing block "
+                f"index(es) in [1, {layers - 1}] "
                 f"(the first block of stages 1..{stages - 1}; WORLD_SIZE={stages}, model.num_layers={layers})",
             )
         _require(
@@ -343,9 +381,8 @@ def world_size_from_env() -> int:
 
 
 def accumulation_steps(run: RunConfig, world_size: int) -> int:
-    """Micro-batches each data-parallel rank runs per optimizer step."""
-    dp = run.strategy.data_parallel_size(world_size)
-    return run.train.global_batch_size // (run.train.micro_batch_size * dp)
+    """Micro-batches each rank runs per optimizer step."""
+    return run.strategy.microbatches_per_step(run.train, world_size)
 
 
 def validate(run: RunConfig, world_size: int) -> None:
@@ -394,13 +431,6 @@ def validate(run: RunConfig, world_size: int) -> None:
     _choice("strategy.name", run.strategy.name, tuple(available()))
     run.strategy.check(world_size)
     run.strategy.check_run(run, world_size)
-    dp = run.strategy.data_parallel_size(world_size)
-    per_step = t.micro_batch_size * dp
-    _require(
-        t.global_batch_size % per_step == 0,
-        f"train.global_batch_size={t.global_batch_size} must be divisible by train.micro_batch_size "
-        f"({t.micro_batch_size}) x data-parallel size ({dp}) = {per_step}",
-    )
 
 
 def _validate_data(run: RunConfig) -> None:

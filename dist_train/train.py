@@ -194,7 +194,7 @@ def _summary(run: RunConfig, runtime: Any, telemetry: Any, *, num_params: int, d
         "num_params": num_params,
         "steps": t.steps,
         "global_batch_size": t.global_batch_size,
-        "micro_batch_size": t.micro_batch_size,
+        "micro_batch_size": t.global_batch_size // (dp * accumulation_steps(run, runtime.world_size)),
         "accumulation_steps": accumulation_steps(run, runtime.world_size),
         "seq_len": t.seq_len,
         "final_loss": telemetry.step_losses[-1],

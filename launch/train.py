@@ -4,6 +4,7 @@
     python launch/train.py strategy=single
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,25 @@ register_configs()
 register_resolvers()
 
 
+def _accept_launcher_local_rank(argv: list[str]) -> list[str]:
+    """The deepspeed launcher (and torch.distributed.launch) pass --local_rank=N; Hydra would reject it.
+
+    Take it off the command line and hand it over the way torchrun does, as LOCAL_RANK.
+    """
+    kept, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith(("--local_rank=", "--local-rank=")):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+        elif arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+            i += 1
+        else:
+            kept.append(arg)
+        i += 1
+    return kept
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
     from dist_train.train import main
@@ -29,4 +49,5 @@ def _main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = _accept_launcher_local_rank(sys.argv[1:])
     _main()

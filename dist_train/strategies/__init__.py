@@ -14,6 +14,15 @@ _BUILDERS: dict[str, str] = {
     "dp": "dist_train.strategies.dp",
     "ddp": "dist_train.strategies.ddp",
     "fsdp": "dist_train.strategies.fsdp",
+    # Pipeline parallelism: one module, `strategy.schedule` tells GPipe and 1F1B apart.
+    "gpipe": "dist_train.strategies.pipeline",
+    "1f1b": "dist_train.strategies.pipeline",
+    # DeepSpeed ZeRO: one module, `strategy.stage` (and offload flags) tell the names apart.
+    "zero1": "dist_train.strategies.zero",
+    "zero2": "dist_train.strategies.zero",
+    "zero3": "dist_train.strategies.zero",
+    "zero2_offload": "dist_train.strategies.zero",
+    "zero3_offload": "dist_train.strategies.zero",
 }
 
 

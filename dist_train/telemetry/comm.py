@@ -13,7 +13,9 @@ Every wrapped call is issued with `async_op=True`; completion is taken from the 
 (gloo: wall clock on gloo's thread) or, on CUDA, from an event recorded in that callback, whose stream
 waits for the collective; events are read only when a logging window closes. Gloo gives no future for
 reduce-scatter and point-to-point work: a small pool of watcher threads blocks in `work.wait()` (which
-releases the GIL) and stamps the time it returns. A caller that asked for a blocking call still gets one
+releases the GIL) and stamps the time it returns. Gloo's send/recv `wait()` may run only once (a second
+waiter hangs), so for those the caller gets a stand-in Work that waits for the watcher instead.
+A caller that asked for a blocking call still gets one
 (we wait on its behalf exactly as torch would). Times include waiting for the slowest peer, as in
 nccl-tests.
 
@@ -40,7 +42,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 
-COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv")
 
 
 def busbw_factor(op: str, group_size: int) -> float:
@@ -84,6 +86,9 @@ _SIZERS: dict[str, tuple[str, Callable[[dict[str, Any]], int]]] = {
     "reduce_scatter_tensor": ("reduce_scatter", lambda a: _nbytes(a["input"])),
     "_reduce_scatter_base": ("reduce_scatter", lambda a: _nbytes(a["input"])),
     "broadcast": ("broadcast", lambda a: _nbytes(a["tensor"])),
+    # DeepSpeed ZeRO-1/2 reduce each gradient slice to its owner with `reduce` when
+    # zero_optimization.use_multi_rank_bucket_allreduce is false.
+    "reduce": ("reduce", lambda a: _nbytes(a["tensor"])),
     "send": ("send", lambda a: _nbytes(a["tensor"])),
     "isend": ("send", lambda a: _nbytes(a["tensor"])),
     "recv": ("recv", lambda a: _nbytes(a["tensor"])),
@@ -157,6 +162,7 @@ class CommTracker:
     _paused: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _watchers: ThreadPoolExecutor | None = None
+    _p2p_watchers: ThreadPoolExecutor | None = None
 
     # ---------------------------------------------------------------- install / uninstall
     def install(self) -> "CommTracker":
@@ -189,6 +195,9 @@ class CommTracker:
         if self._watchers is not None:
             self._watchers.shutdown(wait=True)
             self._watchers = None
+        if self._p2p_watchers is not None:
+            self._p2p_watchers.shutdown(wait=True)
+            self._p2p_watchers = None
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -237,19 +246,21 @@ class CommTracker:
             self._records.append(rec)
         return rec
 
-    def _on_complete(self, recs: list[_Record], work: Any) -> None:
-        """Stamp completion from the work's future; never waits."""
+    def _on_complete(self, recs: list[_Record], work: Any) -> Any:
+        """Stamp completion from the work's future; never waits. Returns the work to hand to the caller."""
         if work is None:  # e.g. this rank is not in the group: nothing ran, nothing to time
             for rec in recs:
                 rec.done = True
-            return
+            return work
         try:
             fut = work.get_future()
         except (RuntimeError, AttributeError):
             fut = None
         if fut is None:  # gloo's reduce-scatter and p2p: a watcher thread waits instead of us
+            if all(rec.op in ("send", "recv") for rec in recs):
+                return self._watch_p2p(recs, work)
             self._watch(recs, work)
-            return
+            return work
 
         def stamp(_fut: Any) -> None:
             end = time.perf_counter()
@@ -261,6 +272,7 @@ class CommTracker:
                 rec.done = True
 
         fut.then(stamp)
+        return work
 
     def _watch(self, recs: list[_Record], work: Any) -> None:
         if self._watchers is None:
@@ -276,6 +288,31 @@ class CommTracker:
                 rec.end_s, rec.done = end, True
 
         self._watchers.submit(wait_and_stamp)
+
+    def _watch_p2p(self, recs: list[_Record], work: Any) -> "_WatchedWork":
+        """Gloo send/recv: the watcher is the only thread that waits on the work; the caller gets a stand-in.
+
+        Gloo's point-to-point `wait()` consumes the completion (its buffer counts completions down), so a
+        second waiter blocks forever. Each of these waits gets its own pool thread (the pool grows instead
+        of queueing: a queued watch would hold up the caller waiting on its stand-in).
+        """
+        if self._p2p_watchers is None:
+            self._p2p_watchers = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="dist_train-p2p-watch")
+        proxy = _WatchedWork(work)
+
+        def wait_and_stamp() -> None:
+            error = None
+            try:
+                work.wait()  # releases the GIL; the training thread is not held
+            except Exception as exc:  # handed to the caller when it waits on the stand-in
+                error = exc
+            end = time.perf_counter()
+            for rec in recs:
+                rec.end_s, rec.done = end, True
+            proxy._finish(error)
+
+        self._p2p_watchers.submit(wait_and_stamp)
+        return proxy
 
     def _wrap_funcol(self, original: Callable, op: str, sizer: Callable[[dict[str, Any]], int]) -> Callable:
         sig = inspect.signature(original)
@@ -311,7 +348,7 @@ class CommTracker:
                         rec.end_event = torch.cuda.Event(enable_timing=True)
                         rec.end_event.record()
                 else:
-                    self._on_complete([rec], result)
+                    result = self._on_complete([rec], result)
                 return result
             wanted_async = arguments.get("async_op", False)
             arguments["async_op"] = True
@@ -338,10 +375,9 @@ class CommTracker:
             with self._nested():
                 works = original(p2p_op_list)
             if works and len(works) == len(recs):
-                for rec, work in zip(recs, works):
-                    self._on_complete([rec], work)
+                works = [self._on_complete([rec], work) for rec, work in zip(recs, works)]
             elif works:
-                self._on_complete(recs, works[-1])
+                works[-1] = self._on_complete(recs, works[-1])
             else:
                 for rec in recs:
                     rec.done = True
@@ -364,6 +400,39 @@ class CommTracker:
         with self._lock:
             self._records[:0] = pending
         return totals
+
+
+class _WatchedWork:
+    """Stands in for a gloo send/recv Work that a watcher thread waits on (see `CommTracker._watch_p2p`)."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        if not self._done.wait(seconds or None):  # None / 0: no limit of our own (gloo's applies)
+            raise RuntimeError(f"point-to-point work did not complete within {timeout}")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def __getattr__(self, name: str) -> Any:  # source_rank(), result(), ... of the real work
+        return getattr(self._work, name)
 
 
 def name_blocks(fn: Callable) -> bool:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from dist_train.runtime import Runtime
 from dist_train.strategies.base import StepOutput, Strategy
 from dist_train.telemetry.activations import ActivationMeter
-from dist_train.telemetry.comm import COMM_OPS, CommTracker
+from dist_train.telemetry.comm import CommTracker
 from dist_train.telemetry.memory import HostPeak, cuda_peaks, reset_cuda_peaks
 from dist_train.telemetry.sinks import Sink
 
@@ -173,22 +173,23 @@ class Telemetry:
         return (ends[-1] - ends[warmup_steps - 1]) / (len(ends) - warmup_steps)
 
     def per_rank_summary(self) -> list[dict[str, Any]]:
-        """Rank 0: for every rank the peak of each memory figure and the mean per step of each comm figure."""
+        """Rank 0: for every rank the peak of each memory figure and the per-step mean of every other
+        per-rank figure (collectives, step time, strategy figures such as pipeline/bubble_fraction)."""
         if not self.history:
             return []
         out = []
         for rank in range(len(self.history[0])):
             windows = [records[rank] for records in self.history]
-            row: dict[str, Any] = {"rank": rank}
-            for key in windows[-1]:
-                if key.startswith("memory/"):
-                    row[key] = max(w.get(key, 0) for w in windows)
             steps = [w["step"] for w in windows]
             spans = [s - p for s, p in zip(steps, [0] + steps[:-1])]
-            for op in COMM_OPS:
-                for stat in ("count", "bytes", "time_s"):
-                    key = f"comm/{op}/{stat}"
-                    if key in windows[-1]:
-                        row[key] = sum(w[key] * n for w, n in zip(windows, spans)) / sum(spans)
+            row: dict[str, Any] = {"rank": rank}
+            for key, value in windows[-1].items():
+                if key in GLOBAL_KEYS or "/" not in key or not isinstance(value, (int, float)):
+                    continue
+                values = [w.get(key) for w in windows]
+                if key.startswith("memory/"):
+                    row[key] = max(v for v in values if v is not None)
+                elif all(isinstance(v, (int, float)) for v in values):
+                    row[key] = sum(v * n for v, n in zip(values, spans)) / sum(spans)
             out.append(row)
         return out

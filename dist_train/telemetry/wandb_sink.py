@@ -19,7 +19,7 @@ from dist_train.telemetry.recorder import GLOBAL_KEYS
 
 log = logging.getLogger("dist_train")
 
-PER_RANK_PREFIXES = ("memory/", "comm/", "time/")
+_NOT_FIGURES = ("step", "rank")
 
 
 def resolve_mode(mode: str) -> str:
@@ -49,7 +49,8 @@ def wandb_payload(records: list[dict[str, Any]]) -> dict[str, Any]:
     data: dict[str, Any] = {k: records[0][k] for k in GLOBAL_KEYS if records[0].get(k) is not None}
     for rec in records:
         for key, value in rec.items():
-            if key.startswith(PER_RANK_PREFIXES) and value is not None:
+            per_rank = key not in GLOBAL_KEYS and key not in _NOT_FIGURES and "/" in key
+            if per_rank and isinstance(value, (int, float)) and value is not None:
                 data[f"{key}/rank{rec['rank']}"] = value
                 data[f"{key}/max"] = max(data.get(f"{key}/max", value), value)
     return data
@@ -82,10 +83,14 @@ class WandbSink:
         for key, value in summary.items():
             if not isinstance(value, (list, dict)):
                 self.run.summary[key] = value
+        worst: dict[str, Any] = {}
         for row in summary.get("ranks", []):
             for key, value in row.items():
                 if key != "rank":
                     self.run.summary[f"peak/{key}/rank{row['rank']}"] = value
+                    worst[key] = max(worst.get(key, value), value)
+        for key, value in worst.items():  # the worst rank: what a group dashboard compares strategies on
+            self.run.summary[f"peak/{key}/max"] = value
         run_dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
         self.run.finish()
         if self.mode == "offline":
