@@ -205,5 +205,5 @@ def _summary(run: RunConfig, runtime: Any, telemetry: Any, *, num_params: int, d
         "backend": runtime.backend,
         "device": str(runtime.device),
         "run_dir": str(run_dir),
-        "ranks": telemetry.per_rank_summary(),
+        "ranks": telemetry.per_rank_summary(run.telemetry.warmup_steps),
     }

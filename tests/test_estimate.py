@@ -135,6 +135,12 @@ def test_comm_volume_ring_terms():
     z2 = predict_comm(shape, _setup("zero2", "zero", zero_stage=2, world_size=2, global_batch_size=8,
                                     micro_batch_size=2))[0]
     assert {c.op: c.bytes for c in z2} == {"all_reduce": 2 * 4 * psi, "all_gather": 4 * psi}  # as measured
+    # DeepSpeed ZeRO-3 keeps a small model's gathered parameters from forward to backward (reuse distance):
+    # one gather per micro-batch, as measured; the paper's regime gathers twice.
+    z3 = _setup("zero3", "zero", zero_stage=3, world_size=2, global_batch_size=8, micro_batch_size=2)
+    assert {c.op: c.bytes for c in predict_comm(shape, z3)[0]} == {"all_gather": 2 * 4 * psi, "reduce_scatter": 2 * 4 * psi}
+    paper = _setup("zero3", "zero", zero_stage=3, world_size=2, global_batch_size=8, micro_batch_size=2, regime="mixed")
+    assert {c.op: c.bytes for c in predict_comm(shape, paper)[0]} == {"all_gather": 2 * 2 * 4 * psi, "reduce_scatter": 2 * 4 * psi}
 
 
 def test_pipeline_stages_hold_their_share():

@@ -172,9 +172,11 @@ class Telemetry:
             return (ends[-1] - self.start_s) / len(ends)
         return (ends[-1] - ends[warmup_steps - 1]) / (len(ends) - warmup_steps)
 
-    def per_rank_summary(self) -> list[dict[str, Any]]:
-        """Rank 0: for every rank the peak of each memory figure and the per-step mean of every other
-        per-rank figure (collectives, step time, strategy figures such as pipeline/bubble_fraction)."""
+    def per_rank_summary(self, warmup_steps: int = 0) -> list[dict[str, Any]]:
+        """Rank 0: for every rank the peak of each memory figure (over all steps) and the per-step mean of
+        every other per-rank figure (collectives, step time, pipeline/bubble_fraction, ...) over the windows
+        after warm-up: the first steps carry set-up traffic (ZeRO-3 traces the model, a pipeline shakes
+        hands) that is not what a step costs. A window straddling the warm-up counts as steady."""
         if not self.history:
             return []
         out = []
@@ -182,6 +184,7 @@ class Telemetry:
             windows = [records[rank] for records in self.history]
             steps = [w["step"] for w in windows]
             spans = [s - p for s, p in zip(steps, [0] + steps[:-1])]
+            steady = [i for i, s in enumerate(steps) if s > warmup_steps] or list(range(len(windows)))
             row: dict[str, Any] = {"rank": rank}
             for key, value in windows[-1].items():
                 if key in GLOBAL_KEYS or "/" not in key or not isinstance(value, (int, float)):
@@ -189,7 +192,7 @@ class Telemetry:
                 values = [w.get(key) for w in windows]
                 if key.startswith("memory/"):
                     row[key] = max(v for v in values if v is not None)
-                elif all(isinstance(v, (int, float)) for v in values):
-                    row[key] = sum(v * n for v, n in zip(values, spans)) / sum(spans)
+                elif all(isinstance(values[i], (int, float)) for i in steady):
+                    row[key] = sum(values[i] * spans[i] for i in steady) / sum(spans[i] for i in steady)
             out.append(row)
         return out

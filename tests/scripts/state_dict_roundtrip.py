@@ -7,6 +7,7 @@ and the parameters after it must be identical. Prints one JSON line on rank 0.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -94,6 +95,10 @@ def main() -> None:
         max_diff = float(box)
     if runtime.is_main:
         print(json.dumps({"loss_a": loss_a, "loss_b": loss_b, "max_param_diff": max_diff}))
+    # Release both strategies (their DDP reducers / engines hold the process group) before destroying it,
+    # as train.py does by returning from _train first; destroying it under them can abort at exit.
+    del a, b
+    gc.collect()
     shutdown(runtime)
 
 
