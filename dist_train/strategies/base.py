@@ -9,6 +9,7 @@ parameters, gradients and optimizer state. The training loop names no strategy.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ContextManager, Protocol
@@ -175,6 +176,17 @@ def accumulate(
 @contextlib.contextmanager
 def nothing() -> Iterator[None]:
     yield
+
+
+def detached_clone(obj: Any) -> Any:
+    """A copy of nested containers whose tensors are detached clones (a state dict that training won't move)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: detached_clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(detached_clone(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

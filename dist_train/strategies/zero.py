@@ -126,17 +126,6 @@ def init_deepspeed_comm(backend: str | None) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _cloned(obj: Any) -> Any:
-    """A copy of nested containers whose tensors are detached clones."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _cloned(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cloned(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
 class ZeroModelState(ModelState):
     """ModelState whose gradient bytes were counted during the step, after each backward.
 
@@ -261,11 +250,11 @@ class ZeroStrategy:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-                model_sd = _cloned(model.state_dict())
+                model_sd = detached_clone(model.state_dict())
         else:
-            model_sd = _cloned(model.state_dict())
+            model_sd = detached_clone(model.state_dict())
         # DeepSpeed's state dict holds the live fp32 partitions and moments: copy, or training mutates it.
-        return {"model": model_sd, "optimizer": _cloned(self.engine.optimizer.state_dict())}
+        return {"model": model_sd, "optimizer": detached_clone(self.engine.optimizer.state_dict())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # The optimizer's state carries the fp32 master partition, from which every rank's parameters

@@ -26,18 +26,9 @@ from dist_train.optim import OptimizerFactory  # noqa: E402
 from dist_train.rundir import register_resolvers  # noqa: E402
 from dist_train.runtime import init_runtime, shutdown  # noqa: E402
 from dist_train.strategies import StrategyContext, build_strategy  # noqa: E402
+from dist_train.strategies.base import detached_clone  # noqa: E402
 from dist_train.telemetry.memory import local_tensor  # noqa: E402
 from dist_train.train import to_run_config  # noqa: E402
-
-
-def cloned(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: cloned(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cloned(v) for v in obj)
-    return obj
 
 
 def global_loss(out, runtime) -> float:
@@ -79,7 +70,7 @@ def main() -> None:
     a = fresh()
     for step in range(2):
         a.train_step(batches.local_batch(step))
-    saved = cloned(a.state_dict())
+    saved = detached_clone(a.state_dict())
     loss_a = global_loss(a.train_step(batches.local_batch(2)), runtime)
     params_a = local_params(a)
 
