@@ -27,7 +27,7 @@ from torch import nn
 from dist_train.config import PrecisionConfig, TrainConfig, ZeroConfig
 from dist_train.data import Batch
 from dist_train.model import forward_loss
-from dist_train.strategies.base import StepOutput, StrategyContext
+from dist_train.strategies.base import StepOutput, StrategyContext, detached_clone
 from dist_train.telemetry.memory import ModelState, optimizer_state_tensors, tensor_bytes
 
 DEFAULT_EXTENSIONS_DIR = Path.home() / ".cache" / "dist_train" / "torch_extensions"
