@@ -21,4 +21,5 @@ demo: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py strategy=ddp
 
 test: install
+	$(VENV)/bin/ruff check dist_train launch tests
 	$(PY) -m pytest -q

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import FAST, last_step, metrics, rel_diff, train_ok
+from tests.helpers import FAST, last_step, rel_diff, train_ok
 
 pytestmark = pytest.mark.multiproc
 

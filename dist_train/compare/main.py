@@ -23,7 +23,6 @@ class Comparison:
 def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = "") -> Comparison:
     from dist_train.compare.document import fit_section, render
     from dist_train.compare.plots import make_plots
-    from dist_train.compare.predicted import add_prediction
     from dist_train.compare.report import write_tables
     from dist_train.compare.runner import run_strategy
     from dist_train.compare.table import build_row
