@@ -346,13 +346,15 @@ class RunConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
 
+# Schemas live in their own group (`schema/strategy/<name>`), so `strategy=` lists only real strategies;
+# each conf/strategy/*.yaml pulls its schema in with `- /schema/strategy/<name>@_here_`.
 STRATEGY_SCHEMAS: dict[str, type[StrategyConfig]] = {
-    "base_single": SingleConfig,
-    "base_dp": DPConfig,
-    "base_ddp": DDPConfig,
-    "base_fsdp": FSDPConfig,
-    "base_zero": ZeroConfig,
-    "base_pipeline": PipelineConfig,
+    "single": SingleConfig,
+    "dp": DPConfig,
+    "ddp": DDPConfig,
+    "fsdp": FSDPConfig,
+    "zero": ZeroConfig,
+    "pipeline": PipelineConfig,
 }
 
 
@@ -363,7 +365,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
     for name, schema in STRATEGY_SCHEMAS.items():
-        cs.store(group="strategy", name=name, node=schema)
+        cs.store(group="schema/strategy", name=name, node=schema)
 
 
 # --------------------------------------------------------------------------------------------------
