@@ -130,6 +130,17 @@ class _Record:
         return None if self.end_s is None else self.end_s - self.start_s
 
 
+def _stamp(recs: list[_Record]) -> None:
+    """Mark `recs` complete now: wall clock, and on CUDA an event on the current stream (which, in a future
+    callback, waits for the collective; read only when the window closes)."""
+    end = time.perf_counter()
+    for rec in recs:
+        if rec.start_event is not None:
+            rec.end_event = torch.cuda.Event(enable_timing=True)
+            rec.end_event.record()
+        rec.end_s, rec.done = end, True
+
+
 @dataclass
 class OpTotals:
     count: int = 0
@@ -262,16 +273,7 @@ class CommTracker:
             self._watch(recs, work)
             return work
 
-        def stamp(_fut: Any) -> None:
-            end = time.perf_counter()
-            for rec in recs:
-                if rec.start_event is not None:
-                    rec.end_event = torch.cuda.Event(enable_timing=True)
-                    rec.end_event.record()  # on a stream that waits for the collective
-                rec.end_s = end
-                rec.done = True
-
-        fut.then(stamp)
+        fut.then(lambda _fut: _stamp(recs))
         return work
 
     def _watch(self, recs: list[_Record], work: Any) -> None:
@@ -283,9 +285,7 @@ class CommTracker:
                 work.wait()  # releases the GIL; the training thread is not held
             except Exception:  # the training thread sees the failure itself when it waits
                 pass
-            end = time.perf_counter()
-            for rec in recs:
-                rec.end_s, rec.done = end, True
+            _stamp(recs)
 
         self._watchers.submit(wait_and_stamp)
 
@@ -306,9 +306,7 @@ class CommTracker:
                 work.wait()  # releases the GIL; the training thread is not held
             except Exception as exc:  # handed to the caller when it waits on the stand-in
                 error = exc
-            end = time.perf_counter()
-            for rec in recs:
-                rec.end_s, rec.done = end, True
+            _stamp(recs)
             proxy._finish(error)
 
         self._p2p_watchers.submit(wait_and_stamp)
@@ -343,10 +341,7 @@ class CommTracker:
                 with self._nested():
                     result = original(*args, **kwargs)
                 if name_blocks(original):
-                    rec.end_s, rec.done = time.perf_counter(), True
-                    if rec.start_event is not None:
-                        rec.end_event = torch.cuda.Event(enable_timing=True)
-                        rec.end_event.record()
+                    _stamp([rec])
                 else:
                     result = self._on_complete([rec], result)
                 return result
@@ -354,7 +349,7 @@ class CommTracker:
             arguments["async_op"] = True
             with self._nested():
                 work = original(*bound.args, **bound.kwargs)
-            self._on_complete([rec], work)
+            work = self._on_complete([rec], work)  # may be a stand-in the caller must wait on instead
             if wanted_async:
                 return work
             if work is not None:
