@@ -91,13 +91,18 @@ def autocast(precision: PrecisionConfig, device: torch.device) -> ContextManager
     return torch.autocast(device_type=device.type, dtype=_DTYPES[precision.name])
 
 
-def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the gradients (DTensor shards are reduced across ranks), then clip if max_norm > 0."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    full_tensor = getattr(total, "full_tensor", None)
-    if callable(full_tensor):
-        total = full_tensor()
+def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, *, total: torch.Tensor | None = None) -> torch.Tensor:
+    """Global L2 norm of the gradients (DTensor shards are reduced across ranks), then clip if max_norm > 0.
+
+    `total`: the global norm when this process cannot compute it from its own parameters (a pipeline
+    stage holds only its share); the gradients are then clipped by it, as one process would clip them.
+    """
+    if total is None:
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        full_tensor = getattr(total, "full_tensor", None)
+        if callable(full_tensor):
+            total = full_tensor()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
@@ -120,10 +125,13 @@ class LocalOptimizer:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self) -> torch.Tensor:
+    def step(self, *, total_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """Clip (by `total_norm` if given, else the norm of these parameters), step, advance the schedule."""
         if self.scaler is not None:
+            # A norm computed before unscaling would be in scaled units.
+            assert total_norm is None, "a precomputed norm cannot be combined with fp16 loss scaling"
             self.scaler.unscale_(self.optimizer)
-        norm = grad_norm_and_clip(self.params, self.max_norm)
+        norm = grad_norm_and_clip(self.params, self.max_norm, total=total_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

@@ -248,10 +248,7 @@ class PipelineStrategy:
         # The norm's all-reduce returns once every stage has drained: the end of the pipeline's span. A stage
         # whose schedule finished early (the last one, under GPipe) waited in it: that wait is bubble too.
         self.clock.step_end()
-        if self.opt.max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.opt.params, self.opt.max_norm, grad_norm)
-        self.opt.optimizer.step()
-        self.opt.scheduler.step()
+        self.opt.step(total_norm=grad_norm)  # every stage clips by the global norm, as one process would
         loss_sum = None
         if self.is_last:
             assert len(self._losses) == self.num_microbatches, "one loss per micro-batch"
