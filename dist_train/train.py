@@ -87,6 +87,7 @@ def _train(run: RunConfig, cfg: DictConfig, runtime: Any) -> dict[str, Any] | No
     from dist_train.telemetry.comm import CommTracker
     from dist_train.telemetry.flops import embedding_params, flops_per_token, peak_flops
     from dist_train.telemetry.recorder import Telemetry, Workload
+    from dist_train.telemetry.sinks import NullSink
 
     run_dir = Path(agree_on_run_dir(hydra_run_dir()))
     setup_logging(run_dir, runtime.rank)
@@ -129,11 +130,8 @@ def _train(run: RunConfig, cfg: DictConfig, runtime: Any) -> dict[str, Any] | No
             flops_per_token=fpt, peak_flops=peak,
             num_devices=runtime.world_size * len(strategy.devices),
         )
-        sink = _sinks(run, cfg, runtime, run_dir) if runtime.is_main else None
-        from dist_train.telemetry.sinks import NullSink
-
         telemetry = Telemetry(
-            runtime=runtime, strategy=strategy, sink=sink or NullSink(), workload=workload, tracker=tracker,
+            runtime=runtime, strategy=strategy, sink=_sinks(run, cfg, runtime, run_dir) if runtime.is_main else NullSink(), workload=workload, tracker=tracker,
             activations=ActivationMeter() if run.telemetry.activations else None,
         )
         log.info(

@@ -122,10 +122,7 @@ class Telemetry:
         if not (self.runtime.has_group and dist.is_initialized()) or dist.get_world_size() == 1:
             return [local]
         out: list[Any] | None = [None] * dist.get_world_size() if self.runtime.is_main else None
-        if self.tracker is not None:
-            with self.tracker.paused():
-                dist.gather_object(local, out, dst=0)
-        else:
+        with self.tracker.paused() if self.tracker is not None else contextlib.nullcontext():
             dist.gather_object(local, out, dst=0)
         return out
 

@@ -50,7 +50,7 @@ def wandb_payload(records: list[dict[str, Any]]) -> dict[str, Any]:
     for rec in records:
         for key, value in rec.items():
             per_rank = key not in GLOBAL_KEYS and key not in _NOT_FIGURES and "/" in key
-            if per_rank and isinstance(value, (int, float)) and value is not None:
+            if per_rank and isinstance(value, (int, float)):
                 data[f"{key}/rank{rec['rank']}"] = value
                 data[f"{key}/max"] = max(data.get(f"{key}/max", value), value)
     return data
