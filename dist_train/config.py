@@ -389,9 +389,19 @@ def accumulation_steps(run: RunConfig, world_size: int) -> int:
 
 def validate(run: RunConfig, world_size: int) -> None:
     """Raise ConfigError (one line) for the first value that cannot run. No process group is needed."""
+    validate_fields(run)
+    _require(world_size >= 1, f"WORLD_SIZE={world_size} must be >= 1")
+    from dist_train.strategies import available
+
+    _choice("strategy.name", run.strategy.name, tuple(available()))
+    run.strategy.check(world_size)
+    run.strategy.check_run(run, world_size)
+
+
+def validate_fields(run: RunConfig) -> None:
+    """The checks that do not depend on the number of processes (the estimator and compare run these too)."""
     _require(isinstance(run.strategy, StrategyConfig), "strategy is not set; pick one with strategy=<name>")
     t, m = run.train, run.model
-    _require(world_size >= 1, f"WORLD_SIZE={world_size} must be >= 1")
     for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_every"):
         value = getattr(t, key)
         _require(value >= 1, f"train.{key}={value} must be >= 1")
@@ -427,12 +437,6 @@ def validate(run: RunConfig, world_size: int) -> None:
     _choice("logger.name", run.logger.name, ("wandb", "none"))
     _choice("logger.mode", run.logger.mode, ("auto", "online", "offline"))
     _require(run.telemetry.warmup_steps >= 0, f"telemetry.warmup_steps={run.telemetry.warmup_steps} must be >= 0")
-
-    from dist_train.strategies import available
-
-    _choice("strategy.name", run.strategy.name, tuple(available()))
-    run.strategy.check(world_size)
-    run.strategy.check_run(run, world_size)
 
 
 def _validate_data(run: RunConfig) -> None:

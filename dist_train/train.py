@@ -19,19 +19,26 @@ log = logging.getLogger("dist_train")
 
 def main(cfg: DictConfig) -> int:
     """Entry for launch/train.py: a config error is one line on stderr and exit code 2, before any process group."""
+    from dist_train.entry import report_config_error
+
     try:
         run = to_run_config(cfg)
         validate(run, world_size_from_env())
     except ConfigError as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return report_config_error(str(exc))  # once per launch, whichever rank fails first
     train(run, cfg)
     return 0
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
-    run = OmegaConf.to_object(cfg)
+    from omegaconf.errors import OmegaConfBaseException
+
+    from dist_train.entry import one_line
+
+    try:
+        run = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:  # e.g. a required value left unset (???)
+        raise ConfigError(one_line(exc)) from exc
     if not isinstance(run, RunConfig):
         raise ConfigError("the config is not a dist_train RunConfig (was conf/config.yaml replaced?)")
     return run

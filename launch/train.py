@@ -14,6 +14,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from dist_train.config import register_configs  # noqa: E402
+from dist_train.entry import mark_running, run_hydra_app  # noqa: E402
 from dist_train.rundir import register_resolvers  # noqa: E402
 
 register_configs()
@@ -43,11 +44,14 @@ def _accept_launcher_local_rank(argv: list[str]) -> list[str]:
 def _main(cfg: DictConfig) -> None:
     from dist_train.train import main
 
-    code = main(cfg)
+    try:
+        code = main(cfg)
+    except BaseException as exc:  # the training's own failure, not bad input: keep its traceback
+        raise mark_running(exc)
     if code:
         sys.exit(code)
 
 
 if __name__ == "__main__":
     sys.argv[1:] = _accept_launcher_local_rank(sys.argv[1:])
-    _main()
+    sys.exit(run_hydra_app(_main))

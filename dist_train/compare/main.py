@@ -76,14 +76,22 @@ def _wants_wandb(cfg: CompareConfig, base: dict[str, Any]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from dist_train.entry import one_line, report_config_error
+
     argv = sys.argv[1:] if argv is None else argv
+    command = "python launch/compare.py " + " ".join(shlex.quote(a) for a in argv)
     try:
         own, training = split_argv(argv)
         cfg = parse(own)
-    except Exception as exc:  # noqa: BLE001 - OmegaConf and our own checks: one line, exit 2
-        print(f"compare: {exc}", file=sys.stderr)
-        return 2
-    command = "python launch/compare.py " + " ".join(shlex.quote(a) for a in argv)
+        # A bad training override fails here, once, before any strategy runs (not once per row).
+        from dist_train.estimate.compose import compose_training_config
+
+        compose_training_config(training)
+    except (ValueError, OmegaConfBaseException, HydraException) as exc:
+        return report_config_error(one_line(exc))
     result = run_comparison(cfg, training, command=command)
     for row in result.rows:
         print(f"{row['strategy']:>12}  {row['verdict']}")

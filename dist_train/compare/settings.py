@@ -80,8 +80,10 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def parse(own: list[str]) -> CompareConfig:
-    merged = OmegaConf.merge(OmegaConf.structured(CompareConfig), OmegaConf.from_dotlist(own))
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    """The compare.* options (given without their prefix); errors name the key as the user wrote it."""
+    schema = OmegaConf.create({"compare": OmegaConf.structured(CompareConfig)})
+    merged = OmegaConf.merge(schema, OmegaConf.from_dotlist([f"compare.{o}" for o in own]))
+    return OmegaConf.to_object(merged.compare)  # type: ignore[return-value]
 
 
 def resolve_out_dir(cfg: CompareConfig) -> Path:

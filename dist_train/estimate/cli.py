@@ -70,17 +70,25 @@ def compose(training: list[str]) -> tuple[dict[str, Any], Optional[str]]:
     """The training config, and the strategy name when its YAML does not exist (yet)."""
     from dist_train.estimate.compose import compose_training_config
 
+    from hydra.errors import MissingConfigException
+
     try:
         return compose_training_config(training), None
-    except Exception:  # noqa: BLE001 - retried below without the strategy; a real error re-raises there
+    except Exception as exc:  # noqa: BLE001 - only a strategy with no YAML is retried; the rest re-raise
         names = [a.split("=", 1)[1] for a in training if a.startswith("strategy=")]
-        if not names:
+        missing = isinstance(exc, MissingConfigException) or isinstance(exc.__cause__, MissingConfigException)
+        if not names or not missing or f"strategy/{names[-1]}" not in str(exc):
             raise
         rest = [a for a in training if not a.startswith(("strategy=", "strategy."))]
         return compose_training_config(rest), names[-1]
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Bad input of any kind (our checks, Hydra's composition, OmegaConf's types) is one `config error:` line."""
+    from hydra.errors import HydraException
+
+    from dist_train.entry import one_line, report_config_error
+
     own, training = split_args(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(own)
@@ -91,9 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             activation_checkpointing=args.activation_checkpointing,
             **({"strategy": unlisted} if unlisted else {}),
         )
-    except (ValueError, OmegaConfBaseException) as exc:
-        print(f"estimate: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, OmegaConfBaseException, HydraException) as exc:
+        return report_config_error(one_line(exc))
     print(report(shape, setup, args=args, unlisted=unlisted is not None))
     return 0
 

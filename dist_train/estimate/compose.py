@@ -10,20 +10,28 @@ from omegaconf import OmegaConf
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
-def compose_training_config(overrides: list[str]) -> dict[str, Any]:
-    """The resolved run config (no `hydra` node) that `launch/train.py <overrides>` would see."""
+def compose_training_config(overrides: list[str], *, validated: bool = True) -> dict[str, Any]:
+    """The resolved run config (no `hydra` node) that `launch/train.py <overrides>` would see.
+
+    `validated`: run the checks that do not depend on the number of processes (ConfigError otherwise),
+    so a prediction or a comparison never starts from a config training would refuse.
+    """
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from dist_train.config import register_configs
+    from dist_train.config import register_configs, validate_fields
     from dist_train.rundir import register_resolvers
 
     register_configs()
     register_resolvers()
     GlobalHydra.instance().clear()  # a caller (tests, compare) may have initialised Hydra already
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+    if validated:
+        validate_fields(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 

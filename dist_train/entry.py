@@ -1,0 +1,165 @@
+"""What every entry point does with bad input: one line naming what is wrong, shown once per launch, exit 2.
+
+Under torchrun every rank validates the same config and finds the same error. If only rank 0 printed it,
+a rank that exits first lets torchrun kill rank 0 before it writes (seen in 2 launches of 6). So every
+failing rank takes part in a small handshake on the launcher's key-value store (the one torchrun's agent
+already hosts, or rank 0's under other launchers): the first rank to claim the line prints it, then marks
+it shown; the others wait for that mark before they exit. Whoever fails first, the line is printed exactly
+once, before any failing rank exits. If the store cannot be reached, a rank prints the line itself: twice
+is better than never.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+CONFIG_ERROR_EXIT = 2
+PREFIX = "config error: "
+_KEY = "dist_train/config_error"
+# Waiting for the rank that claimed the line: it is printing one line, so this bound is only reached when that
+# rank died in between; then this rank prints the line itself.
+_WAIT_S = 30.0
+
+# Lines of Hydra/OmegaConf messages that locate the error for a developer but say nothing to a user.
+_NOISE = ("full_key:", "object_type=", "reference_type=", "Config search path", "provider=", "See https://",
+          "Set the environment variable HYDRA_FULL_ERROR",
+          # Appending a key that no schema declares fails as well: the hint would send the user round in circles.
+          "To append to your config use")
+
+
+def one_line(exc: BaseException) -> str:
+    """A Hydra, OmegaConf or dist_train error as one line: the lines that say what is wrong, joined by '; '.
+
+    Hydra wraps the OmegaConf error that says why an override failed (`Error merging override train.lr=abc`
+    caused by `Value 'abc' ... could not be converted to Float`): both are kept. A list of available options
+    (`Available options in 'optimizer':` then one per line) becomes `available: adamw, sgd`.
+    """
+    missing = _missing_option(exc)
+    if missing:
+        return missing
+    parts: list[str] = []
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = _squash(str(exc))
+        key = getattr(exc, "full_key", None)  # OmegaConf names the key only in a line dropped above
+        if text and key and not any(key in p for p in (*parts, text)):
+            text = f"{key}: {text}"
+        if text and text not in parts:
+            parts.append(text)
+        exc = exc.__cause__  # type: ignore[assignment]
+    return "; ".join(parts) or "invalid configuration"
+
+
+def _missing_option(exc: BaseException) -> str:
+    """`optimizer=adam is not an option; available: adamw, sgd` for a config group option with no YAML file."""
+    from hydra.errors import MissingConfigException
+
+    for err in (exc, exc.__cause__):
+        if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
+            group, _, name = err.missing_cfg_file.rpartition("/")
+            options = ", ".join(sorted(err.options or ())) or "none"
+            return f"{group}={name} is not an option (no conf/{group}/{name}.yaml); available: {options}"
+    return ""
+
+
+def _squash(message: str) -> str:
+    lines = [ln.strip() for ln in message.splitlines()]
+    out: list[str] = []
+    options: list[str] | None = None
+    for line in lines:
+        if not line or line.startswith(_NOISE):
+            continue
+        if line.startswith("Available options in"):
+            options = []
+            continue
+        if options is not None and " " not in line and "=" not in line:
+            options.append(line)
+            continue
+        options_done(out, options)
+        options = None
+        out.append(line.rstrip("."))
+    options_done(out, options)
+    return "; ".join(out)
+
+
+def options_done(out: list[str], options: list[str] | None) -> None:
+    if options:
+        out.append("available: " + ", ".join(options))
+
+
+def report_config_error(message: str) -> int:
+    """Show `config error: <message>` once per launch, whichever rank gets here first; return the exit code."""
+    line = PREFIX + " ".join(message.split())
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if world_size in ("", "0", "1") or not os.environ.get("MASTER_ADDR"):
+        _show(line)
+        return CONFIG_ERROR_EXIT
+    try:
+        store = _launch_store()
+        first = store.add(f"{_KEY}/claimed", 1) == 1
+    except Exception:  # noqa: BLE001 - no store, no handshake: this rank speaks for itself
+        _show(line)
+        return CONFIG_ERROR_EXIT
+    if first:
+        _show(line)
+        try:
+            store.set(f"{_KEY}/shown", "1")
+        except Exception:  # noqa: BLE001 - the others will time out and print it too
+            pass
+        return CONFIG_ERROR_EXIT
+    try:
+        store.wait([f"{_KEY}/shown"], timedelta(seconds=_WAIT_S))
+    except Exception:  # noqa: BLE001 - the rank that claimed it died before printing
+        _show(line)
+    return CONFIG_ERROR_EXIT
+
+
+def _show(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _launch_store() -> Any:
+    """A client of the store this launch's ranks share (torchrun's agent store, or rank 0's), namespaced by
+    restart so that a restarted launch starts clean."""
+    import torch.distributed as dist
+
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=_WAIT_S)))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return dist.PrefixStore(f"{run_id}/{attempt}/", store)
+
+
+def run_hydra_app(app: Callable[[], Any]) -> int:
+    """Run a `@hydra.main` app; a bad override or config group option becomes one `config error:` line.
+
+    Hydra reports composition errors itself in several lines (message, `full_key:`, `object_type=`, a hint
+    about HYDRA_FULL_ERROR) before our code runs. With HYDRA_FULL_ERROR set they propagate instead, and
+    are reported here in one line; errors raised once the app is running are not touched (they are the
+    training's, with their traceback). A user who set HYDRA_FULL_ERROR keeps Hydra's full report.
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if os.environ.get("HYDRA_FULL_ERROR"):
+        app()
+        return 0
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        app()
+    except (HydraException, OmegaConfBaseException) as exc:
+        if getattr(exc, "_dist_train_running", False):
+            raise
+        return report_config_error(one_line(exc))
+    return 0
+
+
+def mark_running(exc: BaseException) -> BaseException:
+    """Tag an exception raised by the running app, so `run_hydra_app` does not mistake it for bad input."""
+    exc._dist_train_running = True  # type: ignore[attr-defined]
+    return exc

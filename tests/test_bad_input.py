@@ -1,0 +1,97 @@
+"""Bad input at every entry point: one `config error:` line, exit code 2, no traceback, nothing started.
+
+Under torchrun every rank finds the error; the line must still appear exactly once whichever rank exits
+first (it used to be printed by rank 0 only, and was lost when rank 1 exited first: 2 launches in 6).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist_train.compare.runner import run_strategy
+from dist_train.compare.settings import StrategySpec
+from dist_train.entry import one_line
+from tests.helpers import ROOT, env
+
+TRAIN, ESTIMATE, COMPARE = "launch/train.py", "-m dist_train.estimate", "launch/compare.py"
+
+# (entry point, arguments, what the one line must say).
+CASES = [
+    (TRAIN, "train.lr=-1", "train.lr=-1.0 must be > 0"),
+    (TRAIN, "strategy=banana", "strategy=banana is not an option (no conf/strategy/banana.yaml); available: 1f1b,"),
+    (TRAIN, "train.lr=abc", "train.lr=abc; Value 'abc' of type 'str' could not be converted to Float"),
+    (TRAIN, "train.nokey=1", "Could not override 'train.nokey'; Key 'nokey' not in 'TrainConfig'"),
+    (TRAIN, "nonsense", "Error parsing override 'nonsense'"),
+    (TRAIN, "train.global_batch_size=7", "train.global_batch_size=7 must be divisible by train.micro_batch_size"),
+    (TRAIN, "strategy=gpipe", "strategy=gpipe needs at least 2 processes"),
+    (ESTIMATE, "optimizer=adam", "optimizer=adam is not an option (no conf/optimizer/adam.yaml); available: adamw, sgd"),
+    (ESTIMATE, "world_size=x", "world_size: Value 'x' of type 'str' could not be converted to Integer"),
+    (ESTIMATE, "model.hidden_size=-1", "model.hidden_size=-1 must be >= 1"),
+    (COMPARE, "compare.nproc=x", "compare.nproc: Value 'x' of type 'str' could not be converted to Integer"),
+    (COMPARE, "compare.bogus=1", "compare.bogus: Key 'bogus' not in 'CompareConfig'"),
+    (COMPARE, "train.lr=abc", "train.lr=abc; Value 'abc' of type 'str' could not be converted to Float"),
+]
+
+
+def _command(entry: str, args: str, run_dir: Path) -> tuple[list[str], dict[str, str]]:
+    words = args.split()
+    extra = dict(w.split("=", 1) for w in words if w.startswith("DIST_TRAIN_FAULT="))
+    words = [w for w in words if not w.startswith("DIST_TRAIN_FAULT=")]
+    cmd = [sys.executable, *entry.split(), *words]
+    if entry == TRAIN:
+        cmd += ["logger=none", f"hydra.run.dir={run_dir}"]
+    if entry == COMPARE:
+        cmd += [f"compare.out_dir={run_dir}"]
+    return cmd, env(**extra)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("entry", "args", "says"), CASES, ids=[f"{e.split('/')[-1]} {a}" for e, a, _ in CASES])
+def test_bad_input_is_one_line_and_exit_2(entry, args, says, tmp_path):
+    cmd, environment = _command(entry, args, tmp_path / "run")
+    proc = subprocess.run(cmd, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(ours) == 1 and says in ours[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.multiproc
+def test_config_error_shows_exactly_once_in_20_torchrun_launches(tmp_path):
+    """Whichever rank exits first: one line, every time, and compare's failure reason is that line."""
+    spec = StrategySpec.parse("ddp")
+    for attempt in range(20):
+        result = run_strategy(spec, training=["train.lr=-1", "logger=none"], nproc=2, out_dir=tmp_path,
+                              group="bad", timeout_s=120)
+        log = result.log_path.read_text()
+        lines = [line for line in log.splitlines() if line.startswith("config error:")]
+        assert result.returncode not in (0, None), log[-3000:]
+        assert lines == ["config error: train.lr=-1.0 must be > 0"], f"launch {attempt + 1}: {log[-3000:]}"
+        assert result.reason.startswith("config error: train.lr=-1.0 must be > 0"), result.reason
+
+
+# -------------------------------------------------------------------- the one-line formatter
+def _hydra_error(*overrides: str) -> BaseException:
+    from dist_train.estimate.compose import compose_training_config
+
+    with pytest.raises(Exception) as err:
+        compose_training_config(list(overrides))
+    return err.value
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (["optimizer=adam"], "optimizer=adam is not an option (no conf/optimizer/adam.yaml); available: adamw, sgd"),
+        (["train.lr=abc"],
+         "Error merging override train.lr=abc; Value 'abc' of type 'str' could not be converted to Float"),
+        (["strategy.stage=5"], "Could not override 'strategy.stage'; Key 'stage' not in 'DDPConfig'"),
+    ],
+)
+def test_one_line_keeps_what_is_wrong_and_drops_hydra_noise(overrides, line):
+    assert one_line(_hydra_error(*overrides)) == line
