@@ -4,7 +4,6 @@ PY := $(VENV)/bin/python
 # The CPU wheel of torch 2.13.0; on a CUDA machine use `make install TORCH_SPEC=torch` (or a CUDA pin).
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
-export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/dist_train/torch_extensions
 
 .PHONY: install demo test
 install: $(VENV)/.installed

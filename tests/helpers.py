@@ -23,7 +23,6 @@ def env(**extra: str) -> dict[str, str]:
         WANDB_MODE=e.get("WANDB_MODE", "offline"),
         WANDB_SILENT="true",
         PYTHONUNBUFFERED="1",
-        TORCH_EXTENSIONS_DIR=e.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dist_train" / "torch_extensions")),
     )
     e.pop("RANK", None)
     e.pop("WORLD_SIZE", None)

@@ -16,7 +16,9 @@ partition (4Psi/N), which DeepSpeed keeps even when training in fp32.
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,8 @@ from dist_train.data import Batch
 from dist_train.model import forward_loss
 from dist_train.strategies.base import StepOutput, StrategyContext, detached_clone
 from dist_train.telemetry.memory import ModelState, optimizer_state_tensors, tensor_bytes
+
+log = logging.getLogger("dist_train")
 
 DEFAULT_EXTENSIONS_DIR = Path.home() / ".cache" / "dist_train" / "torch_extensions"
 
@@ -90,11 +94,35 @@ def deepspeed_config(
 # --------------------------------------------------------------------------------------------------
 
 
-def use_extensions_cache() -> str:
-    """DeepSpeed compiles a shared-memory comm op on first use (tens of seconds): build it once, here."""
-    path = os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
-    Path(path).mkdir(parents=True, exist_ok=True)
+# DeepSpeed's CPU accelerator JIT-compiles this op in `init_distributed` (tens of seconds on 2 cores).
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def use_extensions_cache() -> Path:
+    """Build DeepSpeed's ops once per machine, whatever the entry point: one cache, one ninja.
+
+    The cache is TORCH_EXTENSIONS_DIR if the user set it, else ~/.cache/dist_train/torch_extensions. The
+    build tool is the `ninja` installed with this project (beside the Python that runs it), put first on
+    PATH: torch's JIT build takes whichever `ninja` PATH finds first, and two ninja versions (Debian's 1.11
+    for a non-activated `make test`, pip's 1.13 in an activated shell) read each other's build log as
+    foreign and rebuild everything, which looked like a 30-60 s hang.
+    """
+    path = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR)))
+    path.mkdir(parents=True, exist_ok=True)
+    ours = Path(sys.executable).parent
+    search = os.environ.get("PATH", "").split(os.pathsep)
+    if (ours / "ninja").is_file() and search[:1] != [str(ours)]:
+        os.environ["PATH"] = os.pathsep.join([str(ours), *search])
     return path
+
+
+def announce_compilation(cache: Path, device: torch.device) -> None:
+    """Say so when the comm op is about to be compiled, rather than going silent for a minute."""
+    if device.type == "cpu" and not (cache / SHM_COMM_OP / f"{SHM_COMM_OP}.so").is_file():
+        log.info(
+            "compiling DeepSpeed's shared-memory comm op into %s (about a minute on 2 cores; once per machine)",
+            cache / SHM_COMM_OP,
+        )
 
 
 def init_deepspeed_comm(backend: str | None) -> None:
@@ -151,10 +179,11 @@ class ZeroStrategy:
         self._grads_bytes = 0  # peak gradient bytes of the last step, counted at the boundary
 
     def setup(self, model: nn.Module) -> None:
-        use_extensions_cache()
+        cache = use_extensions_cache()
         import deepspeed
 
         rt = self.ctx.runtime
+        announce_compilation(cache, rt.device)
         # DeepSpeed insists on LOCAL_RANK, which a plain `python launch/train.py` run does not set.
         os.environ.setdefault("LOCAL_RANK", str(rt.local_rank))
         init_deepspeed_comm(rt.backend)
