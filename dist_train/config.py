@@ -320,6 +320,8 @@ class LoggerConfig:
     group: Optional[str] = None
     # online | offline | auto (offline unless an API key is configured).
     mode: str = "auto"
+    # How long `wandb.init` may try to reach the server before the run logs offline instead.
+    init_timeout_s: float = 30.0
 
 
 @dataclass
@@ -436,6 +438,7 @@ def validate_fields(run: RunConfig) -> None:
     _choice("precision.name", run.precision.name, ("fp32", "bf16", "fp16"))
     _choice("logger.name", run.logger.name, ("wandb", "none"))
     _choice("logger.mode", run.logger.mode, ("auto", "online", "offline"))
+    _require(run.logger.init_timeout_s > 0, f"logger.init_timeout_s={run.logger.init_timeout_s} must be > 0")
     _require(run.telemetry.warmup_steps >= 0, f"telemetry.warmup_steps={run.telemetry.warmup_steps} must be >= 0")
 
 

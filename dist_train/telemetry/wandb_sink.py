@@ -4,6 +4,12 @@ Rank 0 logs every rank's figures (gathered), so one run holds the whole job: per
 `/rank<r>` (`memory/params_bytes/rank1`), and the max over ranks is logged as `/max` so a dashboard can
 compare strategies on their worst rank. Loss, lr, grad norm, throughput and MFU are job-wide. Without an
 API key the run is offline: nothing touches the network, and the end of the run says how to sync it.
+
+Trouble with W&B never stops or slows training. An unreachable server (checked in a few seconds before
+`wandb.init`, which would otherwise retry for `logger.init_timeout_s`), a rejected key, or any other failure
+of an online start: the run logs offline instead. An offline start that fails, or any later error while
+logging: W&B is off for the rest of the run. Each fallback is said once, as one warning line.
+A resumed run continues the same W&B run (`resume="allow"` with the run id its checkpoint stored).
 """
 
 from __future__ import annotations
@@ -11,8 +17,10 @@ from __future__ import annotations
 import logging
 import netrc
 import os
+import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
+from urllib.parse import urlparse
 
 from dist_train.config import LoggerConfig
 from dist_train.telemetry.recorder import GLOBAL_KEYS
@@ -20,6 +28,7 @@ from dist_train.telemetry.recorder import GLOBAL_KEYS
 log = logging.getLogger("dist_train")
 
 _NOT_FIGURES = ("step", "rank")
+_REACH_TIMEOUT_S = 5.0
 
 
 def resolve_mode(mode: str) -> str:
@@ -44,6 +53,18 @@ def has_api_key() -> bool:
     return any("wandb" in host for host in hosts)
 
 
+def unreachable(base_url: str, timeout_s: float = _REACH_TIMEOUT_S) -> Optional[str]:
+    """Why the W&B server at `base_url` cannot be reached (a TCP connect), or None if it can."""
+    url = urlparse(base_url)
+    host = url.hostname or ""
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"{host}:{port}: {exc.strerror or exc}"
+
+
 def wandb_payload(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Flatten one window's per-rank records into W&B keys."""
     data: dict[str, Any] = {k: records[0][k] for k in GLOBAL_KEYS if records[0].get(k) is not None}
@@ -57,29 +78,86 @@ def wandb_payload(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class WandbSink:
-    def __init__(self, cfg: LoggerConfig, *, run_dir: Path, name: str, group: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self, cfg: LoggerConfig, *, run_dir: Path, name: str, group: str, config: dict[str, Any],
+        resume_id: Optional[str] = None,
+    ) -> None:
+        self.run: Any = None
+        self.mode = resolve_mode(cfg.mode)
+        self._init_kwargs = dict(
+            project=cfg.project, entity=cfg.entity, group=group, name=name, job_type="train", config=config,
+            dir=str(run_dir), init_timeout_s=cfg.init_timeout_s,
+            **({"id": resume_id, "resume": "allow"} if resume_id else {}),
+        )
+        self._start()
+
+    @property
+    def run_id(self) -> Optional[str]:
+        return getattr(self.run, "id", None)
+
+    def _start(self) -> None:
+        if self.mode == "online":
+            import wandb
+
+            why = unreachable(wandb.setup().settings.base_url)  # WANDB_BASE_URL, `wandb login --host`, ...
+            if why is None:
+                try:
+                    self.run = self._init("online")
+                    return
+                except Exception as exc:  # noqa: BLE001 - a key rejected, a timeout, ...: offline instead
+                    why = _first_line(exc)
+            log.warning("W&B: cannot log online (%s); logging offline instead", why)
+            self.mode = "offline"
+        if self.mode == "disabled":
+            return
+        try:
+            self.run = self._init(self.mode)
+        except Exception as exc:  # noqa: BLE001 - e.g. the run directory refuses the files
+            self._off(exc)
+
+    def _init(self, mode: str) -> Any:
         import wandb
 
-        self.mode = resolve_mode(cfg.mode)
-        self.run = wandb.init(
-            project=cfg.project,
-            entity=cfg.entity,
-            group=group,
-            name=name,
-            job_type="train",
-            config=config,
-            dir=str(run_dir),
-            mode=self.mode,
-            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+        kwargs = dict(self._init_kwargs)
+        timeout_s = kwargs.pop("init_timeout_s")
+        return wandb.init(
+            mode=mode, **kwargs,
+            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True, init_timeout=timeout_s),
         )
+
+    def _off(self, exc: BaseException) -> None:
+        log.warning("W&B: %s; W&B is off for the rest of this run (metrics.jsonl and summary.json go on)",
+                    _first_line(exc))
+        self.run = None
+        self.mode = "disabled"
 
     def on_step(self, step: int) -> None:
         pass
 
     def log(self, step: int, records: list[dict[str, Any]]) -> None:
-        self.run.log(wandb_payload(records), step=step)
+        if self.run is None:
+            return
+        try:
+            self.run.log(wandb_payload(records), step=step)
+        except Exception as exc:  # noqa: BLE001 - never let logging stop the training
+            self._off(exc)
 
     def finish(self, summary: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        try:
+            self._write_summary(summary)
+            run_dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
+            self.run.finish()
+        except Exception as exc:  # noqa: BLE001
+            self._off(exc)
+            return
+        if self.mode == "offline":
+            log.info("W&B offline run: %s  (upload with: wandb sync %s)", run_dir, run_dir)
+        else:
+            log.info("W&B run: %s", getattr(self.run, "url", run_dir))
+
+    def _write_summary(self, summary: dict[str, Any]) -> None:
         for key, value in summary.items():
             if not isinstance(value, (list, dict)):
                 self.run.summary[key] = value
@@ -91,9 +169,8 @@ class WandbSink:
                     worst[key] = max(worst.get(key, value), value)
         for key, value in worst.items():  # the worst rank: what a group dashboard compares strategies on
             self.run.summary[f"peak/{key}/max"] = value
-        run_dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
-        self.run.finish()
-        if self.mode == "offline":
-            log.info("W&B offline run: %s  (upload with: wandb sync %s)", run_dir, run_dir)
-        else:
-            log.info("W&B run: %s", getattr(self.run, "url", run_dir))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
