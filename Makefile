@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 
-.PHONY: install demo test
+.PHONY: install demo test test-fast
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -22,3 +22,8 @@ demo: install
 test: install
 	$(VENV)/bin/ruff check dist_train launch tests
 	$(PY) -m pytest -q
+
+# The unit tests only (no multi-process runs): for iterating.
+test-fast: install
+	$(VENV)/bin/ruff check dist_train launch tests
+	$(PY) -m pytest -q -m "not multiproc"

@@ -51,6 +51,11 @@ class StrategyConfig:
     def needs_process_group(self) -> bool:
         return True
 
+    @property
+    def checkpoint_format(self) -> str:
+        """The checkpoint format this strategy writes and reads (torch.distributed.checkpoint by default)."""
+        return "dcp"
+
     def data_parallel_size(self, world_size: int) -> int:
         return world_size
 
@@ -145,6 +150,10 @@ class ZeroConfig(StrategyConfig):
     offload_params: bool = False
     # Extra DeepSpeed config keys merged over the ones derived from the run's own config.
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def checkpoint_format(self) -> str:
+        return "deepspeed"
 
     def check(self, world_size: int) -> None:
         _require(self.stage in (1, 2, 3), f"strategy.stage={self.stage} is not a ZeRO stage; allowed: 1, 2, 3")
@@ -337,6 +346,29 @@ class TelemetryConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # Save every N optimizer steps, and after the last step; 0 = never save.
+    every_steps: int = 0
+    # Where checkpoints go; None = <run dir>/checkpoints.
+    dir: Optional[str] = None
+    # Complete checkpoints kept on disk, the oldest removed first; 0 = keep all.
+    keep_last: int = 2
+    # auto: the newest complete checkpoint in `dir`, if any (what a restarted job wants); none: start fresh;
+    # or a path: one checkpoint (step-NNNNNNNN) or a directory of them (its newest complete one).
+    resume: str = "auto"
+    # Write in a background thread (torch.distributed.checkpoint.async_save) where the strategy allows it;
+    # the step only waits for the copy of the state to host memory.
+    async_save: bool = True
+
+
+@dataclass
+class RuntimeConfig:
+    # Seconds a collective waits for its peers before the process group gives up: how long a hung or lost
+    # rank can hold the job.
+    timeout_s: float = 600.0
+
+
+@dataclass
 class RunConfig:
     strategy: Any = MISSING
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -346,6 +378,8 @@ class RunConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
 # Schemas live in their own group (`schema/strategy/<name>`), so `strategy=` lists only real strategies;
@@ -440,6 +474,21 @@ def validate_fields(run: RunConfig) -> None:
     _choice("logger.mode", run.logger.mode, ("auto", "online", "offline"))
     _require(run.logger.init_timeout_s > 0, f"logger.init_timeout_s={run.logger.init_timeout_s} must be > 0")
     _require(run.telemetry.warmup_steps >= 0, f"telemetry.warmup_steps={run.telemetry.warmup_steps} must be >= 0")
+    _require(run.runtime.timeout_s > 0, f"runtime.timeout_s={run.runtime.timeout_s} must be > 0")
+    _validate_checkpoint(run.checkpoint)
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    from dist_train.checkpoint.layout import resolve_resume
+
+    _require(c.every_steps >= 0, f"checkpoint.every_steps={c.every_steps} must be >= 0 (0 = never save)")
+    _require(c.keep_last >= 0, f"checkpoint.keep_last={c.keep_last} must be >= 0 (0 = keep all)")
+    _require(bool(c.resume), "checkpoint.resume is empty; allowed: auto, none, or a checkpoint path")
+    if c.resume not in ("auto", "none"):
+        try:
+            resolve_resume(c.resume, default_root=None)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
 
 def _validate_data(run: RunConfig) -> None:

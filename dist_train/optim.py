@@ -31,7 +31,10 @@ class OptimizerFactory:
         raise AssertionError(f"unvalidated optimizer {o.name!r}")
 
     def scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=LRSchedule(self.train))
+        schedule = LRSchedule(self.train)
+        # A plain function, not the object: LambdaLR's state dict (which DeepSpeed checkpoints) would pickle
+        # an object's fields, and loading it would bring back the saved config over the current one.
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda step: schedule(step))
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,6 @@ def register_resolvers() -> None:
 
 def agree_on_run_dir(local_choice: str) -> str:
     """Every rank adopts rank 0's directory (a no-op without a process group)."""
-    import torch.distributed as dist
+    from dist_train.runtime import agree
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return local_choice
-    box = [local_choice]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return agree(local_choice)

@@ -11,6 +11,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,12 @@ class Runtime:
     local_world_size: int
     device: torch.device
     backend: str | None  # None: no process group (strategy=single / dp)
+    # How long a collective waits for its peers (runtime.timeout_s); groups created later use it too.
+    timeout_s: float = 600.0
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
 
     @property
     def is_main(self) -> bool:
@@ -43,7 +50,11 @@ def _env_int(name: str, default: int) -> int:
 
 
 def init_runtime(*, needs_group: bool, timeout_s: float = 600.0) -> Runtime:
-    """Pick the device and, if `needs_group`, start the default process group on it."""
+    """Pick the device and, if `needs_group`, start the default process group on it.
+
+    `timeout_s` (runtime.timeout_s) bounds how long a collective waits for its peers: a rank that hangs, or
+    whose node vanishes without its process exiting, ends the job after that long instead of never.
+    """
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
@@ -58,7 +69,7 @@ def init_runtime(*, needs_group: bool, timeout_s: float = 600.0) -> Runtime:
         backend = "gloo"
 
     if not needs_group:
-        return Runtime(rank, local_rank, world_size, local_world_size, device, None)
+        return Runtime(rank, local_rank, world_size, local_world_size, device, None, timeout_s)
 
     if not dist.is_initialized():
         kwargs: dict = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
@@ -70,10 +81,41 @@ def init_runtime(*, needs_group: bool, timeout_s: float = 600.0) -> Runtime:
             os.close(fd)
             os.unlink(path)
             kwargs.update(init_method=f"file://{path}", rank=0, world_size=1)
+        elif restart_needs_own_namespace():
+            store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=timeout_s)))
+            attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+            kwargs.update(store=dist.PrefixStore(f"dist_train/attempt{attempt}/", store), rank=rank, world_size=world_size)
         dist.init_process_group(**kwargs)
-    return Runtime(rank, local_rank, world_size, local_world_size, device, backend)
+    return Runtime(rank, local_rank, world_size, local_world_size, device, backend, timeout_s)
+
+
+def restart_needs_own_namespace() -> bool:
+    """Whether this torchrun launch needs its process group keyed by restart attempt.
+
+    torchrun's agent hosts the store the workers rendezvous on, and keeps it across restarts; the process
+    group's keys (gloo's peer addresses, NCCL's unique id) carry no attempt in their names. A restarted rank
+    can then read the dead attempt's address before its peer has written the new one, and fail to connect
+    (pytorch#135712; seen here). Within one node every worker has the same TORCHELASTIC_RESTART_COUNT, so
+    it can name the attempt. Across nodes the count is per agent and may differ (pytorch#108158): there,
+    launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launch/slurm.sbatch does), which gives each
+    attempt a fresh store.
+    """
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("GROUP_WORLD_SIZE", "1") == "1"
+        and "TORCHELASTIC_RESTART_COUNT" in os.environ
+    )
 
 
 def shutdown(runtime: Runtime) -> None:
     if runtime.has_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def agree(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a no-op without a process group): one decision, taken once."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

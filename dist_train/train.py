@@ -1,33 +1,68 @@
-"""The training run: validate, start the runtime, build, train, report. It names no strategy."""
+"""The training run: validate, start the runtime, build (session.py), train, report. It names no strategy."""
 
 from __future__ import annotations
 
-import hashlib
+import gc
 import json
 import logging
-import os
-import sys
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from dist_train.config import ConfigError, RunConfig, accumulation_steps, validate, world_size_from_env
+from dist_train.session import Session, build_session, checkpoint_root, hydra_run_dir
 
 log = logging.getLogger("dist_train")
+
+
+# Exit codes: 2 a config error (before anything starts); 3 training stopped on a NaN/Inf loss.
+DIVERGED_EXIT = 3
 
 
 def main(cfg: DictConfig) -> int:
     """Entry for launch/train.py: a config error is one line on stderr and exit code 2, before any process group."""
     from dist_train.entry import report_config_error
+    from dist_train.telemetry.recorder import NonFiniteLoss
 
     try:
         run = to_run_config(cfg)
-        validate(run, world_size_from_env())
+        world_size = world_size_from_env()
+        validate(run, world_size)
+        fault = fault_from_env()
+        resume = resume_point(run, world_size=world_size, run_dir=Path(hydra_run_dir()))
     except ConfigError as exc:
         return report_config_error(str(exc))  # once per launch, whichever rank fails first
-    train(run, cfg)
+    try:
+        train(run, cfg, resume=resume, fault=fault)
+    except NonFiniteLoss:
+        return DIVERGED_EXIT  # rank 0 has said which step, and every rank stopped there
     return 0
+
+
+def fault_from_env() -> Any:
+    from dist_train.faults import Fault
+
+    try:
+        return Fault.from_env()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def resume_point(run: RunConfig, *, world_size: int, run_dir: Path) -> Path | None:
+    """The checkpoint this run resumes from (checkpoint.resume), checked against the run; None: start fresh."""
+    from dist_train.checkpoint.compat import check_resumable
+    from dist_train.checkpoint.layout import resolve_resume
+
+    try:
+        path = resolve_resume(run.checkpoint.resume, default_root=checkpoint_root(run, run_dir))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if path is not None:
+        check_resumable(path, run, world_size=world_size)
+    return path
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
@@ -44,151 +79,112 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     return run
 
 
-def experiment_group(cfg: DictConfig) -> str:
-    """Runs that differ only in strategy (and logging) share a W&B group: `exp-<hash of the rest>`."""
-    rest = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in ("strategy", "logger", "telemetry")}
-    return "exp-" + hashlib.sha1(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:8]
-
-
-def hydra_run_dir() -> str:
-    from hydra.core.hydra_config import HydraConfig
-
-    return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.path.abspath("outputs/run")
-
-
-def setup_logging(run_dir: Path, rank: int) -> None:
-    """Each rank its own file; rank 0 also to the console, the others only warnings."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
-    file_handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
-    file_handler.setFormatter(fmt)
-    console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
-    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    for handler in (file_handler, console):
-        root.addHandler(handler)
-
-
-def train(run: RunConfig, cfg: DictConfig) -> dict[str, Any] | None:
+def train(run: RunConfig, cfg: DictConfig, *, resume: Path | None = None, fault: Any = None) -> dict[str, Any] | None:
     """Train; return the summary on rank 0 (None elsewhere)."""
     from dist_train.runtime import init_runtime, shutdown
+    from dist_train.telemetry.recorder import NonFiniteLoss
 
-    runtime = init_runtime(needs_group=run.strategy.needs_process_group)
+    runtime = init_runtime(needs_group=run.strategy.needs_process_group, timeout_s=run.runtime.timeout_s)
+    progress = Progress()
     try:
-        return _train(run, cfg, runtime)
+        return _run(run, cfg, runtime, resume=resume, fault=fault, progress=progress)
+    except Exception as exc:
+        if not isinstance(exc, NonFiniteLoss):  # that one was reported by rank 0, once, with its step
+            where = f"at step {progress.step}" if progress.step else "before the first step"
+            exc.add_note(f"[dist_train] rank {runtime.rank} failed {where}")
+            log.error("rank %d failed %s: %s: %s", runtime.rank, where, type(exc).__name__, exc)
+        # The traceback's frames hold the strategy, which holds the process group: release them (their line
+        # numbers stay for the report) so the group is not destroyed under live users, which aborts at exit.
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
+        gc.collect()
         shutdown(runtime)
 
 
-def _train(run: RunConfig, cfg: DictConfig, runtime: Any) -> dict[str, Any] | None:
-    import torch
+@dataclass
+class Progress:
+    step: int = 0  # the step being trained (1-based); 0 before the first
 
-    from dist_train.data import GlobalBatches, build_dataset
-    from dist_train.model import apply_activation_checkpointing, build_model, count_params
-    from dist_train.optim import OptimizerFactory
-    from dist_train.rundir import agree_on_run_dir
-    from dist_train.strategies import StrategyContext, build_strategy
-    from dist_train.telemetry.activations import ActivationMeter
-    from dist_train.telemetry.comm import CommTracker
-    from dist_train.telemetry.flops import embedding_params, flops_per_token, peak_flops
-    from dist_train.telemetry.recorder import Telemetry, Workload
-    from dist_train.telemetry.sinks import NullSink
 
-    run_dir = Path(agree_on_run_dir(hydra_run_dir()))
-    setup_logging(run_dir, runtime.rank)
-    t, s = run.train, run.strategy
-    dp = s.data_parallel_size(runtime.world_size)
-    log.info(
-        "strategy=%s world_size=%d backend=%s device=%s run_dir=%s",
-        s.name, runtime.world_size, runtime.backend or "none", runtime.device, run_dir,
-    )
-    if runtime.is_main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-
-    model = build_model(run.model, seed=t.seed)
-    if t.activation_checkpointing:
-        apply_activation_checkpointing(model)  # a model transform: before any strategy wraps the model
-    num_params = count_params(model)
-    fpt = flops_per_token(
-        num_params=num_params, num_embedding_params=embedding_params(model),
-        num_layers=run.model.num_layers, hidden_size=run.model.hidden_size, seq_len=t.seq_len,
-    )
-    tracker = CommTracker(cuda_events=runtime.device.type == "cuda").install() if run.telemetry.comm else None
+def _run(run: RunConfig, cfg: DictConfig, runtime: Any, *, resume: Path | None, fault: Any, progress: Progress) -> Any:
+    """Build and train in a frame of its own: when it returns, the strategy is gone before the group is."""
+    session = build_session(run, cfg, runtime, resume=resume, fault=fault)
+    session.progress = progress
     try:
-        ctx = StrategyContext(
-            runtime=runtime, train=t, precision=run.precision,
-            optimizer=OptimizerFactory(run.optimizer, t),
-            ddp_comm_hook=tracker.ddp_comm_hook if tracker is not None else None,
-        )
-        strategy = build_strategy(s, ctx)
-        strategy.setup(model)
-        batches = GlobalBatches(
-            build_dataset(run.data, vocab_size=run.model.vocab_size, seq_len=t.seq_len, seed=t.seed),
-            global_batch_size=t.global_batch_size, dp_rank=runtime.rank % dp, dp_size=dp,
-        )
-        device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
-        peak = run.telemetry.peak_flops or peak_flops(
-            device_name, run.precision.name, allow_tf32=torch.backends.cuda.matmul.allow_tf32
-        )
-        workload = Workload(
-            tokens_per_step=t.global_batch_size * t.seq_len, samples_per_step=t.global_batch_size,
-            flops_per_token=fpt, peak_flops=peak,
-            num_devices=runtime.world_size * len(strategy.devices),
-        )
-        telemetry = Telemetry(
-            runtime=runtime, strategy=strategy, sink=_sinks(run, cfg, runtime, run_dir) if runtime.is_main else NullSink(), workload=workload, tracker=tracker,
-            activations=ActivationMeter() if run.telemetry.activations else None,
-        )
-        log.info(
-            "model=%s params=%s global_batch=%d micro_batch=%d accumulation=%d data_parallel=%d",
-            run.model.name, f"{num_params:,}", t.global_batch_size, t.micro_batch_size,
-            accumulation_steps(run, runtime.world_size), dp,
-        )
-        telemetry.start()
-        for step in range(t.steps):
-            batch = batches.local_batch(step)
-            with telemetry.measuring():
-                out = strategy.train_step(batch)
-            telemetry.step_end(step + 1, out)
-            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
-                telemetry.log(step + 1)
+        return _fit(session)
     finally:
-        if tracker is not None:
-            tracker.uninstall()
+        if session.telemetry.tracker is not None:
+            session.telemetry.tracker.uninstall()
 
-    if not runtime.is_main:
+
+def _fit(session: Session) -> dict[str, Any] | None:
+    """Train, then report; a NaN/Inf stop (every rank at once, all alive) first completes the save in flight."""
+    from dist_train.telemetry.recorder import NonFiniteLoss
+
+    try:
+        _loop(session)
+    except NonFiniteLoss:
+        session.checkpointer.finish()
+        raise
+    session.checkpointer.finish()
+    return _report(session)
+
+
+def _loop(session: Session) -> None:
+    """The loop: a step, its window's telemetry (which stops a NaN/Inf run), a checkpoint when one is due."""
+    telemetry, checkpointer, t = session.telemetry, session.checkpointer, session.run.train
+    if session.start_step >= t.steps:
+        log.warning("the checkpoint is at step %d, train.steps=%d: nothing left to train", session.start_step, t.steps)
+        return
+    telemetry.start()
+    for step in range(session.start_step + 1, t.steps + 1):
+        session.progress.step = step
+        if session.fault is not None:
+            session.fault.inject(step=step, rank=session.runtime.rank, strategy=session.strategy)
+        batch = session.batches.local_batch(step - 1)
+        with telemetry.measuring():
+            out = session.strategy.train_step(batch)
+        telemetry.step_end(step, out)
+        checkpointer.poll()
+        save = checkpointer.due(step)
+        if save or step % t.log_every == 0 or step == t.steps:
+            telemetry.log(step)  # a checkpoint step is always a logged one: a NaN run is never saved
+        if save:
+            telemetry.add_checkpoint_time(checkpointer.save(step, _trainer_state(session, step)))
+
+
+def _trainer_state(session: Session, step: int) -> dict[str, Any]:
+    """What a checkpoint needs besides the strategy's tensors (rank 0 writes it)."""
+    t = session.run.train
+    return {
+        "step": step,
+        "samples_seen": step * t.global_batch_size,
+        "losses": session.telemetry.step_losses[:step],
+        "skipped_steps": session.telemetry.skipped_steps,
+        "wandb_run_id": session.wandb.run_id if session.wandb is not None else None,
+        "strategy": session.run.strategy.name,
+        "world_size": session.runtime.world_size,
+        "config": OmegaConf.to_container(session.cfg, resolve=True),
+    }
+
+
+def _report(session: Session) -> dict[str, Any] | None:
+    if not session.runtime.is_main:
         return None
-    summary = _summary(run, runtime, telemetry, num_params=num_params, dp=dp, run_dir=run_dir)
+    telemetry, run_dir = session.telemetry, session.run_dir
+    summary = _summary(session)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     telemetry.sink.finish(summary)
     log.info("final loss %.6f | mean step %.3f s | summary: %s", summary["final_loss"], summary["mean_step_s"], run_dir / "summary.json")
     return summary
 
 
-def _sinks(run: RunConfig, cfg: DictConfig, runtime: Any, run_dir: Path) -> Any:
-    from dist_train.telemetry.sinks import ConsoleProgress, FanOut, JsonlSink
-
-    sinks: list[Any] = [
-        JsonlSink(run_dir / "metrics.jsonl"),
-        ConsoleProgress(total_steps=run.train.steps, description=f"{run.strategy.name} x{runtime.world_size}"),
-    ]
-    if run.logger.name == "wandb":
-        from dist_train.telemetry.wandb_sink import WandbSink
-
-        sinks.append(
-            WandbSink(
-                run.logger, run_dir=run_dir, name=f"{run.strategy.name}-ws{runtime.world_size}",
-                group=run.logger.group or experiment_group(cfg),
-                config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
-            )
-        )
-    return FanOut(*sinks)
-
-
-def _summary(run: RunConfig, runtime: Any, telemetry: Any, *, num_params: int, dp: int, run_dir: Path) -> dict[str, Any]:
+def _summary(session: Session) -> dict[str, Any]:
+    run, runtime, telemetry = session.run, session.runtime, session.telemetry
     t = run.train
+    dp = run.strategy.data_parallel_size(runtime.world_size)
+    accumulation = accumulation_steps(run, runtime.world_size)
     mean_step_s = telemetry.mean_step_s(run.telemetry.warmup_steps)
     return {
         "strategy": run.strategy.name,
@@ -196,19 +192,25 @@ def _summary(run: RunConfig, runtime: Any, telemetry: Any, *, num_params: int, d
         "data_parallel_size": dp,
         "model": run.model.name,
         "precision": run.precision.name,
-        "num_params": num_params,
+        "num_params": session.num_params,
         "steps": t.steps,
         "global_batch_size": t.global_batch_size,
-        "micro_batch_size": t.global_batch_size // (dp * accumulation_steps(run, runtime.world_size)),
-        "accumulation_steps": accumulation_steps(run, runtime.world_size),
+        "micro_batch_size": t.global_batch_size // (dp * accumulation),
+        "accumulation_steps": accumulation,
         "seq_len": t.seq_len,
         "final_loss": telemetry.step_losses[-1],
         "losses": telemetry.step_losses,
+        # Timing covers the steps this process ran (after a resume: from start_step + 1).
+        "start_step": session.start_step,
+        "resumed_from": str(session.resumed_from) if session.resumed_from else None,
         "mean_step_s": mean_step_s,
-        "timing_warmup_steps": min(run.telemetry.warmup_steps, t.steps - 1),
+        "timing_warmup_steps": max(0, min(run.telemetry.warmup_steps, t.steps - session.start_step - 1)),
         "tokens_per_s": t.global_batch_size * t.seq_len / mean_step_s if mean_step_s > 0 else 0.0,
+        "skipped_steps": telemetry.skipped_steps,
+        "checkpoints_saved": session.checkpointer.saved_steps,
+        "checkpoint_blocking_s": session.checkpointer.blocking_s,
         "backend": runtime.backend,
         "device": str(runtime.device),
-        "run_dir": str(run_dir),
+        "run_dir": str(session.run_dir),
         "ranks": telemetry.per_rank_summary(run.telemetry.warmup_steps),
     }

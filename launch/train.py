@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from dist_train.config import register_configs  # noqa: E402
 from dist_train.entry import mark_running, run_hydra_app  # noqa: E402
@@ -52,6 +53,11 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(code)
 
 
+@record  # under torchrun: the failing rank's exception goes into the launcher's failure summary
+def _launch() -> int:
+    return run_hydra_app(_main)
+
+
 if __name__ == "__main__":
     sys.argv[1:] = _accept_launcher_local_rank(sys.argv[1:])
-    sys.exit(run_hydra_app(_main))
+    sys.exit(_launch())

@@ -1,11 +1,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
 from tests.helpers import FAST, train_ok
+
+# Strategies whose resume must be bit-exact (issue 8), and how many processes each runs.
+RESUMABLE = {"single": 0, "ddp": 2, "fsdp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "gpipe": 2, "1f1b": 2}
+NPROC = {**RESUMABLE, "dp": 0}
+# 8 steps, a checkpoint after step 4 and step 8, both kept.
+CHECKPOINTED = ["logger=none", *FAST, "train.steps=8", "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +19,19 @@ def single_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     """The one-process baseline every strategy is compared with (run once per session)."""
     run_dir = tmp_path_factory.mktemp("single")
     return run_dir, train_ok(["strategy=single", "logger=none", *FAST], run_dir=run_dir)
+
+
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, dict[str, Any]]]:
+    """`straight_run(strategy)`: 8 uninterrupted steps of that strategy, checkpointed after steps 4 and 8
+    (run once per session and strategy, shared by the resume, reshard, export and restart tests)."""
+    cache: dict[str, tuple[Path, dict[str, Any]]] = {}
+
+    def run(strategy: str) -> tuple[Path, dict[str, Any]]:
+        if strategy not in cache:
+            run_dir = tmp_path_factory.mktemp(f"straight-{strategy}")
+            cache[strategy] = run_dir, train_ok([f"strategy={strategy}", *CHECKPOINTED], run_dir=run_dir,
+                                                nproc=NPROC[strategy])
+        return cache[strategy]
+
+    return run

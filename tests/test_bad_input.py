@@ -1,11 +1,15 @@
 """Bad input at every entry point: one `config error:` line, exit code 2, no traceback, nothing started.
 
+The table of cases below is the README's "Bad input" table: a test checks that the two say the same.
 Under torchrun every rank finds the error; the line must still appear exactly once whichever rank exits
 first (it used to be printed by rank 0 only, and was lost when rank 1 exited first: 2 launches in 6).
 """
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +19,12 @@ import pytest
 from dist_train.compare.runner import run_strategy
 from dist_train.compare.settings import StrategySpec
 from dist_train.entry import one_line
-from tests.helpers import ROOT, env
+from tests.helpers import ROOT, env, train_ok
 
-TRAIN, ESTIMATE, COMPARE = "launch/train.py", "-m dist_train.estimate", "launch/compare.py"
+TRAIN, ESTIMATE, COMPARE, EXPORT = "launch/train.py", "-m dist_train.estimate", "launch/compare.py", "launch/export.py"
 
-# (entry point, arguments, what the one line must say).
+# (entry point, arguments, what the one line must say). {ckpt}: a complete single-process checkpoint (step 2);
+# {partial}: the same without its COMPLETE marker; {zero}: one whose marker says DeepSpeed's format.
 CASES = [
     (TRAIN, "train.lr=-1", "train.lr=-1.0 must be > 0"),
     (TRAIN, "strategy=banana", "strategy=banana is not an option (no conf/strategy/banana.yaml); available: 1f1b,"),
@@ -28,13 +33,39 @@ CASES = [
     (TRAIN, "nonsense", "Error parsing override 'nonsense'"),
     (TRAIN, "train.global_batch_size=7", "train.global_batch_size=7 must be divisible by train.micro_batch_size"),
     (TRAIN, "strategy=gpipe", "strategy=gpipe needs at least 2 processes"),
+    (TRAIN, "checkpoint.every_steps=-1", "checkpoint.every_steps=-1 must be >= 0"),
+    (TRAIN, "checkpoint.resume=/nonexistent", "checkpoint.resume=/nonexistent: no such file or directory"),
+    (TRAIN, "checkpoint.resume={partial}", "is incomplete (no COMPLETE marker: its save was interrupted)"),
+    (TRAIN, "checkpoint.resume={ckpt} model.hidden_size=32", "model.hidden_size: saved 64, now 32"),
+    (TRAIN, "checkpoint.resume={zero}", "was written by strategy=zero2 (deepspeed format); strategy=ddp reads"),
+    (TRAIN, "DIST_TRAIN_FAULT=boom", "DIST_TRAIN_FAULT='boom' is not <kind>@<step>[:rank<r>]"),
+    (TRAIN, "runtime.timeout_s=0", "runtime.timeout_s=0.0 must be > 0"),
     (ESTIMATE, "optimizer=adam", "optimizer=adam is not an option (no conf/optimizer/adam.yaml); available: adamw, sgd"),
     (ESTIMATE, "world_size=x", "world_size: Value 'x' of type 'str' could not be converted to Integer"),
     (ESTIMATE, "model.hidden_size=-1", "model.hidden_size=-1 must be >= 1"),
     (COMPARE, "compare.nproc=x", "compare.nproc: Value 'x' of type 'str' could not be converted to Integer"),
     (COMPARE, "compare.bogus=1", "compare.bogus: Key 'bogus' not in 'CompareConfig'"),
     (COMPARE, "train.lr=abc", "train.lr=abc; Value 'abc' of type 'str' could not be converted to Float"),
+    (EXPORT, "/nonexistent out", "checkpoint=/nonexistent: no such file or directory"),
+    (EXPORT, "", "the following arguments are required: checkpoint, out_dir"),
 ]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    run_dir = tmp_path_factory.mktemp("ckpt")
+    train_ok(["strategy=single", "logger=none", "train.steps=2", "checkpoint.every_steps=2"], run_dir=run_dir)
+    ckpt = run_dir / "checkpoints" / "step-00000002"
+    partial = run_dir / "interrupted" / "step-00000002"
+    shutil.copytree(ckpt, partial)
+    (partial / "COMPLETE").unlink()
+    zero = run_dir / "zero" / "step-00000002"
+    shutil.copytree(ckpt, zero)
+    marker = json.loads((zero / "COMPLETE").read_text())
+    (zero / "COMPLETE").write_text(json.dumps({**marker, "format": "deepspeed"}))
+    state = json.loads((zero / "trainer.json").read_text())
+    (zero / "trainer.json").write_text(json.dumps({**state, "strategy": "zero2"}))
+    return {"ckpt": str(ckpt), "partial": str(partial), "zero": str(zero)}
 
 
 def _command(entry: str, args: str, run_dir: Path) -> tuple[list[str], dict[str, str]]:
@@ -51,14 +82,26 @@ def _command(entry: str, args: str, run_dir: Path) -> tuple[list[str], dict[str,
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("entry", "args", "says"), CASES, ids=[f"{e.split('/')[-1]} {a}" for e, a, _ in CASES])
-def test_bad_input_is_one_line_and_exit_2(entry, args, says, tmp_path):
-    cmd, environment = _command(entry, args, tmp_path / "run")
+def test_bad_input_is_one_line_and_exit_2(entry, args, says, checkpoints, tmp_path):
+    cmd, environment = _command(entry, args.format(**checkpoints), tmp_path / "run")
     proc = subprocess.run(cmd, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120)
     ours = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(ours) == 1 and says in ours[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_readme_lists_exactly_the_bad_inputs_tested():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Bad input the tests try", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `([^`]*)` \| `([^`]*)` \|", section, flags=re.M)
+    tested = {(_entry_name(e), a or "(none)") for e, a, _ in CASES} | {("torchrun launch/train.py", "train.lr=-1")}
+    assert set(rows) == tested
+
+
+def _entry_name(entry: str) -> str:
+    return "python " + entry
 
 
 @pytest.mark.multiproc

@@ -7,7 +7,8 @@ from hydra import compose, initialize_config_dir
 
 from dist_train.config import ConfigError, register_configs, validate
 from dist_train.rundir import register_resolvers
-from dist_train.train import experiment_group, to_run_config
+from dist_train.session import experiment_group
+from dist_train.train import to_run_config
 from tests.helpers import ROOT
 
 register_configs()

@@ -223,6 +223,7 @@ def _assert_one_config_error(proc: subprocess.CompletedProcess[str], *needles: s
         assert needle in lines[0]
 
 
+@pytest.mark.multiproc
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="offload is valid where a GPU is visible")
 @pytest.mark.parametrize("name", ["zero2_offload", "zero3_offload"])
 def test_offload_without_gpu_is_one_line(name, tmp_path):
@@ -234,6 +235,7 @@ def test_offload_without_gpu_is_one_line(name, tmp_path):
     assert not (tmp_path / "logs").exists()  # nothing started
 
 
+@pytest.mark.multiproc
 def test_zero_without_deepspeed_is_one_line(tmp_path):
     # sys.modules[name] = None is how Python marks a module as not importable
     code = (

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ContextManager, Protocol
 
 import torch
@@ -46,6 +48,19 @@ class StrategyContext:
     ddp_comm_hook: Callable[..., Any] | None = None
 
 
+class CheckpointIO(Protocol):
+    """How a strategy writes and reads its whole training state (model, optimizer, LR schedule, loss scaler)
+    into one checkpoint directory, sharded where the strategy is sharded. Every rank calls both."""
+
+    format: str  # recorded in the checkpoint; a strategy resumes only from a format it reads
+
+    def save(self, directory: Path, *, background: bool, group: Any = None) -> Future | None:
+        """Write into `directory`. background=True may return a Future that completes once every rank's part
+        is written (the caller must not change `directory` before); `group`: the process group to use then."""
+
+    def load(self, directory: Path) -> None: ...
+
+
 class Strategy(Protocol):
     name: str
 
@@ -62,6 +77,9 @@ class Strategy(Protocol):
         """{"model": ..., "optimizer": ...} in the layout torch.distributed.checkpoint saves (sharded where sharded)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def checkpoint_io(self) -> CheckpointIO:
+        """The on-disk checkpoint format of this strategy (torch.distributed.checkpoint, DeepSpeed's own)."""
 
     @property
     def lr(self) -> float: ...
@@ -144,6 +162,24 @@ class LocalOptimizer:
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
+    def extra_state(self) -> dict[str, Any]:
+        """LR schedule (and fp16 loss scaler) state: plain values, saved beside the optimizer's tensors.
+
+        The schedule's multiplier function is rebuilt from the config, not saved: only its position is.
+        """
+        schedule = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+        state: dict[str, Any] = {"schedule": schedule}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        schedule = dict(state["schedule"])
+        schedule["lr_lambdas"] = [None] * len(self.optimizer.param_groups)  # keep ours (see extra_state)
+        self.scheduler.load_state_dict(schedule)
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
     def model_state(self, model: nn.Module) -> ModelState:
         params = list(model.parameters())
         return ModelState(
@@ -197,15 +233,32 @@ def detached_clone(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-def torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Model and optimizer state in torch.distributed.checkpoint's layout (DTensor shards stay sharded)."""
+def _dcp_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Optimizer state keyed by parameter name (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`) rather than
+    # by position: pipeline stages then hold disjoint keys, and any strategy can read what another wrote.
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def torch_state_dict(model: nn.Module, opt: LocalOptimizer) -> dict[str, Any]:
+    """The whole training state in torch.distributed.checkpoint's layout (DTensor shards stay sharded).
+
+    Keys are the unwrapped model's parameter names (DDP's `module.` is dropped, FSDP2 keeps the names, a
+    pipeline stage holds its share under the full model's names), so one strategy's checkpoint loads into
+    another at any world size where the format allows it.
+    """
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optimizer": optim_sd}
+    model_sd, optim_sd = get_state_dict(model, opt.optimizer, options=_dcp_options())
+    return {"model": model_sd, "optimizer": optim_sd, **opt.extra_state()}
 
 
-def load_torch_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_torch_state_dict(model: nn.Module, opt: LocalOptimizer, state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model, opt.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        options=_dcp_options(),
+    )
+    opt.load_extra_state(state)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from dist_train.checkpoint.dcp_io import DcpIO
 from dist_train.config import PipelineConfig
 from dist_train.data import Batch
 from dist_train.model import causal_lm_loss
@@ -175,7 +176,7 @@ class PipelineStrategy:
         self.module = build_stage(model, bounds=bounds, stage_index=self.stage_index).to(self.device)
         if tied:
             # new_group is collective: every rank calls it, only the first and last stage use it.
-            self._tied_group = dist.new_group([0, self.num_stages - 1])
+            self._tied_group = dist.new_group([0, self.num_stages - 1], timeout=self.ctx.runtime.timeout)
             holder = layout.embedding if self.is_first else layout.head if self.is_last else None
             if holder is not None:
                 self._tied = self.module.model.get_submodule(holder).weight
@@ -276,11 +277,14 @@ class PipelineStrategy:
     def state_dict(self) -> dict[str, Any]:
         assert self.opt is not None and self.module is not None
         # The pruned HF model: keys are the full model's names, so stage checkpoints fit together.
-        return torch_state_dict(self.module.model, self.opt.optimizer)
+        return torch_state_dict(self.module.model, self.opt)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.opt is not None and self.module is not None
-        load_torch_state_dict(self.module.model, self.opt.optimizer, state)
+        load_torch_state_dict(self.module.model, self.opt, state)
+
+    def checkpoint_io(self) -> DcpIO:
+        return DcpIO(self)  # each stage writes its own layers under the full model's names
 
     @property
     def lr(self) -> float:

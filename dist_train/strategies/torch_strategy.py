@@ -7,6 +7,7 @@ from typing import Any, ContextManager, Protocol
 import torch
 from torch import nn
 
+from dist_train.checkpoint.dcp_io import DcpIO
 from dist_train.data import Batch
 from dist_train.strategies.base import (
     LocalOptimizer,
@@ -62,13 +63,18 @@ class TorchStrategy:
         assert self.wrapped is not None and self.opt is not None
         return self.opt.model_state(self.wrapped)
 
+    # The model as built, not its wrapper: DDP and DataParallel hold it as `.module` (whose `module.` prefix
+    # would make the keys differ between strategies), FSDP2 shards it in place. Same parameters either way.
     def state_dict(self) -> dict[str, Any]:
-        assert self.wrapped is not None and self.opt is not None
-        return torch_state_dict(self.wrapped, self.opt.optimizer)
+        assert self.model is not None and self.opt is not None
+        return torch_state_dict(self.model, self.opt)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        assert self.wrapped is not None and self.opt is not None
-        load_torch_state_dict(self.wrapped, self.opt.optimizer, state)
+        assert self.model is not None and self.opt is not None
+        load_torch_state_dict(self.model, self.opt, state)
+
+    def checkpoint_io(self) -> DcpIO:
+        return DcpIO(self)
 
     @property
     def lr(self) -> float:

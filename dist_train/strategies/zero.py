@@ -285,6 +285,10 @@ class ZeroStrategy:
         # DeepSpeed's state dict holds the live fp32 partitions and moments: copy, or training mutates it.
         return {"model": model_sd, "optimizer": detached_clone(self.engine.optimizer.state_dict())}
 
+    def checkpoint_io(self) -> "DeepSpeedIO":
+        assert self.engine is not None, "setup() first"
+        return DeepSpeedIO(self.engine)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # The optimizer's state carries the fp32 master partition, from which every rank's parameters
         # are rewritten (and all-gathered); the model entry is for consumers outside DeepSpeed.
@@ -307,6 +311,34 @@ class ZeroStrategy:
 
     def extra_metrics(self) -> dict[str, float]:
         return {}
+
+
+class DeepSpeedIO:
+    """DeepSpeed's own checkpoint: each rank writes its ZeRO partition (fp32 master weights, Adam moments),
+    data-parallel rank 0 the module state (every rank under stage 3), plus the LR schedule and step counters.
+
+    It reloads on the same ZeRO stage and world size; `python launch/export.py` consolidates it into one
+    set of weights (DeepSpeed's zero_to_fp32) for any other use.
+    """
+
+    format = "deepspeed"
+    SUBDIR = "deepspeed"
+    TAG = "state"
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def save(self, directory: Path, *, background: bool, group: Any = None) -> None:
+        # Synchronous whatever `background` says: DeepSpeed's engine saves in the caller's thread.
+        self.engine.save_checkpoint(str(directory / self.SUBDIR), tag=self.TAG, save_latest=False)
+        return None
+
+    def load(self, directory: Path) -> None:
+        path, _ = self.engine.load_checkpoint(
+            str(directory / self.SUBDIR), tag=self.TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {directory / self.SUBDIR}")
 
 
 def build(cfg: ZeroConfig, ctx: StrategyContext) -> ZeroStrategy:

@@ -174,6 +174,7 @@ class CommTracker:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _watchers: ThreadPoolExecutor | None = None
     _p2p_watchers: ThreadPoolExecutor | None = None
+    _ignored_groups: list[Any] = field(default_factory=list)
 
     # ---------------------------------------------------------------- install / uninstall
     def install(self) -> "CommTracker":
@@ -209,6 +210,13 @@ class CommTracker:
         if self._p2p_watchers is not None:
             self._p2p_watchers.shutdown(wait=True)
             self._p2p_watchers = None
+
+    def ignore_group(self, group: Any) -> None:
+        """Collectives on `group` are never recorded (a checkpoint writer's, from its own thread)."""
+        self._ignored_groups.append(group)
+
+    def _ignored(self, group: Any) -> bool:
+        return group is not None and any(group is g for g in self._ignored_groups)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -336,6 +344,8 @@ class CommTracker:
                 return original(*args, **kwargs)
             bound = sig.bind(*args, **kwargs)
             arguments = bound.arguments
+            if self._ignored(arguments.get("group")):
+                return original(*args, **kwargs)
             rec = self._new_record(op, sizer(arguments), arguments.get("group"))
             if not takes_async:  # send / recv block; isend / irecv return work
                 with self._nested():

@@ -2,14 +2,20 @@
 
 In the step: device tensors are kept (loss, grad norm) and a wall-clock stamp is taken; nothing is
 synchronised or moved to the host. When a window closes every rank builds one record (memory by
-category, allocator and RSS peaks, collectives, step time), rank 0 gathers them with the training's
-collectives paused, adds the global figures (loss over the global batch, throughput, MFU) and hands the
-records to the sinks.
+category, allocator and RSS peaks, collectives, step time), the records are all-gathered with the
+training's collectives paused, the global figures are added (loss over the global batch, throughput, MFU)
+and rank 0 hands the records to the sinks.
+
+Every rank sees every record, so every rank reaches the same verdict on the window's losses without a
+collective of its own: a NaN/Inf loss (or, outside fp16, gradient norm) stops the run on all ranks at once,
+naming the step; under fp16 loss scaling a non-finite gradient norm is a skipped step, counted instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +30,22 @@ from dist_train.telemetry.comm import CommTracker
 from dist_train.telemetry.memory import HostPeak, cuda_peaks, reset_cuda_peaks
 from dist_train.telemetry.sinks import Sink
 
-GLOBAL_KEYS = ("loss", "lr", "grad_norm", "throughput/tokens_per_s", "throughput/samples_per_s", "mfu")
+log = logging.getLogger("dist_train")
+
+GLOBAL_KEYS = (
+    "loss", "lr", "grad_norm", "throughput/tokens_per_s", "throughput/samples_per_s", "mfu", "train/skipped_steps",
+)
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss (or the gradient norm) of a step is NaN or Inf; raised on every rank at the same window."""
+
+    def __init__(self, step: int, what: str, value: float) -> None:
+        super().__init__(
+            f"training stopped at step {step}: the {what} is {value} (not finite); no checkpoint is written from "
+            f"step {step} on. Lower train.lr, keep train.grad_clip > 0, or use precision=bf16 rather than fp16"
+        )
+        self.step = step
 
 
 @dataclass(frozen=True)
@@ -53,6 +74,8 @@ class Telemetry:
     workload: Workload
     tracker: CommTracker | None = None
     activations: ActivationMeter | None = None
+    # fp16 loss scaling: a non-finite gradient norm means the scaler skipped that step (counted, not fatal).
+    skips_allowed: bool = False
     _host: HostPeak = field(default_factory=HostPeak)
     _window: list[_Pending] = field(default_factory=list)
     _window_start_s: float = 0.0
@@ -60,6 +83,18 @@ class Telemetry:
     start_s: float = 0.0
     history: list[list[dict[str, Any]]] = field(default_factory=list)  # rank 0: records of every window
     step_losses: list[float] = field(default_factory=list)  # rank 0: global loss of every logged step
+    skipped_steps: int = 0  # fp16: steps the loss scaler skipped
+    _checkpoint_s: float = 0.0  # time the window's steps waited for checkpoint saves
+
+    def restore(self, *, losses: list[float], history: list[list[dict[str, Any]]], skipped_steps: int = 0) -> None:
+        """Continue a resumed run's record: the losses of the steps before it, and the windows metrics.jsonl holds."""
+        self.step_losses = list(losses)
+        self.history = list(history)
+        self.skipped_steps = skipped_steps
+
+    def add_checkpoint_time(self, seconds: float) -> None:
+        """A save blocked the training this long; reported in the next window as `time/checkpoint_s` per step."""
+        self._checkpoint_s += seconds
 
     def start(self) -> None:
         self._reset_peaks()
@@ -83,14 +118,38 @@ class Telemetry:
         if self.runtime.device.type == "cuda":
             torch.cuda.synchronize(self.runtime.device)  # the one sync: at the window's end, not in a step
             self.step_end_s[-1] = time.perf_counter()
+        first_step = step - len(self._window) + 1
         local = self._local_record(step)
-        records = self._gather(local)
+        records, losses, norms = self._add_global(self._gather(local))
         self._window, self._window_start_s = [], self.step_end_s[-1]
+        self._checkpoint_s = 0.0
         self._reset_peaks()
-        if records is not None:
-            records = self._add_global(records)
+        if self.runtime.is_main:
             self.history.append(records)
             self.sink.log(step, records)
+        bad = self._first_non_finite(losses, norms, first_step=first_step)
+        if bad is not None:
+            self._stop(bad)
+
+    def _first_non_finite(
+        self, losses: list[float], norms: list[float | None], *, first_step: int
+    ) -> NonFiniteLoss | None:
+        for i, (loss, norm) in enumerate(zip(losses, norms)):
+            if not math.isfinite(loss):
+                return NonFiniteLoss(first_step + i, "loss", loss)
+            if norm is not None and not math.isfinite(norm) and not self.skips_allowed:
+                return NonFiniteLoss(first_step + i, "gradient norm", norm)
+        return None
+
+    def _stop(self, error: NonFiniteLoss) -> None:
+        """Rank 0 says why; every rank waits until it has, then all raise (a rank exiting first would let the
+        launcher kill rank 0 before it speaks)."""
+        if self.runtime.is_main:
+            log.error("%s", error)
+        if self.runtime.has_group and dist.is_initialized() and dist.get_world_size() > 1:
+            with self.tracker.paused() if self.tracker is not None else contextlib.nullcontext():
+                dist.barrier()
+        raise error
 
     # ------------------------------------------------------------------ building records
     def _local_record(self, step: int) -> dict[str, Any]:
@@ -109,49 +168,62 @@ class Telemetry:
                 rec[f"comm/{op}/busbw_gbps"] = totals.busbw_gbps(op)
         rec.update(self.strategy.extra_metrics())
         rec["time/step_s"] = (self.step_end_s[-1] - self._window_start_s) / n
+        rec["time/checkpoint_s"] = self._checkpoint_s / n
         rec["_losses"] = [
             (float(p.loss_sum.detach().float().cpu()) if p.loss_sum is not None else None, p.num_microbatches)
             for p in self._window
         ]
-        norms = [float(p.grad_norm.detach().float().cpu()) for p in self._window if p.grad_norm is not None]
-        rec["_grad_norm"] = sum(norms) / len(norms) if norms else None
+        rec["_grad_norms"] = [
+            float(p.grad_norm.detach().float().cpu()) if p.grad_norm is not None else None for p in self._window
+        ]
         rec["lr"] = self.strategy.lr
         return rec
 
-    def _gather(self, local: dict[str, Any]) -> list[dict[str, Any]] | None:
+    def _gather(self, local: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's record, on every rank (so each can judge the window's losses itself)."""
         if not (self.runtime.has_group and dist.is_initialized()) or dist.get_world_size() == 1:
             return [local]
-        out: list[Any] | None = [None] * dist.get_world_size() if self.runtime.is_main else None
+        out: list[Any] = [None] * dist.get_world_size()
         with self.tracker.paused() if self.tracker is not None else contextlib.nullcontext():
-            dist.gather_object(local, out, dst=0)
+            dist.all_gather_object(out, local)
         return out
 
-    def _add_global(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Loss over the global batch (wherever it lives), throughput and MFU; the same on every record."""
+    def _add_global(
+        self, records: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[float], list[float | None]]:
+        """Loss over the global batch (wherever it lives), throughput and MFU, the same on every record; also
+        each step's global loss and gradient norm."""
         num_steps = len(records[0]["_losses"])
-        losses = []
+        losses, norms = [], []
         for i in range(num_steps):
             parts = [r["_losses"][i] for r in records if r["_losses"][i][0] is not None]
             total = sum(n for _, n in parts)
             losses.append(sum(s for s, _ in parts) / total if total else float("nan"))
-        self.step_losses.extend(losses)
-        norms = [r["_grad_norm"] for r in records if r["_grad_norm"] is not None]
+            # The global norm: every rank that computed it holds the same value.
+            norms.append(next((r["_grad_norms"][i] for r in records if r["_grad_norms"][i] is not None), None))
+        if self.runtime.is_main:
+            self.step_losses.extend(losses)
+        finite_norms = [v for v in norms if v is not None and math.isfinite(v)]
+        skipped = sum(1 for v in norms if v is not None and not math.isfinite(v)) if self.skips_allowed else 0
+        self.skipped_steps += skipped
         step_s = records[0]["time/step_s"]
         w = self.workload
         glob: dict[str, Any] = {
             "loss": sum(losses) / len(losses),
-            "grad_norm": norms[0] if norms else None,
+            "grad_norm": sum(finite_norms) / len(finite_norms) if finite_norms else None,
             "throughput/tokens_per_s": w.tokens_per_step / step_s if step_s > 0 else 0.0,
             "throughput/samples_per_s": w.samples_per_step / step_s if step_s > 0 else 0.0,
         }
         if w.peak_flops:
             glob["mfu"] = glob["throughput/tokens_per_s"] * w.flops_per_token / (w.peak_flops * w.num_devices)
+        if self.skips_allowed:
+            glob["train/skipped_steps"] = skipped
         out = []
         for r in records:
             r = {k: v for k, v in r.items() if not k.startswith("_")}
             r.update(glob)
             out.append(r)
-        return out
+        return out, losses, norms
 
     def _reset_peaks(self) -> None:
         if self.activations is not None:

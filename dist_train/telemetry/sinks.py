@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,10 +58,16 @@ def _json_safe(value: Any) -> Any:
 
 
 class JsonlSink:
-    """metrics.jsonl: one JSON object per rank per logged step."""
+    """metrics.jsonl: one JSON object per rank per logged step.
 
-    def __init__(self, path: Path) -> None:
+    A run that resumes after step s keeps the records of steps <= s and drops any later ones (a crashed
+    attempt may have logged steps that were never checkpointed), so every step appears exactly once. A
+    fresh start (s = 0) begins an empty file. `kept` holds the records kept, per logged step.
+    """
+
+    def __init__(self, path: Path, *, keep_through_step: int = 0) -> None:
         self.path = path
+        self.kept = _keep_through(path, keep_through_step)
         self._file = path.open("a", buffering=1)
 
     def on_step(self, step: int) -> None:
@@ -74,6 +81,26 @@ class JsonlSink:
         self._file.close()
 
 
+def _keep_through(path: Path, step: int) -> list[list[dict[str, Any]]]:
+    """Rewrite `path` (atomically) with only the records of steps <= `step`; return them grouped by step."""
+    rows: list[dict[str, Any]] = []
+    if path.is_file() and step > 0:
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                rows.append(row)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+    windows: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        windows.setdefault(row["step"], []).append(row)
+    return [sorted(w, key=lambda r: r.get("rank", 0)) for _, w in sorted(windows.items())]
+
+
 def progress_text(rec: dict[str, Any]) -> str:
     return (
         f"loss {rec['loss']:.4f} | {rec['time/step_s'] * 1e3:.0f} ms/step | "
@@ -84,7 +111,7 @@ def progress_text(rec: dict[str, Any]) -> str:
 class ConsoleProgress:
     """A rich progress bar on a terminal; a plain line per logged step otherwise (CI logs, files)."""
 
-    def __init__(self, *, total_steps: int, description: str) -> None:
+    def __init__(self, *, total_steps: int, description: str, done: int = 0) -> None:
         self.total = total_steps
         self.interactive = sys.stderr.isatty()
         self._progress = None
@@ -100,7 +127,7 @@ class ConsoleProgress:
                 TextColumn("{task.fields[stats]}"),
                 console=Console(stderr=True),
             )
-            self._task = self._progress.add_task(description, total=total_steps, stats="")
+            self._task = self._progress.add_task(description, total=total_steps, completed=done, stats="")
             self._progress.start()
 
     def on_step(self, step: int) -> None:

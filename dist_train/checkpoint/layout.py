@@ -1,0 +1,97 @@
+"""Where checkpoints live on disk and which of them count: pure path logic, no torch, no process group.
+
+    <checkpoint.dir>/
+      step-00000004/            a complete checkpoint: renamed from .partial once every rank's part was
+        COMPLETE                written; this marker is written last, after the rename
+        trainer.json            step, losses so far, W&B run id, the resolved config (rank 0)
+        rng/rank<r>.pt          each rank's random-number generator states
+        dcp/ | deepspeed/       the strategy's own state: torch.distributed.checkpoint or DeepSpeed's format
+      step-00000006.partial/    a save in progress, or one a crash interrupted: never resumed from
+
+Only a directory named `step-<8 digits>` holding `COMPLETE` is a checkpoint. A save killed at any moment
+leaves either a `.partial` directory or a complete one, never something that looks complete and is not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+MARKER = "COMPLETE"
+TRAINER_STATE = "trainer.json"
+PARTIAL_SUFFIX = ".partial"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def partial_dir(root: Path, step: int) -> Path:
+    return root / (step_dir_name(step) + PARTIAL_SUFFIX)
+
+
+def is_complete(path: Path) -> bool:
+    return _STEP_DIR.match(path.name) is not None and (path / MARKER).is_file()
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and (path / MARKER).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def partial_checkpoints(root: Path) -> list[Path]:
+    """Saves that never completed (interrupted, or in progress)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.endswith(PARTIAL_SUFFIX) and p.is_dir())
+
+
+def latest(root: Path) -> Optional[Path]:
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve_resume(resume: str, *, default_root: Optional[Path], key: str = "checkpoint.resume") -> Optional[Path]:
+    """The checkpoint `checkpoint.resume` names, or None to start fresh. Raises ValueError with one line.
+
+    auto: the newest complete checkpoint in `default_root` (None if there is none); none: None; a path: that
+    checkpoint, or the newest complete one in that directory.
+    """
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return latest(default_root) if default_root is not None else None
+    path = Path(resume).expanduser()
+    key = f"{key}={resume}"
+    if not path.exists():
+        raise ValueError(f"{key}: no such file or directory")
+    if is_complete(path):
+        return path.resolve()
+    if _STEP_DIR.match(path.name) or path.name.endswith(PARTIAL_SUFFIX):
+        others = ", ".join(p.name for _, p in complete_checkpoints(path.parent)) or "none"
+        raise ValueError(
+            f"{key} is incomplete (no {MARKER} marker: its save was interrupted) and cannot be resumed from; "
+            f"complete checkpoints beside it: {others}"
+        )
+    newest = latest(path)
+    if newest is None:
+        raise ValueError(f"{key} holds no complete checkpoint (step-NNNNNNNN/{MARKER})")
+    return newest.resolve()
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    return json.loads((path / MARKER).read_text())
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    return json.loads((path / TRAINER_STATE).read_text())

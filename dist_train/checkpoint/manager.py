@@ -1,0 +1,198 @@
+"""When a run saves, how a save becomes visible, what is kept, and how a run resumes.
+
+A save at step s, on every rank:
+  1. wait for the previous background save, if any (rank 0 commits it first);
+  2. write into `<dir>/step-s.partial/`: rank 0 `trainer.json` (step, losses, W&B run id, config), every rank
+     `rng/rank<r>.pt`, then the strategy's state through its CheckpointIO (DCP or DeepSpeed's format);
+  3. commit once every rank's part is written: rank 0 renames `.partial` to `step-s`, writes `COMPLETE`
+     last, then removes the oldest complete checkpoints beyond `keep_last`.
+A synchronous save commits after a barrier. A background save (DCP async_save) commits when rank 0's save
+finishes: DCP's coordinator, rank 0, writes the checkpoint's metadata only after every rank reported its
+writes, and the RNG files and trainer.json were written before the save began. A crash at any moment
+leaves a `.partial` directory, which resume ignores and the next run removes.
+
+The data position needs no state of its own: global batch s is a pure function of the seed and s
+(dist_train/data.py), so resuming after step s trains on the same samples an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from dist_train.checkpoint.layout import (
+    MARKER,
+    TRAINER_STATE,
+    complete_checkpoints,
+    partial_checkpoints,
+    partial_dir,
+    read_trainer_state,
+    step_dir_name,
+)
+from dist_train.config import CheckpointConfig
+from dist_train.runtime import Runtime
+
+log = logging.getLogger("dist_train")
+
+
+# --------------------------------------------------------------------------------------------------
+# Random-number generators: per rank (dropout masks differ by rank under data parallelism).
+# --------------------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rng_path(directory: Path, rank: int) -> Path:
+    return directory / "rng" / f"rank{rank}.pt"
+
+
+# --------------------------------------------------------------------------------------------------
+# The checkpointer.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Checkpointer:
+    cfg: CheckpointConfig
+    root: Path
+    runtime: Runtime
+    io: Any  # the strategy's CheckpointIO
+    total_steps: int
+    tracker: Any = None  # telemetry's CommTracker: a checkpoint's collectives are not the training's
+    group: Any = None  # gloo group for background saves (None: synchronous, or no process group)
+    background: bool = False
+    saved_steps: list[int] = field(default_factory=list)
+    blocking_s: float = 0.0  # the time steps waited for saves (summary.json)
+    _pending: Optional[tuple[int, Path, Future]] = None
+
+    @classmethod
+    def build(
+        cls, cfg: CheckpointConfig, *, root: Path, runtime: Runtime, io: Any, total_steps: int,
+        tracker: Any = None,
+    ) -> "Checkpointer":
+        """Every rank calls this (it may create a process group, which is collective)."""
+        background = cfg.async_save and cfg.every_steps > 0 and io.format == "dcp"
+        group = None
+        if background and runtime.has_group:
+            # Background writes coordinate on a gloo group of their own, never interleaved with the
+            # training's collectives (DCP's async save needs a CPU backend even beside NCCL).
+            group = dist.new_group(backend="gloo", timeout=runtime.timeout)
+            if tracker is not None:
+                tracker.ignore_group(group)
+        me = cls(cfg, root, runtime, io, total_steps, tracker=tracker, group=group, background=background)
+        if runtime.is_main and cfg.every_steps > 0:
+            me._remove_partials()
+        return me
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.every_steps
+        return every > 0 and (step % every == 0 or step == self.total_steps)
+
+    # ---------------------------------------------------------------- saving
+    def save(self, step: int, trainer_state: dict[str, Any]) -> float:
+        """Save the state after `step`; returns the seconds this call blocked the training."""
+        start = time.perf_counter()
+        self.wait()
+        directory = partial_dir(self.root, step)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.runtime.is_main:
+            (directory / TRAINER_STATE).write_text(json.dumps({**trainer_state, "step": step}, indent=1))
+        rng = _rng_path(directory, self.runtime.rank)
+        rng.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), rng)
+        with self._quiet():
+            future = self.io.save(directory, background=self.background, group=self.group)
+        if future is not None:
+            self._pending = (step, directory, future)
+        else:
+            with self._quiet():
+                if self.runtime.has_group:
+                    dist.barrier()  # every rank's part is on disk
+            self._commit(step, directory)
+        elapsed = time.perf_counter() - start
+        self.blocking_s += elapsed
+        return elapsed
+
+    def poll(self) -> None:
+        """Commit a background save that has finished; never waits."""
+        if self._pending is not None and self._pending[2].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the background save in flight, if any; rank 0 then commits it. A failed save stops the run."""
+        if self._pending is None:
+            return
+        step, directory, future = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except Exception as exc:
+            raise RuntimeError(f"checkpoint of step {step} failed to write to {directory}: {exc}") from exc
+        self._commit(step, directory)
+
+    def finish(self) -> None:
+        self.wait()
+
+    def _commit(self, step: int, directory: Path) -> None:
+        self.saved_steps.append(step)
+        if not self.runtime.is_main:
+            return
+        final = self.root / step_dir_name(step)
+        if final.exists():  # a step saved again after a resume from an earlier checkpoint
+            shutil.rmtree(final)
+        directory.rename(final)
+        marker = {"step": step, "format": self.io.format, "world_size": self.runtime.world_size,
+                  "committed_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        (final / MARKER).write_text(json.dumps(marker))  # last: from here on the checkpoint counts
+        log.info("checkpoint step %d: %s", step, final)
+        self._prune()
+
+    def _prune(self) -> None:
+        keep = self.cfg.keep_last
+        if keep <= 0:
+            return
+        for _, path in complete_checkpoints(self.root)[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _remove_partials(self) -> None:
+        for path in partial_checkpoints(self.root):
+            log.warning("removing an incomplete checkpoint (its save was interrupted): %s", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _quiet(self) -> Any:
+        return self.tracker.paused() if self.tracker is not None else contextlib.nullcontext()
+
+    # ---------------------------------------------------------------- resuming
+    def load(self, path: Path) -> dict[str, Any]:
+        """Load the strategy's state and this rank's RNG states from a complete checkpoint; return trainer.json."""
+        with self._quiet():
+            self.io.load(path)
+        rng = _rng_path(path, self.runtime.rank)
+        if rng.is_file():
+            set_rng_state(torch.load(rng, weights_only=True))
+        else:  # resumed on more ranks than saved: the new ranks keep their seeded generators
+            log.warning("checkpoint %s has no RNG state for rank %d; it keeps its own", path, self.runtime.rank)
+        return read_trainer_state(path)

@@ -1,0 +1,202 @@
+"""Build one training run: its directory and logs, the model, the strategy, the checkpointer, the data and the
+telemetry with its sinks (continuing metrics.jsonl and the W&B run after a resume). Names no strategy."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from dist_train.config import RunConfig, accumulation_steps
+
+log = logging.getLogger("dist_train")
+
+
+@dataclass
+class Session:
+    """Everything one training run is made of, built once; the loop names no strategy."""
+
+    run: RunConfig
+    cfg: DictConfig
+    runtime: Any
+    run_dir: Path
+    strategy: Any
+    batches: Any
+    telemetry: Any
+    checkpointer: Any
+    num_params: int
+    flops_per_token: float
+    fault: Any = None
+    wandb: Any = None  # rank 0's W&B sink, if any: its run id goes into checkpoints
+    start_step: int = 0  # steps done before this process started (resumed from a checkpoint)
+    resumed_from: Path | None = None
+    progress: Any = None  # Progress: the step being trained, for failure messages
+
+
+def build_session(run: RunConfig, cfg: DictConfig, runtime: Any, *, resume: Path | None, fault: Any) -> Session:
+    """Every rank builds the same session (collectively: the run directory and the resume point are agreed)."""
+    import torch
+
+    from dist_train.checkpoint.manager import Checkpointer
+    from dist_train.data import GlobalBatches, build_dataset
+    from dist_train.rundir import agree_on_run_dir
+    from dist_train.runtime import agree
+    from dist_train.telemetry.comm import CommTracker
+
+    run_dir = Path(agree_on_run_dir(hydra_run_dir()))
+    setup_logging(run_dir, runtime.rank)
+    resume = agree(resume)  # rank 0's reading of the checkpoint directory decides for everyone
+    t = run.train
+    log.info(
+        "strategy=%s world_size=%d backend=%s device=%s run_dir=%s",
+        run.strategy.name, runtime.world_size, runtime.backend or "none", runtime.device, run_dir,
+    )
+    if runtime.is_main:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    tracker = CommTracker(cuda_events=runtime.device.type == "cuda").install() if run.telemetry.comm else None
+    strategy, num_params, fpt = _strategy(run, runtime, tracker)
+    checkpointer = Checkpointer.build(
+        run.checkpoint, root=checkpoint_root(run, run_dir), runtime=runtime, io=strategy.checkpoint_io(),
+        total_steps=t.steps, tracker=tracker,
+    )
+    saved = checkpointer.load(resume) if resume is not None else {}
+    if resume is not None:
+        log.info("resumed from %s: step %d done, training steps %d..%d", resume, saved["step"], saved["step"] + 1, t.steps)
+    dp = run.strategy.data_parallel_size(runtime.world_size)
+    batches = GlobalBatches(
+        build_dataset(run.data, vocab_size=run.model.vocab_size, seq_len=t.seq_len, seed=t.seed),
+        global_batch_size=t.global_batch_size, dp_rank=runtime.rank % dp, dp_size=dp,
+    )
+    session = Session(
+        run=run, cfg=cfg, runtime=runtime, run_dir=run_dir, strategy=strategy, batches=batches, telemetry=None,
+        checkpointer=checkpointer, num_params=num_params, flops_per_token=fpt, fault=fault,
+        start_step=saved.get("step", 0), resumed_from=resume,
+    )
+    device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
+    session.telemetry = _telemetry(session, tracker, saved=saved, device_name=device_name)
+    log.info(
+        "model=%s params=%s global_batch=%d micro_batch=%d accumulation=%d data_parallel=%d",
+        run.model.name, f"{num_params:,}", t.global_batch_size, t.micro_batch_size,
+        accumulation_steps(run, runtime.world_size), dp,
+    )
+    return session
+
+
+def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, float]:
+    """The model (built identically on every rank), transformed, then set up by the strategy; its size and
+    FLOPs per token are read before any wrapping shards it."""
+    from dist_train.model import apply_activation_checkpointing, build_model, count_params
+    from dist_train.optim import OptimizerFactory
+    from dist_train.strategies import StrategyContext, build_strategy
+    from dist_train.telemetry.flops import embedding_params, flops_per_token
+
+    t = run.train
+    model = build_model(run.model, seed=t.seed)
+    if t.activation_checkpointing:
+        apply_activation_checkpointing(model)  # a model transform: before any strategy wraps the model
+    num_params = count_params(model)
+    fpt = flops_per_token(
+        num_params=num_params, num_embedding_params=embedding_params(model),
+        num_layers=run.model.num_layers, hidden_size=run.model.hidden_size, seq_len=t.seq_len,
+    )
+    ctx = StrategyContext(
+        runtime=runtime, train=t, precision=run.precision, optimizer=OptimizerFactory(run.optimizer, t),
+        ddp_comm_hook=tracker.ddp_comm_hook if tracker is not None else None,
+    )
+    strategy = build_strategy(run.strategy, ctx)
+    strategy.setup(model)
+    return strategy, num_params, fpt
+
+
+def _telemetry(session: Session, tracker: Any, *, saved: dict[str, Any], device_name: str) -> Any:
+    """Per-rank telemetry; rank 0 also gets the sinks, continuing metrics.jsonl and W&B after a resume."""
+    import torch
+
+    from dist_train.telemetry.activations import ActivationMeter
+    from dist_train.telemetry.flops import peak_flops
+    from dist_train.telemetry.recorder import Telemetry, Workload
+    from dist_train.telemetry.sinks import NullSink
+
+    run, runtime, t = session.run, session.runtime, session.run.train
+    peak = run.telemetry.peak_flops or peak_flops(
+        device_name, run.precision.name, allow_tf32=torch.backends.cuda.matmul.allow_tf32
+    )
+    workload = Workload(
+        tokens_per_step=t.global_batch_size * t.seq_len, samples_per_step=t.global_batch_size,
+        flops_per_token=session.flops_per_token, peak_flops=peak, num_devices=runtime.world_size * len(session.strategy.devices),
+    )
+    sink: Any = NullSink()
+    history: list[Any] = []
+    if runtime.is_main:
+        sink, history = _sinks(session, resume_id=saved.get("wandb_run_id"))
+    telemetry = Telemetry(
+        runtime=runtime, strategy=session.strategy, sink=sink, workload=workload, tracker=tracker,
+        activations=ActivationMeter() if run.telemetry.activations else None,
+        skips_allowed=run.precision.name == "fp16",
+    )
+    if saved:
+        telemetry.restore(losses=saved.get("losses", []), history=history, skipped_steps=saved.get("skipped_steps", 0))
+    return telemetry
+
+
+def _sinks(session: Session, *, resume_id: str | None) -> tuple[Any, list[Any]]:
+    """Rank 0's sinks, and the metrics.jsonl windows kept from before a resume (the telemetry's history)."""
+    from dist_train.telemetry.sinks import ConsoleProgress, FanOut, JsonlSink
+
+    run, cfg, runtime = session.run, session.cfg, session.runtime
+    jsonl = JsonlSink(session.run_dir / "metrics.jsonl", keep_through_step=session.start_step)
+    sinks: list[Any] = [
+        jsonl,
+        ConsoleProgress(total_steps=run.train.steps, description=f"{run.strategy.name} x{runtime.world_size}",
+                        done=session.start_step),
+    ]
+    if run.logger.name == "wandb":
+        from dist_train.telemetry.wandb_sink import WandbSink
+
+        session.wandb = WandbSink(
+            run.logger, run_dir=session.run_dir, name=f"{run.strategy.name}-ws{runtime.world_size}",
+            group=run.logger.group or experiment_group(cfg),
+            config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+            resume_id=resume_id,
+        )
+        sinks.append(session.wandb)
+    return FanOut(*sinks), jsonl.kept
+
+
+def checkpoint_root(run: RunConfig, run_dir: Path) -> Path:
+    return Path(run.checkpoint.dir).expanduser().resolve() if run.checkpoint.dir else run_dir / "checkpoints"
+
+
+def experiment_group(cfg: DictConfig) -> str:
+    """Runs that differ only in strategy (and logging) share a W&B group: `exp-<hash of the rest>`."""
+    ignored = ("strategy", "logger", "telemetry", "checkpoint", "runtime")  # none of them change the training
+    rest = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in ignored}
+    return "exp-" + hashlib.sha1(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def hydra_run_dir() -> str:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.path.abspath("outputs/run")
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """Each rank its own file; rank 0 also to the console, the others only warnings."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
+    file_handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    file_handler.setFormatter(fmt)
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
+    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for handler in (file_handler, console):
+        root.addHandler(handler)
