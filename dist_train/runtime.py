@@ -8,6 +8,7 @@ group when its strategy needs one (DDP, FSDP), so the same code path runs everyw
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,6 +28,8 @@ class Runtime:
     backend: str | None  # None: no process group (strategy=single / dp)
     # How long a collective waits for its peers (runtime.timeout_s); groups created later use it too.
     timeout_s: float = 600.0
+    node: str = ""  # this process's node (Slurm's node name, else the host name)
+    nodes: tuple[str, ...] = ()  # every rank's node, by rank: which collectives cross nodes
 
     @property
     def timeout(self) -> timedelta:
@@ -68,8 +71,9 @@ def init_runtime(*, needs_group: bool, timeout_s: float = 600.0) -> Runtime:
         device = torch.device("cpu")
         backend = "gloo"
 
+    node = node_name()
     if not needs_group:
-        return Runtime(rank, local_rank, world_size, local_world_size, device, None, timeout_s)
+        return Runtime(rank, local_rank, world_size, local_world_size, device, None, timeout_s, node, (node,))
 
     if not dist.is_initialized():
         kwargs: dict = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
@@ -86,7 +90,14 @@ def init_runtime(*, needs_group: bool, timeout_s: float = 600.0) -> Runtime:
             attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
             kwargs.update(store=dist.PrefixStore(f"dist_train/attempt{attempt}/", store), rank=rank, world_size=world_size)
         dist.init_process_group(**kwargs)
-    return Runtime(rank, local_rank, world_size, local_world_size, device, backend, timeout_s)
+    nodes: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(nodes, node)
+    return Runtime(rank, local_rank, world_size, local_world_size, device, backend, timeout_s, node, tuple(nodes))
+
+
+def node_name() -> str:
+    """Slurm's name for this node (virtual nodes on one host differ), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def restart_needs_own_namespace() -> bool:

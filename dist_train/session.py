@@ -60,7 +60,9 @@ def build_session(run: RunConfig, cfg: DictConfig, runtime: Any, *, resume: Path
     )
     if runtime.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    tracker = CommTracker(cuda_events=runtime.device.type == "cuda").install() if run.telemetry.comm else None
+    tracker = None
+    if run.telemetry.comm:
+        tracker = CommTracker(cuda_events=runtime.device.type == "cuda", nodes=runtime.nodes).install()
     strategy, num_params, fpt = _strategy(run, runtime, tracker)
     checkpointer = Checkpointer.build(
         run.checkpoint, root=checkpoint_root(run, run_dir), runtime=runtime, io=strategy.checkpoint_io(),
@@ -176,9 +178,15 @@ def checkpoint_root(run: RunConfig, run_dir: Path) -> Path:
 
 def experiment_group(cfg: DictConfig) -> str:
     """Runs that differ only in strategy (and logging) share a W&B group: `exp-<hash of the rest>`."""
-    ignored = ("strategy", "logger", "telemetry", "checkpoint", "runtime")  # none of them change the training
-    rest = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in ignored}
-    return "exp-" + hashlib.sha1(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:8]
+    return "exp-" + config_hash(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """A hash of what decides the training, leaving out how it is run and watched (strategy, logging, telemetry,
+    checkpointing, timeouts): two runs with the same hash train the same model on the same data."""
+    ignored = ("strategy", "logger", "telemetry", "checkpoint", "runtime")
+    rest = {k: v for k, v in config.items() if k not in ignored}
+    return hashlib.sha1(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:8]
 
 
 def hydra_run_dir() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +23,16 @@ log = logging.getLogger("dist_train")
 DIVERGED_EXIT = 3
 
 
-def main(cfg: DictConfig) -> int:
-    """Entry for launch/train.py: a config error is one line on stderr and exit code 2, before any process group."""
+def main(cfg: DictConfig, *, check_only: bool = False) -> int:
+    """Entry for launch/train.py: a config error is one line on stderr and exit code 2, before any process group.
+
+    check_only: stop after the checks (what launch/slurm.sbatch does on the batch node before any node starts).
+    """
     from dist_train.entry import report_config_error
+    from dist_train.slurm import adopt_srun_env
     from dist_train.telemetry.recorder import NonFiniteLoss
 
+    adopt_srun_env()  # `srun python launch/train.py` (no torchrun): rank and world from Slurm
     try:
         run = to_run_config(cfg)
         world_size = world_size_from_env()
@@ -35,6 +41,9 @@ def main(cfg: DictConfig) -> int:
         resume = resume_point(run, world_size=world_size, run_dir=Path(hydra_run_dir()))
     except ConfigError as exc:
         return report_config_error(str(exc))  # once per launch, whichever rank fails first
+    if check_only:
+        print(f"config ok: strategy={run.strategy.name} WORLD_SIZE={world_size}", file=sys.stderr)
+        return 0
     try:
         train(run, cfg, resume=resume, fault=fault)
     except NonFiniteLoss:
@@ -189,6 +198,7 @@ def _summary(session: Session) -> dict[str, Any]:
     return {
         "strategy": run.strategy.name,
         "world_size": runtime.world_size,
+        "nodes": len(set(runtime.nodes)),
         "data_parallel_size": dp,
         "model": run.model.name,
         "precision": run.precision.name,

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=2 launch/train.py strategy=fsdp
     python launch/train.py strategy=single
+    python launch/train.py --check-config strategy=fsdp      # validate only (for WORLD_SIZE, default 1)
 """
 
 import os
@@ -22,15 +23,22 @@ register_configs()
 register_resolvers()
 
 
-def _accept_launcher_local_rank(argv: list[str]) -> list[str]:
-    """The deepspeed launcher (and torch.distributed.launch) pass --local_rank=N; Hydra would reject it.
+_CHECK_ONLY = False  # --check-config: validate for WORLD_SIZE and exit, start nothing
 
-    Take it off the command line and hand it over the way torchrun does, as LOCAL_RANK.
+
+def _accept_launcher_args(argv: list[str]) -> list[str]:
+    """Take off the command line what Hydra would reject.
+
+    --local_rank=N (the deepspeed launcher, torch.distributed.launch) becomes LOCAL_RANK, as torchrun passes
+    it; --check-config only validates the config (for WORLD_SIZE) and exits: 0, or 2 with the one line.
     """
+    global _CHECK_ONLY
     kept, i = [], 0
     while i < len(argv):
         arg = argv[i]
-        if arg.startswith(("--local_rank=", "--local-rank=")):
+        if arg == "--check-config":
+            _CHECK_ONLY = True
+        elif arg.startswith(("--local_rank=", "--local-rank=")):
             os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
         elif arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
             os.environ.setdefault("LOCAL_RANK", argv[i + 1])
@@ -46,7 +54,7 @@ def _main(cfg: DictConfig) -> None:
     from dist_train.train import main
 
     try:
-        code = main(cfg)
+        code = main(cfg, check_only=_CHECK_ONLY)
     except BaseException as exc:  # the training's own failure, not bad input: keep its traceback
         raise mark_running(exc)
     if code:
@@ -59,5 +67,5 @@ def _launch() -> int:
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = _accept_launcher_local_rank(sys.argv[1:])
+    sys.argv[1:] = _accept_launcher_args(sys.argv[1:])
     sys.exit(_launch())

@@ -36,7 +36,8 @@ def render(*, rows: list[dict[str, Any]], cfg: CompareConfig, out_dir: Path, gro
         + (f", Ψ = {num_params:,} = {human_count(num_params)} parameters" if num_params else "") + "), "
         f"precision {base['precision']['name']}, optimizer {base['optimizer']['name']}, global batch "
         f"{train['global_batch_size']} x {train['seq_len']} tokens (micro-batch {train['micro_batch_size']}), "
-        f"{train['steps']} steps, {cfg.nproc} processes per multi-process strategy. Training overrides: "
+        f"{train['steps']} steps, {cfg.nproc} processes per multi-process strategy"
+        f"{' on each node of the Slurm job' if cfg.launcher == 'slurm' else ''}. Training overrides: "
         f"`{' '.join(training) or '(none)'}`. W&B group `{group}`.",
         "## Verdicts",
         "\n".join(f"- **{r['strategy']}**: {r['verdict']}" for r in rows),

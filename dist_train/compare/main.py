@@ -29,19 +29,26 @@ def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = ""
     from dist_train.compare.verdict import add_verdicts
     from dist_train.estimate.compose import compose_training_config
 
-    base = compose_training_config(training)  # a bad training override fails here, before any run
     out_dir = resolve_out_dir(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     group = cfg.group or out_dir.name
-    specs = [StrategySpec.parse(s) for s in cfg.strategies]
-    rows = []
-    for spec in specs:
-        print(f"[compare] {spec.label}: running ...", file=sys.stderr, flush=True)
-        result = run_strategy(spec, training=training, nproc=cfg.nproc, out_dir=out_dir, group=group,
-                              timeout_s=cfg.timeout_s)
-        rows.append(build_row(result))
-        print(f"[compare] {spec.label}: {rows[-1]['status']} in {result.seconds:.1f} s {result.reason}",
-              file=sys.stderr, flush=True)
+    if cfg.from_:
+        from dist_train.compare.collect import collect
+
+        results, base = collect(cfg.from_)
+        specs = [r.spec for r in results]
+        rows = [build_row(r) for r in results]
+    else:
+        base = compose_training_config(training)  # a bad training override fails here, before any run
+        specs = [StrategySpec.parse(s) for s in cfg.strategies]
+        rows = []
+        for spec in specs:
+            print(f"[compare] {spec.label}: running ...", file=sys.stderr, flush=True)
+            result = run_strategy(spec, training=training, nproc=cfg.nproc, out_dir=out_dir, group=group,
+                                  timeout_s=cfg.timeout_s, launcher=cfg.launcher)
+            rows.append(build_row(result))
+            print(f"[compare] {spec.label}: {rows[-1]['status']} in {result.seconds:.1f} s {result.reason}",
+                  file=sys.stderr, flush=True)
     add_verdicts(rows, rtol=cfg.loss_rtol)
     for row in rows:
         _predict_safely(row, memory_rtol=cfg.memory_rtol)
@@ -89,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         # A bad training override fails here, once, before any strategy runs (not once per row).
         from dist_train.estimate.compose import compose_training_config
 
-        compose_training_config(training)
+        if cfg.from_:
+            from dist_train.compare.collect import run_dirs
+
+            run_dirs(cfg.from_)
+        else:
+            compose_training_config(training)
     except (ValueError, OmegaConfBaseException, HydraException) as exc:
         return report_config_error(one_line(exc))
     result = run_comparison(cfg, training, command=command)

@@ -12,11 +12,12 @@ from dist_train.estimate.render import human_bytes
 
 # Scalar columns of table.csv, in order (a column absent from every row is left out).
 CSV_COLUMNS = [
-    "strategy", "status", "reason", "verdict", "agrees", "world_size", "data_parallel_size", "num_params", "steps",
+    "strategy", "status", "reason", "verdict", "agrees", "world_size", "nodes", "data_parallel_size", "num_params",
+    "steps",
     "step_s", "compute_s", "comm_s", "tokens_per_s",
     *(f"comm_{op}_s" for op in COMM_OPS),
     *(f"mem_{c}_{k}_bytes" for c in (*MEMORY_CATEGORIES, "peak_rss", "peak_allocated") for k in ("max", "spread")),
-    "comm_bytes_per_step", *(f"comm_{op}_bytes" for op in COMM_OPS),
+    "comm_bytes_per_step", "comm_inter_node_bytes_per_step", *(f"comm_{op}_bytes" for op in COMM_OPS),
     "final_loss", "loss_dev", "loss_max_rel_dev",
     *(f"{p}_{c}" for c in ("params", "grads", "optimizer", "activations") for p in ("pred", "err")),
     "model_state_ok", "pred_regime", "pred_comm_bytes_per_step", "err_comm_bytes",
@@ -76,7 +77,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             body.append([f"**{r['strategy']}**", "-", *["-"] * 12, f"FAILED: {r['reason']}"])
             continue
         body.append([
-            f"**{r['strategy']}**", r["world_size"], ms(r["step_s"]), ms(r["compute_s"]), ms(r["comm_s"]),
+            f"**{r['strategy']}**", _ranks(r), ms(r["step_s"]), ms(r["compute_s"]), ms(r["comm_s"]),
             f"{r['tokens_per_s']:,.0f}", *(mem_cell(r, c) for c in (*MEMORY_CATEGORIES, "peak_rss")),
             human_bytes(r["comm_bytes_per_step"]), f"{r['final_loss']:.6f}",
             f"{r['loss_dev']:+.1e}" if "loss_dev" in r else "-", verdict_mark(r),
@@ -84,15 +85,24 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return md_table(headers, body)
 
 
+def _ranks(row: dict[str, Any]) -> str:
+    nodes = row.get("nodes", 1)
+    return f"{row['world_size']} on {nodes} nodes" if nodes > 1 else str(row["world_size"])
+
+
 def comm_table(rows: list[dict[str, Any]]) -> str:
     ops = [op for op in COMM_OPS if any(f"comm_{op}_bytes" in r for r in rows)]
-    headers = ["strategy", *(f"{op} ms / bytes" for op in ops), "total bytes/step", "predicted bytes/step", "error"]
+    inter = any("comm_inter_node_bytes_per_step" in r for r in rows)
+    headers = ["strategy", *(f"{op} ms / bytes" for op in ops), "total bytes/step",
+               *(["of which inter-node"] if inter else []), "predicted bytes/step", "error"]
     body = []
     for r in rows:
         if r["status"] != "ok":
             continue
         cells = [f"{ms(r.get(f'comm_{op}_s', 0.0))} / {human_bytes(r.get(f'comm_{op}_bytes', 0.0))}" for op in ops]
-        body.append([r["strategy"], *cells, human_bytes(r["comm_bytes_per_step"]),
+        crossing = [human_bytes(r["comm_inter_node_bytes_per_step"]) if "comm_inter_node_bytes_per_step" in r
+                    else "-"] if inter else []
+        body.append([r["strategy"], *cells, human_bytes(r["comm_bytes_per_step"]), *crossing,
                      human_bytes(r.get("pred_comm_bytes_per_step")), pct(r.get("err_comm_bytes"))])
     return md_table(headers, body)
 

@@ -1,8 +1,11 @@
 """Run one strategy as its own training launch, in its own directory; a failure is a result, not a crash.
 
 single and dp run as one process (`python launch/train.py`); every other strategy under
-`python -m torch.distributed.run --standalone --nproc_per_node=N`. Output of both streams goes to
-<run dir>/compare.log, and the reason of a failure is the most telling line of it.
+`python -m torch.distributed.run --standalone --nproc_per_node=N`. Inside a Slurm job
+(`compare.launcher=slurm`, what `sbatch launch/slurm.sbatch compare ...` sets) each strategy is a job step
+instead: one torchrun per node of the allocation, N processes each, meeting at a rendezvous on the first
+node (single and dp: one process on one node). Output of both streams goes to <run dir>/compare.log, and
+the reason of a failure is the most telling line of it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class RunResult:
     returncode: Optional[int]  # None: timed out
     seconds: float
     reason: str = ""  # why it failed; "" when it ran
+    log: Optional[Path] = None  # None: <run dir>/compare.log (a run this comparison launched)
 
     @property
     def ok(self) -> bool:
@@ -40,23 +44,36 @@ class RunResult:
 
     @property
     def log_path(self) -> Path:
-        return self.run_dir / "compare.log"
+        return self.log if self.log is not None else self.run_dir / "compare.log"
 
 
-def command_for(spec: StrategySpec, *, training: list[str], nproc: int, run_dir: Path, group: str) -> list[str]:
-    launcher = [sys.executable]
-    if spec.name not in ONE_PROCESS:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+def command_for(
+    spec: StrategySpec, *, training: list[str], nproc: int, run_dir: Path, group: str, launcher: str = "local"
+) -> list[str]:
+    prefix = _launcher(spec, nproc=nproc, run_dir=run_dir) if launcher == "slurm" else [sys.executable]
+    if launcher == "local" and spec.name not in ONE_PROCESS:
+        prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     overrides = [*training, f"strategy={spec.name}", *spec.overrides, f"logger.group={group}",
                  f"hydra.run.dir={run_dir}"]
-    return [*launcher, str(TRAIN), *overrides]
+    return [*prefix, str(TRAIN), *overrides]
+
+
+def _launcher(spec: StrategySpec, *, nproc: int, run_dir: Path) -> list[str]:
+    """A job step of the Slurm allocation this comparison runs in."""
+    from dist_train import slurm
+
+    if spec.name in ONE_PROCESS:
+        return [*slurm.srun_one_process(), *slurm.step_python()]
+    alloc = slurm.Allocation.from_env()
+    rdzv_id = f"{alloc.job_id}-{run_dir.name}"  # one rendezvous per step
+    return [*slurm.srun_on_every_node(alloc), *slurm.torchrun(alloc, rdzv_id=rdzv_id, nproc_per_node=nproc)]
 
 
 def run_strategy(spec: StrategySpec, *, training: list[str], nproc: int, out_dir: Path, group: str,
-                 timeout_s: float) -> RunResult:
+                 timeout_s: float, launcher: str = "local") -> RunResult:
     run_dir = out_dir / spec.dirname
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = command_for(spec, training=training, nproc=nproc, run_dir=run_dir, group=group)
+    cmd = command_for(spec, training=training, nproc=nproc, run_dir=run_dir, group=group, launcher=launcher)
     env = dict(os.environ)
     env.pop("RANK", None)  # a comparison launched from inside a rank must not leak its identity
     env.pop("WORLD_SIZE", None)

@@ -18,8 +18,13 @@ class CompareConfig:
     # Strategy names (conf/strategy/<name>.yaml). `name+key=value+...` adds overrides for that row only,
     # e.g. fsdp+strategy.reshard_after_forward=false.
     strategies: list[str] = field(default_factory=lambda: list(DEFAULT_STRATEGIES))
-    # Processes per multi-process strategy (single and dp always run one process).
+    # Processes per multi-process strategy (single and dp always run one process); with launcher=slurm, per node.
     nproc: int = 2
+    # local: launch here (torchrun --standalone); slurm: each strategy a job step of the Slurm job this runs in.
+    launcher: str = "local"
+    # compare.from=[PATH, ...]: report on runs that already happened (run directories, or directories of them,
+    # e.g. a multirun sweep run as Slurm jobs) instead of training; compare.strategies is then not used.
+    from_: list[str] = field(default_factory=list)
     # None: outputs/compare-<YYYYmmdd-HHMMSS>.
     out_dir: Optional[str] = None
     # W&B group of the runs and of the comparison's own W&B run; None: the output directory's name.
@@ -42,6 +47,8 @@ class CompareConfig:
             raise ValueError(f"compare.nproc={self.nproc} must be >= 1")
         if not self.strategies:
             raise ValueError("compare.strategies is empty; e.g. compare.strategies=[single,ddp,fsdp]")
+        if self.launcher not in ("local", "slurm"):
+            raise ValueError(f"compare.launcher={self.launcher!r} is not supported; allowed: local, slurm")
 
 
 @dataclass(frozen=True)
@@ -67,12 +74,16 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """(compare.* options, training overrides). `hydra.run.dir=PATH` is taken as compare.out_dir."""
     own, training = [], []
     for arg in argv:
-        if arg.startswith("compare."):
+        if arg.startswith("compare.from="):  # `from` is a Python keyword: the field is from_
+            own.append("from_=" + arg.split("=", 1)[1])
+        elif arg.startswith("compare."):
             own.append(arg[len("compare."):])
         elif arg.startswith("hydra.run.dir="):
             own.append("out_dir=" + arg.split("=", 1)[1])
         else:
             training.append(arg)
+    if training and any(o.startswith("from_=") for o in own):
+        raise ValueError(f"compare.from reports on finished runs; training overrides {training} would not apply")
     for arg in training:
         if arg.split("=", 1)[0].lstrip("+~") == "strategy":
             raise ValueError(f"{arg!r}: the strategies come from compare.strategies=[...], not strategy=")

@@ -4,7 +4,8 @@ Memory: per category, the max over ranks of each rank's peak, and the spread (ma
 Time: the run's mean step time (warm-up steps left out, as summary.json does); the collective time of
 the same steps from metrics.jsonl, averaged over ranks. Async collectives overlap compute, so their
 time is an upper bound of the communication the step waits for; compute = step - comm, clipped at 0.
-Bytes: buffer bytes per step (nccl-tests convention), the max over ranks.
+Bytes: buffer bytes per step (nccl-tests convention), the max over ranks; on several nodes also the bytes of
+the collectives whose process group spans nodes (inter-node), as each rank's telemetry classified them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def build_row(result: RunResult) -> dict[str, Any]:
     summary, records = read_run(result.run_dir)
     ranks = summary.get("ranks", [])
     row.update({
-        "world_size": summary["world_size"], "data_parallel_size": summary["data_parallel_size"],
+        "world_size": summary["world_size"], "nodes": summary.get("nodes", 1),
+        "data_parallel_size": summary["data_parallel_size"],
         "num_params": summary["num_params"], "steps": summary["steps"],
     })
     row.update(memory_columns(ranks))
@@ -52,7 +54,17 @@ def build_row(result: RunResult) -> dict[str, Any]:
     row.update(comm_bytes_columns(ranks))
     row["final_loss"] = summary["final_loss"]
     row["losses"] = summary["losses"]
+    row["config_hash"] = _config_hash(result.run_dir)
     return row
+
+
+def _config_hash(run_dir: Path) -> str | None:
+    from omegaconf import OmegaConf
+
+    from dist_train.session import config_hash
+
+    path = run_dir / "config.yaml"
+    return config_hash(OmegaConf.to_container(OmegaConf.load(path), resolve=True)) if path.is_file() else None
 
 
 def memory_columns(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -103,6 +115,9 @@ def comm_bytes_columns(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         if any(values):
             out[f"comm_{op}_bytes"] = max(values)
     out["comm_bytes_per_step"] = max(totals) if totals else 0.0
+    inter = [sum(v for k, v in r.items() if k.endswith("/inter_node_bytes")) for r in ranks]
+    if any(k.endswith("/inter_node_bytes") for r in ranks for k in r):
+        out["comm_inter_node_bytes_per_step"] = max(inter)
     return out
 
 

@@ -7,15 +7,19 @@ from typing import Any, Optional
 BASELINE = "single"
 
 
-def baseline_row(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    return next((r for r in rows if r["strategy"] == BASELINE and r["status"] == "ok"), None)
+def baseline_row(rows: list[dict[str, Any]], *, like: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+    """The single run to judge `like` against: one that trained the same config (the same config hash)."""
+    for r in rows:
+        if r["strategy"] == BASELINE and r["status"] == "ok":
+            if like is None or r.get("config_hash") == like.get("config_hash"):
+                return r
+    return None
 
 
 def add_verdicts(rows: list[dict[str, Any]], *, rtol: float) -> None:
     """Sets loss_dev (final loss - single's), loss_max_rel_dev, agrees and verdict on every row."""
-    base = baseline_row(rows)
     for row in rows:
-        row["agrees"], row["verdict"] = judge(row, base, rtol=rtol)
+        row["agrees"], row["verdict"] = judge(row, baseline_row(rows, like=row), rtol=rtol)
 
 
 def judge(row: dict[str, Any], base: Optional[dict[str, Any]], *, rtol: float) -> tuple[Optional[bool], str]:
@@ -24,7 +28,8 @@ def judge(row: dict[str, Any], base: Optional[dict[str, Any]], *, rtol: float) -
     if row["strategy"] == BASELINE:
         return True, f"baseline (one process), final loss {row['final_loss']:.6f}"
     if base is None:
-        return None, "no single baseline to compare with (single failed or was not run)"
+        return None, "no single baseline with the same training config to compare with (single failed, was not run, " \
+                     "or trained another config)"
     ours, theirs = row["losses"], base["losses"]
     if len(ours) != len(theirs):
         return False, f"cannot compare: {len(ours)} logged steps vs {len(theirs)} for single"

@@ -116,6 +116,7 @@ class _Record:
     nbytes: int
     group_size: int
     start_s: float
+    inter_node: bool = False  # its process group (or, for send/recv, its peer) spans nodes
     end_s: float | None = None
     start_event: Any = None
     end_event: Any = None
@@ -148,10 +149,12 @@ class OpTotals:
     time_s: float = 0.0
     timed_bytes: int = 0  # bytes of the ops whose completion time is known
     group_size: int = 1
+    inter_node_bytes: int = 0  # bytes of the ops whose group spans nodes
 
     def add(self, rec: _Record, duration: float | None) -> None:
         self.count += 1
         self.bytes += rec.nbytes
+        self.inter_node_bytes += rec.nbytes if rec.inter_node else 0
         self.group_size = max(self.group_size, rec.group_size)
         if duration is not None:
             self.time_s += duration
@@ -175,6 +178,27 @@ class CommTracker:
     _watchers: ThreadPoolExecutor | None = None
     _p2p_watchers: ThreadPoolExecutor | None = None
     _ignored_groups: list[Any] = field(default_factory=list)
+    # Every rank's node, by global rank; with more than one node, each collective is classified as intra- or
+    # inter-node from the ranks its process group holds (for send/recv: from its peer).
+    nodes: tuple[str, ...] = ()
+    _group_nodes: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def multi_node(self) -> bool:
+        return len(set(self.nodes)) > 1
+
+    def _spans_nodes(self, group: Any = None, *, ranks: Any = None, peer: Any = None) -> bool:
+        if not self.multi_node:
+            return False
+        if peer is not None:
+            return self.nodes[int(peer)] != self.nodes[dist.get_rank()]
+        if ranks is None:
+            key = id(group)
+            if key not in self._group_nodes:
+                members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+                self._group_nodes[key] = len({self.nodes[r] for r in members})
+            return self._group_nodes[key] > 1
+        return len({self.nodes[r] for r in ranks}) > 1
 
     # ---------------------------------------------------------------- install / uninstall
     def install(self) -> "CommTracker":
@@ -254,10 +278,13 @@ class CommTracker:
     def _should_record(self) -> bool:
         return not self._paused and self._depth() == 0
 
-    def _new_record(self, op: str, nbytes: int, group: Any, size: int | None = None) -> _Record:
+    def _new_record(
+        self, op: str, nbytes: int, group: Any, size: int | None = None, *, ranks: Any = None, peer: Any = None
+    ) -> _Record:
         if size is None:
             size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-        rec = _Record(op=op, nbytes=nbytes, group_size=size, start_s=time.perf_counter())
+        inter = self._spans_nodes(group, ranks=ranks, peer=peer)
+        rec = _Record(op=op, nbytes=nbytes, group_size=size, start_s=time.perf_counter(), inter_node=inter)
         if self.cuda_events:
             rec.start_event = torch.cuda.Event(enable_timing=True)
             rec.start_event.record()
@@ -327,7 +354,8 @@ class CommTracker:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self._should_record():
                 arguments = sig.bind(*args, **kwargs).arguments
-                rec = self._new_record(op, sizer(arguments), None, size=_funcol_size(arguments["group"]))
+                _, ranks, size = funcol._expand_group(arguments["group"])
+                rec = self._new_record(op, sizer(arguments), None, size=size, ranks=ranks)
                 rec.done = True  # counted and sized; completion is a lazy wait_tensor, so untimed
             with self._nested():
                 return original(*args, **kwargs)
@@ -346,7 +374,8 @@ class CommTracker:
             arguments = bound.arguments
             if self._ignored(arguments.get("group")):
                 return original(*args, **kwargs)
-            rec = self._new_record(op, sizer(arguments), arguments.get("group"))
+            peer = arguments.get("dst", arguments.get("src")) if op in ("send", "recv") else None
+            rec = self._new_record(op, sizer(arguments), arguments.get("group"), peer=peer)
             if not takes_async:  # send / recv block; isend / irecv return work
                 with self._nested():
                     result = original(*args, **kwargs)
@@ -376,7 +405,7 @@ class CommTracker:
             recs = []
             for p2p in p2p_op_list:
                 op = "send" if getattr(p2p.op, "__name__", "") in ("isend", "send") else "recv"
-                recs.append(self._new_record(op, _nbytes(p2p.tensor), p2p.group))
+                recs.append(self._new_record(op, _nbytes(p2p.tensor), p2p.group, peer=p2p.peer))
             with self._nested():
                 works = original(p2p_op_list)
             if works and len(works) == len(recs):

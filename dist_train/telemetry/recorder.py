@@ -154,7 +154,9 @@ class Telemetry:
     # ------------------------------------------------------------------ building records
     def _local_record(self, step: int) -> dict[str, Any]:
         n = len(self._window)
-        rec: dict[str, Any] = {"step": step, "rank": self.runtime.rank}
+        rec: dict[str, Any] = {
+            "step": step, "rank": self.runtime.rank, "node": self.runtime.node, "local_rank": self.runtime.local_rank,
+        }
         rec.update(self.strategy.model_state().bytes())
         if self.activations is not None:
             rec["memory/activations_bytes"] = self.activations.peak_bytes
@@ -166,6 +168,8 @@ class Telemetry:
                 rec[f"comm/{op}/bytes"] = totals.bytes / n
                 rec[f"comm/{op}/time_s"] = totals.time_s / n
                 rec[f"comm/{op}/busbw_gbps"] = totals.busbw_gbps(op)
+                if self.tracker.multi_node:  # of those bytes, the ones whose group spans nodes
+                    rec[f"comm/{op}/inter_node_bytes"] = totals.inter_node_bytes / n
         rec.update(self.strategy.extra_metrics())
         rec["time/step_s"] = (self.step_end_s[-1] - self._window_start_s) / n
         rec["time/checkpoint_s"] = self._checkpoint_s / n
@@ -254,7 +258,7 @@ class Telemetry:
             steps = [w["step"] for w in windows]
             spans = [s - p for s, p in zip(steps, [0] + steps[:-1])]
             steady = [i for i, s in enumerate(steps) if s > warmup_steps] or list(range(len(windows)))
-            row: dict[str, Any] = {"rank": rank}
+            row: dict[str, Any] = {"rank": rank, "node": windows[-1].get("node"), "local_rank": windows[-1].get("local_rank")}
             for key, value in windows[-1].items():
                 if key in GLOBAL_KEYS or "/" not in key or not isinstance(value, (int, float)):
                     continue

@@ -27,7 +27,7 @@ from dist_train.telemetry.recorder import GLOBAL_KEYS
 
 log = logging.getLogger("dist_train")
 
-_NOT_FIGURES = ("step", "rank")
+_NOT_FIGURES = ("step", "rank", "local_rank")
 _REACH_TIMEOUT_S = 5.0
 
 
@@ -164,7 +164,7 @@ class WandbSink:
         worst: dict[str, Any] = {}
         for row in summary.get("ranks", []):
             for key, value in row.items():
-                if key != "rank":
+                if key not in ("rank", "node", "local_rank"):
                     self.run.summary[f"peak/{key}/rank{row['rank']}"] = value
                     worst[key] = max(worst.get(key, value), value)
         for key, value in worst.items():  # the worst rank: what a group dashboard compares strategies on

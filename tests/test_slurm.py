@@ -1,0 +1,185 @@
+"""Real Slurm jobs on a real (local) Slurm cluster: two virtual nodes on this host (tests/slurm/cluster.sh).
+
+The cluster is started by the tests (Debian's slurm-wlm is installed when missing, which needs root) and
+stopped at the end. Jobs are submitted exactly as the README says: `sbatch --nodes=N launch/slurm.sbatch ...`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import FAST, ROOT, TRAIN, env, metrics
+
+pytestmark = pytest.mark.multiproc
+
+CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
+LAB = ROOT / ".slurm-local"
+SBATCH = ROOT / "launch" / "slurm.sbatch"
+
+
+@pytest.fixture(scope="module")
+def slurm() -> dict[str, str]:
+    proc = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"could not start the local Slurm cluster:\n{proc.stdout}\n{proc.stderr}"
+    environment = env(SLURM_CONF=str(LAB / "etc" / "slurm.conf"), PYTHON=sys.executable)
+    yield environment
+    subprocess.run([str(CLUSTER), "stop"], capture_output=True, text=True, timeout=120)
+
+
+def submit(slurm: dict[str, str], out: Path, *args: str, nodes: int, nproc: int | None = None) -> str:
+    environment = dict(slurm)
+    if nproc is not None:
+        environment["NPROC_PER_NODE"] = str(nproc)
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        ["sbatch", "--parsable", f"--nodes={nodes}", f"--output={out}/slurm-%j.out", str(SBATCH), *args],
+        cwd=ROOT, env=environment, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def job(slurm: dict[str, str], job_id: str) -> dict[str, str]:
+    text = subprocess.run(["scontrol", "show", "job", job_id], env=slurm, capture_output=True, text=True).stdout
+    return dict(field.split("=", 1) for field in text.split() if "=" in field)
+
+
+def wait(slurm: dict[str, str], job_id: str, timeout_s: float = 300) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = job(slurm, job_id)
+        if info.get("JobState") not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", None):
+            return info
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} still {job(slurm, job_id).get('JobState')} after {timeout_s} s")
+
+
+def output(out: Path, job_id: str) -> str:
+    return (out / f"slurm-{job_id}.out").read_text()
+
+
+PARITY = ("ddp", "fsdp", "zero2")
+
+
+@pytest.fixture(scope="module")
+def parity_jobs(slurm, tmp_path_factory) -> dict[tuple[str, int], tuple[str, Path]]:
+    """Every strategy as a 2-node job (1 process per node) and a 1-node job (2 processes), all queued at once."""
+    root = tmp_path_factory.mktemp("parity")
+    jobs = {}
+    for strategy in PARITY:
+        for nodes, nproc in ((2, 1), (1, 2)):
+            run_dir = root / f"{strategy}-{nodes}"
+            job_id = submit(slurm, root, f"strategy={strategy}", "logger=none", *FAST, f"hydra.run.dir={run_dir}",
+                            nodes=nodes, nproc=nproc)
+            jobs[(strategy, nodes)] = (job_id, run_dir)
+    return jobs
+
+
+@pytest.mark.parametrize("strategy", PARITY)
+def test_two_nodes_end_on_the_loss_of_one_node(strategy, slurm, parity_jobs):
+    runs = {}
+    for nodes in (2, 1):
+        job_id, run_dir = parity_jobs[(strategy, nodes)]
+        info = wait(slurm, job_id)
+        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output(run_dir.parent, job_id)[-3000:]
+        runs[nodes] = json.loads((run_dir / "summary.json").read_text()), metrics(run_dir)
+    (two, two_rows), (one, one_rows) = runs[2], runs[1]
+    assert two["world_size"] == one["world_size"] == 2 and (two["nodes"], one["nodes"]) == (2, 1)
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-6)
+    # Every rank says where it ran; on two nodes the gradient traffic crosses nodes, on one it does not.
+    assert {(r["node"], r["local_rank"]) for r in two_rows} == {("n1", 0), ("n2", 0)}
+    (node,) = {r["node"] for r in one_rows}  # whichever node Slurm picked, both ranks are on it
+    assert node in ("n1", "n2") and {r["local_rank"] for r in one_rows} == {0, 1}
+    last = max(r["step"] for r in two_rows)
+    for rec in (r for r in two_rows if r["step"] == last):
+        crossing = sum(v for k, v in rec.items() if k.endswith("/inter_node_bytes"))
+        total = sum(v for k, v in rec.items() if k.startswith("comm/") and k.endswith("/bytes"))
+        assert crossing == total > 0
+    assert not any(k.endswith("/inter_node_bytes") for r in one_rows for k in r)
+
+
+def test_a_failing_job_ends_failed_with_the_training_exit_code_and_its_line(slurm, tmp_path):
+    job_id = submit(slurm, tmp_path, "strategy=ddp", "logger=none", "train.lr=-1", f"hydra.run.dir={tmp_path}/run",
+                    nodes=2)
+    info = wait(slurm, job_id)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0")
+    lines = [ln for ln in output(tmp_path, job_id).splitlines() if ln.startswith("config error:")]
+    assert lines == ["config error: train.lr=-1.0 must be > 0"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _training_processes(run_dir: Path) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if f"hydra.run.dir={run_dir}" in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(proc)
+    return found
+
+
+def test_scancel_leaves_no_training_process(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    job_id = submit(slurm, tmp_path, "strategy=ddp", "logger=none", "train.steps=100000", f"hydra.run.dir={run_dir}",
+                    nodes=2)
+    deadline = time.monotonic() + 180
+    while not (run_dir / "metrics.jsonl").is_file():
+        assert time.monotonic() < deadline, output(tmp_path, job_id)[-3000:]
+        time.sleep(0.5)
+    running = _training_processes(run_dir)
+    assert len(running) >= 4  # a torchrun and a worker on each node
+    subprocess.run(["scancel", job_id], env=slurm, check=True)
+    assert wait(slurm, job_id)["JobState"] == "CANCELLED"
+    deadline = time.monotonic() + 30  # Slurm's KillWait (5 s) then SIGKILL
+    while _training_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _training_processes(run_dir)
+
+
+def test_compare_runs_every_strategy_as_a_job_step(slurm, tmp_path):
+    out = tmp_path / "cmp"
+    job_id = submit(slurm, tmp_path, "compare", "compare.strategies=[single,ddp]", "compare.wandb=false",
+                    "logger=none", "model=tiny", "train.steps=3", f"compare.out_dir={out}", nodes=2)
+    info = wait(slurm, job_id)
+    assert info["JobState"] == "COMPLETED", output(tmp_path, job_id)[-3000:]
+    rows = {r["strategy"]: r for r in json.loads((out / "table.json").read_text())}
+    assert rows["ddp"]["nodes"] == 2 and rows["ddp"]["agrees"] is True, rows["ddp"]["verdict"]
+    assert rows["ddp"]["comm_inter_node_bytes_per_step"] == rows["ddp"]["comm_bytes_per_step"] > 0
+    report = (out / "report.md").read_text()
+    assert "2 on 2 nodes" in report and "of which inter-node" in report
+
+
+def test_a_sweep_of_jobs_is_collected_into_one_report(slurm, tmp_path):
+    """The README's example: strategies as separate Slurm jobs (hydra-submitit-launcher), one report."""
+    sweep = tmp_path / "sweep"
+
+    def multirun(strategies: str, tasks: int, subdir: str) -> None:
+        cmd = [sys.executable, str(TRAIN), "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=1",
+               f"hydra.launcher.tasks_per_node={tasks}", "hydra.launcher.timeout_min=10", f"strategy={strategies}",
+               "logger=none", "model=tiny", "train.steps=3", f"hydra.sweep.dir={sweep / subdir}"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=slurm, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    multirun("ddp,fsdp", 2, "two-processes")
+    multirun("single", 1, "one-process")
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "launch/compare.py", f"compare.from=[{sweep / 'two-processes'},"
+                           f"{sweep / 'one-process'}]", f"compare.out_dir={out}", "compare.wandb=false"],
+                          cwd=ROOT, env=slurm, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["strategy"]: r for r in json.loads((out / "table.json").read_text())}
+    assert set(rows) == {"ddp", "fsdp", "single"}
+    for name in ("ddp", "fsdp"):
+        assert rows[name]["world_size"] == 2 and rows[name]["agrees"] is True, rows[name]["verdict"]
+
+
+def test_cluster_script_is_idempotent(slurm):
+    again = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "up: n1=" in again.stdout
+    assert "started" not in again.stdout and "installing" not in again.stdout  # nothing new: the same cluster
