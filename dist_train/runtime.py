@@ -58,6 +58,7 @@ def init_runtime(*, needs_group: bool, timeout_s: float = 600.0) -> Runtime:
     `timeout_s` (runtime.timeout_s) bounds how long a collective waits for its peers: a rank that hangs, or
     whose node vanishes without its process exiting, ends the job after that long instead of never.
     """
+    global _STARTED_GROUP
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
@@ -90,6 +91,7 @@ def init_runtime(*, needs_group: bool, timeout_s: float = 600.0) -> Runtime:
             attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
             kwargs.update(store=dist.PrefixStore(f"dist_train/attempt{attempt}/", store), rank=rank, world_size=world_size)
         dist.init_process_group(**kwargs)
+        _STARTED_GROUP = True
     nodes: list[str] = [""] * dist.get_world_size()
     dist.all_gather_object(nodes, node)
     return Runtime(rank, local_rank, world_size, local_world_size, device, backend, timeout_s, node, tuple(nodes))
@@ -121,6 +123,35 @@ def restart_needs_own_namespace() -> bool:
 def shutdown(runtime: Runtime) -> None:
     if runtime.has_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave(code: int) -> None:
+    """End a process that ran a process group without Python's interpreter finalization.
+
+    Gloo's worker threads and the objects they hold can outlive destroy_process_group (pytorch#179291);
+    when the interpreter then tears down, a rank that finished its work and wrote everything aborted with
+    "terminate called without an active exception" (SIGABRT) in about 1 launch of 100 here, turning a
+    finished run into a failed job. Everything this project writes is closed by then (metrics, summary,
+    checkpoints, W&B's run); the streams and log handlers are flushed here, then the process exits with
+    `code` at once. A process that never started a group exits normally.
+    """
+    import logging
+    import sys
+
+    if not _STARTED_GROUP:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()  # stop W&B's service process, which atexit would have done
+    os._exit(code)
+
+
+_STARTED_GROUP = False
 
 
 def agree(value: Any) -> Any:

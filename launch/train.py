@@ -58,14 +58,23 @@ def _main(cfg: DictConfig) -> None:
     except BaseException as exc:  # the training's own failure, not bad input: keep its traceback
         raise mark_running(exc)
     if code:
-        sys.exit(code)
+        sys.exit(code)  # also where Hydra runs this elsewhere (a submitit job)
 
 
 @record  # under torchrun: the failing rank's exception goes into the launcher's failure summary
 def _launch() -> int:
-    return run_hydra_app(_main)
+    try:
+        return run_hydra_app(_main)
+    except SystemExit as stop:  # main()'s own exit code (NaN stop, ...): ended below like any other
+        if isinstance(stop.code, int):
+            return stop.code
+        raise
 
 
 if __name__ == "__main__":
     sys.argv[1:] = _accept_launcher_args(sys.argv[1:])
-    sys.exit(_launch())
+    exit_code = _launch()
+    from dist_train.runtime import leave
+
+    leave(exit_code)  # a process that ran a process group ends here (see leave); the others below
+    sys.exit(exit_code)

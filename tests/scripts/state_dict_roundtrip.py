@@ -24,7 +24,7 @@ from dist_train.data import GlobalBatches, build_dataset  # noqa: E402
 from dist_train.model import build_model  # noqa: E402
 from dist_train.optim import OptimizerFactory  # noqa: E402
 from dist_train.rundir import register_resolvers  # noqa: E402
-from dist_train.runtime import init_runtime, shutdown  # noqa: E402
+from dist_train.runtime import init_runtime, leave, shutdown  # noqa: E402
 from dist_train.strategies import StrategyContext, build_strategy  # noqa: E402
 from dist_train.strategies.base import detached_clone  # noqa: E402
 from dist_train.telemetry.memory import local_tensor  # noqa: E402
@@ -91,6 +91,7 @@ def main() -> None:
     del a, b
     gc.collect()
     shutdown(runtime)
+    leave(0)  # as launch/train.py ends: no interpreter finalization under gloo's threads (see runtime.leave)
 
 
 if __name__ == "__main__":
