@@ -62,10 +62,11 @@ def predict_comm(shape: ModelShape, setup: Setup) -> list[list[Collective]]:
     """For every rank, the collectives of one optimizer step."""
     if setup.family == "pipeline":
         return [_pipeline(shape, setup, stage=k) for k in range(setup.num_stages)]
-    return [_data_parallel(shape.num_params, setup)] * setup.world_size
+    return [_data_parallel(shape, setup)] * setup.world_size
 
 
-def _data_parallel(num_params: float, setup: Setup) -> list[Collective]:
+def _data_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
+    num_params = shape.num_params
     n, m = setup.data_parallel_size, setup.microbatches_per_step
     if n == 1 or setup.family in ("single", "dp"):
         return []
@@ -76,10 +77,14 @@ def _data_parallel(num_params: float, setup: Setup) -> list[Collective]:
         return [Collective("all_reduce", num_params * b.grads, "gradients, once per step (no_sync while accumulating)",
                            int(b.grads))]
     if setup.family == "fsdp":
-        gathers = m * (2 if setup.reshard_after_forward else 1)
+        # Each block is gathered in forward and, when resharded after it, again in backward; the root (embeddings,
+        # final norm, head) is gathered once per micro-batch and kept for backward (FSDP2's default for the root).
+        block_gathers = m * (2 if setup.reshard_after_forward else 1)
+        blocks = shape.num_layers * shape.layer_params()
         compute = element_bytes(setup.precision)  # MixedPrecisionPolicy(param_dtype) gathers in the compute dtype
+        gathered = (block_gathers * blocks + m * (num_params - blocks)) * compute
         return [
-            Collective("all_gather", gathers * num_params * compute, f"parameters, {gathers}x per step", compute),
+            Collective("all_gather", gathered, f"parameters: blocks {block_gathers}x, root {m}x per step", compute),
             Collective("reduce_scatter", num_params * 4, "fp32 gradients (reduce_dtype), once per step", 4),
         ]
     stage = setup.zero_stage
