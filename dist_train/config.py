@@ -176,6 +176,17 @@ class ZeroConfig(StrategyConfig):
                 f"on CPU use strategy=zero{self.stage} (no offload)",
             )
 
+    def check_run(self, run: "RunConfig", world_size: int) -> None:
+        super().check_run(run, world_size)
+        if run.precision.name == "fp16":
+            import torch
+
+            _require(
+                torch.cuda.is_available(),
+                f"strategy={self.name} with precision=fp16 needs a GPU: DeepSpeed's CPU accelerator runs fp32 and "
+                "bf16 only; use precision=bf16 on CPU",
+            )
+
 
 @dataclass
 class PipelineConfig(StrategyConfig):
@@ -288,7 +299,8 @@ class TrainConfig:
     steps: int = 20
     lr: float = 1e-3
     seed: int = 1234
-    log_every: int = 1
+    # Close a logging window (gather every rank's figures, write metrics.jsonl, W&B) every N steps and after the last.
+    log_every: int = 10
     # Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged).
     grad_clip: float = 1.0
     lr_schedule: str = "constant"

@@ -1,7 +1,9 @@
-"""Deterministic data: which samples make up global batch `step` depends only on the seed and the step.
+"""Deterministic data: global batch `step` depends only on the seed, the step and the batch size.
 
-Every strategy asks for the same global batch and takes its data-parallel slice of it, so one config and
-seed trains on the same samples in the same order whatever the strategy or world size.
+Every rank builds the same global batch and takes its data-parallel slice of it, so one config and seed
+trains on the same samples in the same order whatever the strategy or world size. Synthetic batches are
+drawn in one go per global batch (one generator seeded by the step: a few tensor ops, whatever the batch
+size); a text file's windows are cut from a per-epoch shuffle.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ class Batch:
 
 
 class Dataset(Protocol):
-    def sample(self, index: int) -> torch.Tensor:
-        """Tokens of sample `index`: int64 [seq_len + 1]."""
+    def batch(self, step: int, size: int) -> torch.Tensor:
+        """Tokens of global batch `step` of `size` samples: int64 [size, seq_len + 1]."""
 
 
 class SyntheticDataset:
@@ -50,13 +52,14 @@ class SyntheticDataset:
     def __init__(self, *, vocab_size: int, seq_len: int, seed: int, noise: float) -> None:
         self.vocab_size, self.seq_len, self.seed, self.noise = vocab_size, seq_len, seed, noise
 
-    def sample(self, index: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        start = torch.randint(self.vocab_size, (1,), generator=g)
-        stride = torch.randint(1, 8, (1,), generator=g)
-        tokens = (start + stride * torch.arange(self.seq_len + 1)) % self.vocab_size
-        flip = torch.rand(self.seq_len + 1, generator=g) < self.noise
-        random = torch.randint(self.vocab_size, (self.seq_len + 1,), generator=g)
+    def batch(self, step: int, size: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        length = self.seq_len + 1
+        start = torch.randint(self.vocab_size, (size, 1), generator=g)
+        stride = torch.randint(1, 8, (size, 1), generator=g)
+        tokens = (start + stride * torch.arange(length)) % self.vocab_size
+        flip = torch.rand(size, length, generator=g) < self.noise
+        random = torch.randint(self.vocab_size, (size, length), generator=g)
         return torch.where(flip, random, tokens).long()
 
 
@@ -80,6 +83,9 @@ class TextFileDataset:
         start = int(self._order(epoch)[pos]) * self.seq_len
         return self.tokens[start : start + self.seq_len + 1]
 
+    def batch(self, step: int, size: int) -> torch.Tensor:
+        return torch.stack([self.sample(step * size + i) for i in range(size)])
+
 
 def build_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int) -> Dataset:
     if cfg.name == "textfile":
@@ -89,7 +95,7 @@ def build_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int) 
 
 
 class GlobalBatches:
-    """Global batch `step` is samples [step * B, (step + 1) * B); rank r of D takes the r-th contiguous slice."""
+    """Rank r of D takes the r-th contiguous slice of global batch `step` (B samples)."""
 
     def __init__(self, dataset: Dataset, *, global_batch_size: int, dp_rank: int, dp_size: int) -> None:
         assert global_batch_size % dp_size == 0
@@ -99,6 +105,5 @@ class GlobalBatches:
         self.first = dp_rank * self.local_batch_size
 
     def local_batch(self, step: int) -> Batch:
-        base = step * self.global_batch_size + self.first
-        tokens = torch.stack([self.dataset.sample(base + i) for i in range(self.local_batch_size)])
+        tokens = self.dataset.batch(step, self.global_batch_size)[self.first : self.first + self.local_batch_size]
         return Batch(input_ids=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous())

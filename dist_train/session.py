@@ -40,8 +40,12 @@ class Session:
     progress: Any = None  # Progress: the step being trained, for failure messages
 
 
-def build_session(run: RunConfig, cfg: DictConfig, runtime: Any, *, resume: Path | None, fault: Any) -> Session:
-    """Every rank builds the same session (collectively: the run directory and the resume point are agreed)."""
+def build_session(
+    run: RunConfig, cfg: DictConfig, runtime: Any, *, resume: Path | None, fault: Any, run_dir: Path | None = None
+) -> Session:
+    """Every rank builds the same session (collectively: the run directory and the resume point are agreed).
+
+    run_dir: None = Hydra's (what launch/train.py gives); a benchmark building sessions itself passes its own."""
     import torch
 
     from dist_train.checkpoint.manager import Checkpointer
@@ -50,7 +54,7 @@ def build_session(run: RunConfig, cfg: DictConfig, runtime: Any, *, resume: Path
     from dist_train.runtime import agree
     from dist_train.telemetry.comm import CommTracker
 
-    run_dir = Path(agree_on_run_dir(hydra_run_dir()))
+    run_dir = Path(agree_on_run_dir(str(run_dir) if run_dir is not None else hydra_run_dir()))
     setup_logging(run_dir, runtime.rank)
     resume = agree(resume)  # rank 0's reading of the checkpoint directory decides for everyone
     t = run.train

@@ -142,25 +142,32 @@ def _fit(session: Session) -> dict[str, Any] | None:
 
 def _loop(session: Session) -> None:
     """The loop: a step, its window's telemetry (which stops a NaN/Inf run), a checkpoint when one is due."""
-    telemetry, checkpointer, t = session.telemetry, session.checkpointer, session.run.train
+    telemetry, t = session.telemetry, session.run.train
     if session.start_step >= t.steps:
         log.warning("the checkpoint is at step %d, train.steps=%d: nothing left to train", session.start_step, t.steps)
         return
     telemetry.start()
     for step in range(session.start_step + 1, t.steps + 1):
+        train_one_step(session, step)
+
+
+def train_one_step(session: Session, step: int) -> None:
+    """One iteration of the loop (1-based `step`): the step, its telemetry, a checkpoint when one is due."""
+    telemetry, checkpointer, t = session.telemetry, session.checkpointer, session.run.train
+    if session.progress is not None:
         session.progress.step = step
-        if session.fault is not None:
-            session.fault.inject(step=step, rank=session.runtime.rank, strategy=session.strategy)
-        batch = session.batches.local_batch(step - 1)
-        with telemetry.measuring():
-            out = session.strategy.train_step(batch)
-        telemetry.step_end(step, out)
-        checkpointer.poll()
-        save = checkpointer.due(step)
-        if save or step % t.log_every == 0 or step == t.steps:
-            telemetry.log(step)  # a checkpoint step is always a logged one: a NaN run is never saved
-        if save:
-            telemetry.add_checkpoint_time(checkpointer.save(step, _trainer_state(session, step)))
+    if session.fault is not None:
+        session.fault.inject(step=step, rank=session.runtime.rank, strategy=session.strategy)
+    batch = session.batches.local_batch(step - 1)
+    with telemetry.measuring():
+        out = session.strategy.train_step(batch)
+    telemetry.step_end(step, out)
+    checkpointer.poll()
+    save = checkpointer.due(step)
+    if save or step % t.log_every == 0 or step == t.steps:
+        telemetry.log(step)  # a checkpoint step is always a logged one: a NaN run is never saved
+    if save:
+        telemetry.add_checkpoint_time(checkpointer.save(step, _trainer_state(session, step)))
 
 
 def _trainer_state(session: Session, step: int) -> dict[str, Any]:
@@ -176,6 +183,13 @@ def _trainer_state(session: Session, step: int) -> dict[str, Any]:
         "world_size": session.runtime.world_size,
         "config": OmegaConf.to_container(session.cfg, resolve=True),
     }
+
+
+def _since_process_start(wall: float | None) -> float | None:
+    """Seconds from this process's start (imports, Hydra, model, strategy set-up included) to `wall`."""
+    import psutil
+
+    return None if wall is None else wall - psutil.Process().create_time()
 
 
 def _report(session: Session) -> dict[str, Any] | None:
@@ -214,8 +228,10 @@ def _summary(session: Session) -> dict[str, Any]:
         "start_step": session.start_step,
         "resumed_from": str(session.resumed_from) if session.resumed_from else None,
         "mean_step_s": mean_step_s,
+        "time_to_first_step_s": _since_process_start(telemetry.first_step_wall),
         "timing_warmup_steps": max(0, min(run.telemetry.warmup_steps, t.steps - session.start_step - 1)),
         "tokens_per_s": t.global_batch_size * t.seq_len / mean_step_s if mean_step_s > 0 else 0.0,
+        "mfu": telemetry.mfu(mean_step_s),
         "skipped_steps": telemetry.skipped_steps,
         "checkpoints_saved": session.checkpointer.saved_steps,
         "checkpoint_blocking_s": session.checkpointer.blocking_s,

@@ -40,6 +40,7 @@ CASES = [
     (TRAIN, "checkpoint.resume={zero}", "was written by strategy=zero2 (deepspeed format); strategy=ddp reads"),
     (TRAIN, "DIST_TRAIN_FAULT=boom", "DIST_TRAIN_FAULT='boom' is not <kind>@<step>[:rank<r>]"),
     (TRAIN, "runtime.timeout_s=0", "runtime.timeout_s=0.0 must be > 0"),
+    (TRAIN, "strategy=zero2 precision=fp16", "strategy=zero2 with precision=fp16 needs a GPU"),
     (ESTIMATE, "optimizer=adam", "optimizer=adam is not an option (no conf/optimizer/adam.yaml); available: adamw, sgd"),
     (ESTIMATE, "world_size=x", "world_size: Value 'x' of type 'str' could not be converted to Integer"),
     (ESTIMATE, "model.hidden_size=-1", "model.hidden_size=-1 must be >= 1"),

@@ -40,13 +40,13 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
     assert LRSchedule(TrainConfig(lr_schedule="constant"))(7) == 1.0
 
 
-def test_synthetic_data_is_a_function_of_seed_and_index():
+def test_synthetic_data_is_a_function_of_seed_and_step():
     a = SyntheticDataset(vocab_size=256, seq_len=16, seed=1, noise=0.1)
     b = SyntheticDataset(vocab_size=256, seq_len=16, seed=1, noise=0.1)
     c = SyntheticDataset(vocab_size=256, seq_len=16, seed=2, noise=0.1)
-    assert torch.equal(a.sample(5), b.sample(5))
-    assert not torch.equal(a.sample(5), c.sample(5))
-    assert a.sample(0).shape == (17,) and int(a.sample(0).max()) < 256
+    assert torch.equal(a.batch(5, 8), b.batch(5, 8))
+    assert not torch.equal(a.batch(5, 8), c.batch(5, 8)) and not torch.equal(a.batch(5, 8), a.batch(6, 8))
+    assert a.batch(0, 4).shape == (4, 17) and int(a.batch(0, 4).max()) < 256
 
 
 @pytest.mark.parametrize("dp_size", [1, 2, 4])

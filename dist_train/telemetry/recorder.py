@@ -84,6 +84,7 @@ class Telemetry:
     history: list[list[dict[str, Any]]] = field(default_factory=list)  # rank 0: records of every window
     step_losses: list[float] = field(default_factory=list)  # rank 0: global loss of every logged step
     skipped_steps: int = 0  # fp16: steps the loss scaler skipped
+    first_step_wall: float | None = None  # wall clock (epoch s) when this process finished its first step
     _checkpoint_s: float = 0.0  # time the window's steps waited for checkpoint saves
 
     def restore(self, *, losses: list[float], history: list[list[dict[str, Any]]], skipped_steps: int = 0) -> None:
@@ -103,12 +104,19 @@ class Telemetry:
         self.start_s = self._window_start_s = time.perf_counter()
 
     def measuring(self) -> Any:
-        """Context for the step itself: activation bytes are counted while it is open."""
-        return self.activations.measuring() if self.activations is not None else contextlib.nullcontext()
+        """Context for the step itself: activation bytes are counted on the first step of each logging window.
+
+        Every step saves the same tensors (same shapes, same graph), so one step per window gives the window's
+        peak; counting every step would cost each step a Python call per saved tensor and per release."""
+        if self.activations is None or self._window:
+            return contextlib.nullcontext()
+        return self.activations.measuring()
 
     def step_end(self, step: int, out: StepOutput) -> None:
         self._window.append(_Pending(out.loss_sum, out.num_microbatches, out.grad_norm))
         self.step_end_s.append(time.perf_counter())
+        if self.first_step_wall is None:
+            self.first_step_wall = time.time()  # start-up cost: from the process's start to here
         self.sink.on_step(step)
 
     def log(self, step: int) -> None:
@@ -160,6 +168,8 @@ class Telemetry:
         rec.update(self.strategy.model_state().bytes())
         if self.activations is not None:
             rec["memory/activations_bytes"] = self.activations.peak_bytes
+            if self.activations.weights_peak_bytes:
+                rec["memory/weight_copies_bytes"] = self.activations.weights_peak_bytes
         rec.update(cuda_peaks(self.strategy.devices))
         rec["memory/peak_rss_bytes"] = self._host.peak_bytes()
         if self.tracker is not None:
@@ -236,6 +246,13 @@ class Telemetry:
         reset_cuda_peaks(self.strategy.devices)
 
     # ------------------------------------------------------------------ summary
+    def mfu(self, step_s: float) -> float | None:
+        """Model FLOPs utilisation at `step_s` per step; None where the device's peak is unknown (CPU)."""
+        w = self.workload
+        if not w.peak_flops or step_s <= 0:
+            return None
+        return w.tokens_per_step / step_s * w.flops_per_token / (w.peak_flops * w.num_devices)
+
     def mean_step_s(self, warmup_steps: int) -> float:
         """Mean wall-clock step time on this rank, leaving out the first `warmup_steps` steps."""
         ends = self.step_end_s
