@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dist_train.config import ModelConfig
@@ -18,6 +20,7 @@ from dist_train.estimate import (
 )
 from dist_train.estimate.cli import main as estimate_main
 from dist_train.estimate.comm import ring_volume_psi
+from dist_train.estimate.compose import model_config
 from dist_train.estimate.memory import layer_activation_bytes, pipeline_in_flight
 
 GB = 1e9
@@ -111,17 +114,72 @@ def test_checkpointing_keeps_layer_inputs_plus_one_layer():
     base = _setup("ddp", "ddp", world_size=8, precision="bf16", micro_batch_size=1, seq_len=4096)
     full = predict_memory(shape, base)[0].activations
     ckpt = predict_memory(shape, Setup(**{**base.__dict__, "activation_checkpointing": True}))[0].activations
-    layer = layer_activation_bytes(shape, micro_batch_size=1, seq_len=4096, elem=2)
-    head = 4096 * (2 * 4096 * 2 + 32000 * 4)
+    # DDP in bf16 runs under autocast: the norms' inputs are kept in fp32 (4 bytes), the rest in 16 bits
+    layer = layer_activation_bytes(shape, micro_batch_size=1, seq_len=4096, elem=2, norm_elem=4)
+    head = 4096 * (4096 * (4 + 2) + 32000 * 4)
     assert full == 32 * layer + head
     assert ckpt == 32 * 4096 * 4096 * 2 + layer + head
+
+
+def test_autocast_keeps_fp32_norm_inputs_and_16bit_weight_copies():
+    shape = PRESETS["7b"]  # Llama: q, k, v, o, gate, up, down
+    h, f = 4096, 11008
+    assert shape.layer_matmul_weights() == 4 * h * h + 3 * h * f
+    ddp = predict_memory(shape, _setup("ddp", "ddp", world_size=8, precision="bf16", micro_batch_size=1, seq_len=8))[0]
+    assert ddp.weight_copies == (32 * (4 * h * h + 3 * h * f) + 32000 * h) * 2
+    assert layer_activation_bytes(shape, micro_batch_size=1, seq_len=8, elem=2, norm_elem=4) - \
+        layer_activation_bytes(shape, micro_batch_size=1, seq_len=8, elem=2) == 8 * 2 * h * 2  # two norms, 2 B more
+    fsdp = predict_memory(shape, _setup("fsdp", "fsdp", world_size=8, precision="bf16", micro_batch_size=1, seq_len=8))[0]
+    assert fsdp.weight_copies == 0  # FSDP's mixed precision computes in bf16 throughout: nothing is copied
+    fp32 = predict_memory(shape, _setup("ddp", "ddp", world_size=8, precision="fp32", micro_batch_size=1, seq_len=8))[0]
+    assert fp32.weight_copies == 0
+
+
+def test_zero3_working_set_follows_deepspeeds_knobs():
+    """Measured on the tiny model (2 ranks, fp32): every parameter gathered at the peak with DeepSpeed's defaults
+    (964,096 B = 4 Ψ); with no reuse and no prefetch, exactly the largest module (c_fc with its bias: 16,640)."""
+    shape = ModelShape.from_config(ModelConfig())
+    base = dict(precision="fp32", micro_batch_size=2, seq_len=64)
+    default = predict_memory(shape, _setup("zero3", "zero", zero_stage=3, world_size=2, **base))[0]
+    assert default.gathered_params == 4 * shape.num_params == 964_096
+    tight = Setup(**{**_setup("zero3", "zero", zero_stage=3, world_size=2, **base).__dict__,
+                     "zero3_max_reuse_distance": 0, "zero3_prefetch_bucket_size": 0})
+    assert predict_memory(shape, tight)[0].gathered_params == 4 * 16_640
+    # 1.5B Llama on 64 GPUs in bf16 with the defaults: the largest module (the 128k x 2048 embedding) plus the
+    # prefetch bucket stay gathered; with its gradients, that is three times the model state (16 B x 1.5B / 64).
+    llama = ModelShape(name="llama_1b", arch="llama", num_layers=16, hidden_size=2048, num_heads=32,
+                       num_kv_heads=8, vocab_size=128256, max_seq_len=2048, ffn_hidden_size=8192)
+    big = predict_memory(llama, _setup("zero3", "zero", zero_stage=3, world_size=64, precision="bf16"))[0]
+    assert big.gathered_params == (128256 * 2048 + 5 * 10**7) * 2
+    assert big.gathered_params + big.gathered_grads > 3 * big.model_state
+    # ... which is what DeepSpeed's own accounting needs (4 B x largest layer + 18 B x Psi / N), within 5%.
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    _, theirs, _ = estimate_zero3_model_states_mem_needs(  # (cpu, gpu, largest layer) bytes
+        llama.num_params, 128256 * 2048, num_gpus_per_node=8, num_nodes=8, cpu_offload=False)
+    ours = big.model_state + big.gathered_params + big.gathered_grads
+    assert abs(ours - theirs) / theirs < 0.05, (ours, theirs)
+    # Persistent parameters (under the threshold) are kept whole on every rank and never gathered again.
+    keep = Setup(**{**_setup("zero3", "zero", zero_stage=3, world_size=2, **base).__dict__,
+                    "zero3_persistence_threshold": 1000})
+    small = sum(n for m in shape.module_params() for n in m if n < 1000)
+    assert predict_memory(shape, keep)[0].params == (shape.num_params - small) * 4 / 2 + small * 4
+
+
+def test_zero_builds_an_fp32_gradient_partition_for_the_step():
+    shape = ModelShape.from_config(ModelConfig())
+    for stage, precision, expected in ((1, "fp32", 4), (2, "bf16", 4), (3, "bf16", 4), (3, "fp32", 4)):
+        setup = _setup(f"zero{stage}", "zero", zero_stage=stage, world_size=2, precision=precision)
+        assert predict_memory(shape, setup)[0].step_grads == expected * shape.num_params / 2
 
 
 def test_comm_volume_ring_terms():
     shape = ModelShape.from_config(ModelConfig())
     psi, n = shape.num_params, 8
+    blocks = shape.num_layers * shape.layer_params()
+    root = psi - blocks  # embeddings, final norm, head: FSDP2 keeps the root gathered for backward
     for name, family, stage, volume in (("ddp", "ddp", 0, 2), ("zero1", "zero", 1, 2), ("zero2", "zero", 2, 2),
-                                        ("zero3", "zero", 3, 3), ("fsdp", "fsdp", 0, 3)):
+                                        ("zero3", "zero", 3, 3), ("fsdp", "fsdp", 0, 3 - root / psi)):
         s = _setup(name, family, zero_stage=stage, world_size=n, regime="mixed")  # one micro-batch per step
         got = ring_volume_psi(predict_comm(shape, s)[0], group_size=n, num_params=psi)
         assert got == pytest.approx(volume * (n - 1) / n), name
@@ -131,7 +189,7 @@ def test_comm_volume_ring_terms():
     ddp = predict_comm(shape, _setup("ddp", "ddp", world_size=2, global_batch_size=8, micro_batch_size=2))[0]
     assert [(c.op, c.bytes) for c in ddp] == [("all_reduce", 4 * psi)]  # no_sync: once per step
     fsdp = predict_comm(shape, _setup("fsdp", "fsdp", world_size=2, global_batch_size=8, micro_batch_size=2))[0]
-    assert {c.op: c.bytes for c in fsdp} == {"all_gather": 2 * 2 * 4 * psi, "reduce_scatter": 4 * psi}
+    assert {c.op: c.bytes for c in fsdp} == {"all_gather": 2 * 4 * (2 * blocks + root), "reduce_scatter": 4 * psi}
     z2 = predict_comm(shape, _setup("zero2", "zero", zero_stage=2, world_size=2, global_batch_size=8,
                                     micro_batch_size=2))[0]
     assert {c.op: c.bytes for c in z2} == {"all_reduce": 2 * 4 * psi, "all_gather": 4 * psi}  # as measured
@@ -166,3 +224,16 @@ def test_cli_prints_a_table_and_a_fit_answer(capsys):
 def test_cli_rejects_a_bad_option(capsys):
     assert estimate_main(["regime=nonsense"]) == 2
     assert "regime" in capsys.readouterr().err
+
+
+def test_cli_json_gives_the_same_figures_in_bytes(capsys):
+    assert estimate_main(["model=llama_1b", "strategy=zero3", "world_size=64", "precision=bf16", "format=json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    shape = ModelShape.from_config(model_config("llama_1b"))
+    setup = _setup("zero3", "zero", zero_stage=3, world_size=64, precision="bf16", micro_batch_size=2, seq_len=64,
+                   global_batch_size=8)
+    rank = predict_memory(shape, setup)[0]
+    assert out["model"]["num_params"] == shape.num_params
+    got = out["memory_per_rank"][0]
+    assert (got["params"], got["gathered_params"], got["total"]) == (rank.params, rank.gathered_params, rank.total)
+    assert {c["strategy"] for c in out["fit"]} >= {"ddp", "zero3"} and out["communication_per_rank"][0]

@@ -1,9 +1,12 @@
 """The estimator's prediction for each run, from the run's own config.yaml, beside what the run measured.
 
-Model state is compared rank by rank (a pipeline's stages differ) and the row keeps, per category, the
+Every category is compared rank by rank (a pipeline's stages differ) and the row keeps, per category, the
 worst rank's signed error (predicted - measured) / measured. The measured optimizer bytes include the
 master copy where a strategy keeps one (DeepSpeed counts its fp32 partition there) and a few bytes of
-step counters; the prediction's optimizer column is optimizer state + master weights.
+step counters; the prediction's optimizer column is optimizer state + master weights. Transient buffers
+(weight copies, ZeRO-3's gathered parameters, ZeRO's fp32 step gradients) are compared where the run
+measured them or the estimator predicts them. `model_state_ok`: params, grads and optimizer within
+`memory_rtol`; `prediction_ok`: every compared category within it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dist_train.estimate import ModelShape, predict_comm, predict_memory, setup_
 from dist_train.estimate.memory import RankMemory
 
 STATE_CATEGORIES = ("params", "grads", "optimizer")
+TRANSIENT = ("weight_copies", "gathered_params", "step_grads")
 
 
 def predicted_bytes(rank: RankMemory, category: str) -> float:
@@ -40,17 +44,21 @@ def add_prediction(row: dict[str, Any], *, memory_rtol: float) -> None:
     shape = ModelShape.from_config(cfg["model"])  # type: ignore[index]
     ranks = predict_memory(shape, setup)
     measured = row["mem_per_rank"]
-    errors_ok = True
-    for cat in (*STATE_CATEGORIES, "activations"):
+    state_ok = all_ok = True
+    for cat in (*STATE_CATEGORIES, "activations", *TRANSIENT):
         pred = [predicted_bytes(r, cat) for r in ranks]
         meas = [m.get(cat, 0) for m in measured]
+        if cat in TRANSIENT and not any(pred) and not any(meas):
+            continue  # neither held nor predicted by this strategy and precision
         errs = [rel_error(p, m) for p, m in zip(pred, meas)]
         worst = max(errs, key=lambda e: float("inf") if e is None else abs(e)) if errs else None
         row[f"pred_{cat}_bytes"] = max(pred)
         row[f"err_{cat}"] = worst
-        if cat in STATE_CATEGORIES:
-            errors_ok = errors_ok and worst is not None and abs(worst) <= memory_rtol
-    row["model_state_ok"] = errors_ok
+        ok = worst is not None and abs(worst) <= memory_rtol
+        state_ok = state_ok and (ok or cat not in STATE_CATEGORIES)
+        all_ok = all_ok and ok
+    row["model_state_ok"] = state_ok
+    row["prediction_ok"] = all_ok
     row["pred_regime"] = setup.resolved_regime
     add_comm_prediction(row, shape=shape, setup=setup)
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from dist_train.compare.table import COMM_OPS, MEMORY_CATEGORIES
+from dist_train.compare.table import COMM_OPS, MEMORY_CATEGORIES, TRANSIENT_CATEGORIES
 from dist_train.estimate.render import human_bytes
 
 # Scalar columns of table.csv, in order (a column absent from every row is left out).
@@ -16,11 +16,12 @@ CSV_COLUMNS = [
     "steps",
     "step_s", "compute_s", "comm_s", "tokens_per_s",
     *(f"comm_{op}_s" for op in COMM_OPS),
-    *(f"mem_{c}_{k}_bytes" for c in (*MEMORY_CATEGORIES, "peak_rss", "peak_allocated") for k in ("max", "spread")),
+    *(f"mem_{c}_{k}_bytes" for c in (*MEMORY_CATEGORIES, *TRANSIENT_CATEGORIES, "peak_rss", "peak_allocated")
+      for k in ("max", "spread")),
     "comm_bytes_per_step", "comm_inter_node_bytes_per_step", *(f"comm_{op}_bytes" for op in COMM_OPS),
     "final_loss", "loss_dev", "loss_max_rel_dev",
-    *(f"{p}_{c}" for c in ("params", "grads", "optimizer", "activations") for p in ("pred", "err")),
-    "model_state_ok", "pred_regime", "pred_comm_bytes_per_step", "err_comm_bytes",
+    *(f"{p}_{c}" for c in ("params", "grads", "optimizer", "activations", *TRANSIENT_CATEGORIES) for p in ("pred", "err")),
+    "model_state_ok", "prediction_ok", "pred_regime", "pred_comm_bytes_per_step", "err_comm_bytes",
     "run_dir", "log", "wall_s",
 ]
 
@@ -108,16 +109,23 @@ def comm_table(rows: list[dict[str, Any]]) -> str:
 
 
 def prediction_table(rows: list[dict[str, Any]], *, memory_rtol: float) -> str:
+    transient = [c for c in TRANSIENT_CATEGORIES if any(f"pred_{c}_bytes" in r for r in rows)]
     headers = ["strategy", "regime", *(f"{c} pred / meas (err)" for c in ("params", "grads", "optimizer")),
-               f"model state within {memory_rtol:.0%}", "activations pred / meas (err)"]
+               f"model state within {memory_rtol:.0%}", "activations pred / meas (err)",
+               *(f"{c.replace('_', ' ')} pred / meas (err)" for c in transient)]
     body = []
     for r in rows:
         if r["status"] != "ok" or "pred_params_bytes" not in r:
             continue
-        cells = [f"{human_bytes(r[f'pred_{c}_bytes'])} / {human_bytes(r.get(f'mem_{c}_max_bytes'))} ({pct(r[f'err_{c}'])})"
-                 for c in ("params", "grads", "optimizer", "activations")]
-        body.append([r["strategy"], r["pred_regime"], *cells[:3], "yes" if r["model_state_ok"] else "**NO**", cells[3]])
+        cells = [_pred_cell(r, c) for c in ("params", "grads", "optimizer", "activations", *transient)]
+        body.append([r["strategy"], r["pred_regime"], *cells[:3], "yes" if r["model_state_ok"] else "**NO**", *cells[3:]])
     return md_table(headers, body)
+
+
+def _pred_cell(row: dict[str, Any], cat: str) -> str:
+    if f"pred_{cat}_bytes" not in row:
+        return "-"
+    return f"{human_bytes(row[f'pred_{cat}_bytes'])} / {human_bytes(row.get(f'mem_{cat}_max_bytes'))} ({pct(row[f'err_{cat}'])})"
 
 
 def runs_table(rows: list[dict[str, Any]], out_dir: Path) -> str:

@@ -17,6 +17,9 @@ from typing import Any
 from dist_train.compare.runner import RunResult
 
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
+# Held only for a moment (see dist_train/estimate/memory.py): autocast's weight copies, ZeRO-3's gathered
+# parameters, ZeRO's fp32 gradient partition at the optimizer step. Peaks, like activations.
+TRANSIENT_CATEGORIES = ("weight_copies", "gathered_params", "step_grads")
 from dist_train.telemetry.comm import COMM_OPS  # one list of ops for telemetry and the report
 
 
@@ -69,12 +72,13 @@ def _config_hash(run_dir: Path) -> str | None:
 
 def memory_columns(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for cat in (*MEMORY_CATEGORIES, "peak_rss", "peak_allocated"):
+    for cat in (*MEMORY_CATEGORIES, *TRANSIENT_CATEGORIES, "peak_rss", "peak_allocated"):
         values = [r[f"memory/{cat}_bytes"] for r in ranks if f"memory/{cat}_bytes" in r]
         if values:
             out[f"mem_{cat}_max_bytes"] = max(values)
             out[f"mem_{cat}_spread_bytes"] = max(values) - min(values)
-    out["mem_per_rank"] = [{cat: r.get(f"memory/{cat}_bytes", 0) for cat in MEMORY_CATEGORIES} for r in ranks]
+    out["mem_per_rank"] = [{cat: r.get(f"memory/{cat}_bytes", 0) for cat in (*MEMORY_CATEGORIES, *TRANSIENT_CATEGORIES)}
+                           for r in ranks]
     return out
 
 

@@ -6,12 +6,14 @@ with Hydra's compose API from conf/, exactly as launch/train.py would. Estimator
 
     world_size=8 gpu_gib=80 regime=auto activation_checkpointing=true kv_batch=1 kv_context=4096
     fit.models=[7b,70b,llama_1b] fit.params=[175e9] fit.gpus=[8,64,1024] fit.strategies=[ddp,zero3]
+    format=json      # the same figures as JSON, in bytes, for tools
 """
 
 from __future__ import annotations
 
+import json
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
@@ -19,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dist_train.estimate.comm import bus_factor, predict_comm, ring_bytes, ring_volume_psi
 from dist_train.estimate.fit import DEFAULT_FIT_GPUS, DEFAULT_FIT_STRATEGIES, FitModel, fit_table
-from dist_train.estimate.memory import element_bytes, kv_cache_bytes, predict_memory, shards, state_bytes
+from dist_train.estimate.memory import RankMemory, element_bytes, kv_cache_bytes, predict_memory, shards, state_bytes
 from dist_train.estimate.render import human_bytes, human_count, text_table
 from dist_train.estimate.setup import Setup, setup_from_config
 from dist_train.estimate.shapes import PRESETS, ModelShape
@@ -47,9 +49,15 @@ class EstimateArgs:
     kv_batch: Optional[int] = None  # None = train.micro_batch_size
     kv_context: Optional[int] = None  # None = model.max_seq_len
     fit: FitArgs = field(default_factory=FitArgs)
+    # text: tables for a person; json: the same figures in bytes, for tools.
+    format: str = "text"
+
+    def __post_init__(self) -> None:
+        if self.format not in ("text", "json"):
+            raise ValueError(f"format={self.format!r} is not supported; allowed: text, json")
 
 
-_OWN_KEYS = ("world_size", "gpu_gib", "regime", "activation_checkpointing", "kv_batch", "kv_context", "fit")
+_OWN_KEYS = ("world_size", "gpu_gib", "regime", "activation_checkpointing", "kv_batch", "kv_context", "fit", "format")
 
 
 def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -101,8 +109,40 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (ValueError, OmegaConfBaseException, HydraException) as exc:
         return report_config_error(one_line(exc))
-    print(report(shape, setup, args=args, unlisted=unlisted is not None))
+    if args.format == "json":
+        print(json.dumps(report_json(shape, setup, args=args), indent=1))
+    else:
+        print(report(shape, setup, args=args, unlisted=unlisted is not None))
     return 0
+
+
+def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> dict[str, Any]:
+    """What `report` prints, as numbers: bytes, per rank; memory categories as in RankMemory."""
+    other = predict_memory(shape, replace(setup, activation_checkpointing=not setup.activation_checkpointing))
+    kv_batch, kv_ctx = args.kv_batch or setup.micro_batch_size, args.kv_context or shape.max_seq_len
+    return {
+        "model": {**asdict(shape), "num_params": shape.num_params},
+        "setup": {**asdict(setup), "resolved_regime": setup.resolved_regime,
+                  "data_parallel_size": setup.data_parallel_size, "microbatches_per_step": setup.microbatches_per_step},
+        "bytes_per_param": asdict(state_bytes(precision=setup.precision, optimizer=setup.optimizer,
+                                              momentum=setup.momentum, regime=setup.resolved_regime)),
+        "sharded_over": asdict(shards(setup)),
+        "memory_per_rank": [_rank_json(r) for r in predict_memory(shape, setup)],
+        "activations_with_the_other_checkpointing": [r.activations for r in other],
+        "kv_cache_bytes": kv_cache_bytes(shape, batch=kv_batch, context=kv_ctx, elem=element_bytes(setup.precision)),
+        "communication_per_rank": [
+            [{**asdict(c), "ring_bytes": c.ring_bytes(setup.data_parallel_size)} for c in colls]
+            for colls in predict_comm(shape, setup)
+        ],
+        "fit": [asdict(c) for c in fit_table(
+            fit_models(shape, args.fit), base=replace(setup, micro_batch_size=args.fit.micro_batch_size),
+            strategies=args.fit.strategies, gpus=args.fit.gpus, gpu_gib=args.gpu_gib, seq_len=args.fit.seq_len)],
+        "gpu_gib": args.gpu_gib,
+    }
+
+
+def _rank_json(rank: RankMemory) -> dict[str, float]:
+    return {**asdict(rank), "model_state": rank.model_state, "working_set": rank.working_set, "total": rank.total}
 
 
 def report(shape: ModelShape, setup: Setup, *, args: EstimateArgs, unlisted: bool = False) -> str:
@@ -142,7 +182,8 @@ def memory_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> st
         ["optimizer state", b.optimizer, sh.optimizer, *(human_bytes(ranks[r].optimizer) for r in show)],
         ["= model state", b.total, "", *(human_bytes(ranks[r].model_state) for r in show)],
         ["activations", "", "", *(human_bytes(ranks[r].activations) for r in show)],
-        ["= total", "", "", *(human_bytes(ranks[r].total) for r in show)],
+        *_transient_rows(ranks, show),
+        ["= total (peak)", "", "", *(human_bytes(ranks[r].total) for r in show)],
         [f"(activations {other} checkpointing)", "", "", *(human_bytes(ckpt[r].activations) for r in show)],
     ]
     kv_batch = args.kv_batch or setup.micro_batch_size
@@ -154,6 +195,23 @@ def memory_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> st
         f"KV cache for inference (2 x batch {kv_batch} x {shape.num_layers} layers x {shape.kv_heads} kv heads "
         f"x {shape.head_dim} head_dim x context {kv_ctx} x {element_bytes(setup.precision)} B): {human_bytes(kv)}",
     ])
+
+
+_TRANSIENT = (
+    ("weight_copies", "autocast weight copies (16-bit)"),
+    ("gathered_params", "ZeRO-3 gathered parameters"),
+    ("gathered_grads", "ZeRO-3 full-size gradients"),
+    ("step_grads", "ZeRO fp32 step gradients"),
+)
+
+
+def _transient_rows(ranks: list[RankMemory], show: list[int]) -> list[list[object]]:
+    """Buffers held for a moment (see dist_train/estimate/memory.py), the rows that apply to this run."""
+    rows: list[list[object]] = []
+    for attr, label in _TRANSIENT:
+        if any(getattr(ranks[r], attr) for r in show):
+            rows.append([label, "", "", *(human_bytes(getattr(ranks[r], attr)) for r in show)])
+    return rows
 
 
 def comm_section(shape: ModelShape, setup: Setup) -> str:

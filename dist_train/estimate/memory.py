@@ -14,6 +14,23 @@ tensors where Korthikanti's fused GELU keeps 2, SwiGLU keeps 4, GQA has smaller 
 `transformers` uses by default) only the output and log-sum-exp are kept, so the a·s² term is dropped.
 Full activation checkpointing keeps each layer's input (s·b·h·e) plus one layer's activations while it
 is recomputed. The LM head adds its input and the fp32 log-softmax of the logits (s·b·V·4).
+
+Under bf16/fp16 autocast over fp32 weights (single, dp, ddp, pipelines) norms run in fp32, so their inputs
+are kept in 4 bytes; and every matrix product keeps a 16-bit copy of its weight for backward, counted apart
+(`weight_copies`): it grows with the parameters, not with the tokens.
+
+Transient buffers, beside the model state that stays between steps:
+- ZeRO-3 gathers parameters to full size to use them. DeepSpeed keeps a gathered parameter while it will be
+  reused within `stage3_max_reuse_distance` parameters (in backward, every parameter is reused: if the
+  distance covers the model, nothing is released before backward), holds at most `stage3_max_live_parameters`
+  (but always the module in use), and prefetches `stage3_prefetch_bucket_size` ahead; parameters under
+  `stage3_param_persistence_threshold` stay gathered for good. Measured here, a tiny model with the defaults
+  holds every parameter gathered at its peak, and with no reuse and no prefetch exactly its largest module.
+  Backward also holds the largest module's full-size gradients before they are reduce-scattered.
+- ZeRO flattens the rank's gradient partition into a new fp32 buffer for the optimizer step, every stage and
+  precision (measured here: 4 B x Psi / N for zero1-3 in fp32 and bf16).
+The peak is model state plus the larger of the forward/backward working set (activations, weight copies,
+gathered parameters and gradients) and the optimizer step's (the fp32 gradient partition).
 """
 
 from __future__ import annotations
@@ -98,24 +115,36 @@ class RankMemory:
     master: float
     optimizer: float
     activations: float = 0.0
+    weight_copies: float = 0.0  # autocast's 16-bit copies of the matmul weights, kept for backward
+    gathered_params: float = 0.0  # ZeRO-3: parameters gathered to full size at the peak
+    gathered_grads: float = 0.0  # ZeRO-3: the largest module's full-size gradients before reduce-scatter
+    step_grads: float = 0.0  # ZeRO: the fp32 gradient partition built for the optimizer step
 
     @property
     def model_state(self) -> float:
         return self.params + self.grads + self.master + self.optimizer
 
     @property
+    def working_set(self) -> float:
+        """Transient bytes at the peak: forward/backward's or the optimizer step's, whichever is larger."""
+        forward_backward = self.activations + self.weight_copies + self.gathered_params + self.gathered_grads
+        return max(forward_backward, self.step_grads)
+
+    @property
     def total(self) -> float:
-        return self.model_state + self.activations
+        return self.model_state + self.working_set
 
 
-def model_state_bytes(num_params: float, setup: Setup) -> RankMemory:
-    """Model state of `num_params` parameters on one rank (all of them, or a pipeline stage's)."""
+def model_state_bytes(num_params: float, setup: Setup, *, persistent: float = 0.0) -> RankMemory:
+    """Model state of `num_params` parameters on one rank (all of them, or a pipeline stage's).
+
+    `persistent`: ZeRO-3 parameters under the persistence threshold, whose weights every rank keeps whole."""
     b = state_bytes(
         precision=setup.precision, optimizer=setup.optimizer, momentum=setup.momentum, regime=setup.resolved_regime
     )
     sh = shards(setup)
     return RankMemory(
-        params=num_params * b.weights / sh.weights,
+        params=(num_params - persistent) * b.weights / sh.weights + persistent * b.weights,
         grads=num_params * b.grads / sh.grads,
         master=num_params * b.master / sh.optimizer,
         optimizer=num_params * b.optimizer / sh.optimizer,
@@ -123,11 +152,17 @@ def model_state_bytes(num_params: float, setup: Setup) -> RankMemory:
 
 
 def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
-    """One entry per rank: model state plus activations of the micro-batches alive at the peak."""
+    """One entry per rank: model state, activations of the micro-batches alive at the peak, transient buffers."""
     if setup.family != "pipeline":
-        state = model_state_bytes(shape.num_params, setup)
+        gathered, persistent = zero3_gathered(shape, setup)
+        state = model_state_bytes(shape.num_params, setup, persistent=persistent)
         act = activation_bytes(shape, setup=setup, num_layers=shape.num_layers, with_head=True, in_flight=1)
-        one = RankMemory(state.params, state.grads, state.master, state.optimizer, act)
+        copies = weight_copy_bytes(shape, setup=setup, num_layers=shape.num_layers, with_head=True, in_flight=1)
+        one = RankMemory(
+            state.params, state.grads, state.master, state.optimizer, act, copies,
+            gathered_params=gathered, gathered_grads=zero3_gathered_grads(shape, setup),
+            step_grads=zero_step_grads(shape.num_params, setup),
+        )
         return [one] * setup.world_size
     k = setup.num_stages
     split = list(setup.split_points) if setup.split_points else None
@@ -136,12 +171,53 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
     out = []
     for stage in range(k):
         state = model_state_bytes(params[stage], setup)
-        act = activation_bytes(
-            shape, setup=setup, num_layers=layers[stage], with_head=stage == k - 1,
-            in_flight=pipeline_in_flight(setup, stage=stage),
-        )
-        out.append(RankMemory(state.params, state.grads, state.master, state.optimizer, act))
+        shared = dict(num_layers=layers[stage], with_head=stage == k - 1, in_flight=pipeline_in_flight(setup, stage=stage))
+        act = activation_bytes(shape, setup=setup, **shared)
+        copies = weight_copy_bytes(shape, setup=setup, **shared)
+        out.append(RankMemory(state.params, state.grads, state.master, state.optimizer, act, copies))
     return out
+
+
+def _param_elem(setup: Setup) -> int:
+    """Bytes of a parameter as ZeRO holds it: the training dtype."""
+    return element_bytes(setup.precision)
+
+
+def zero3_gathered(shape: ModelShape, setup: Setup) -> tuple[float, float]:
+    """(bytes of non-persistent parameters ZeRO-3 holds gathered at its peak, elements of persistent parameters).
+
+    See the module docstring; all counts in elements of the whole model (gathering is not sharded)."""
+    if setup.family != "zero" or setup.zero_stage != 3:
+        return 0.0, 0.0
+    threshold = setup.zero3_persistence_threshold
+    modules = shape.module_params()
+    persistent = sum(n for m in modules for n in m if n < threshold)
+    partitioned = shape.num_params - persistent
+    largest = max(sum(n for n in m if n >= threshold) for m in modules)
+    kept = partitioned if setup.zero3_max_reuse_distance >= partitioned else largest
+    live = min(partitioned, max(largest, min(setup.zero3_max_live_parameters, kept + setup.zero3_prefetch_bucket_size)))
+    return float(live * _param_elem(setup)), float(persistent)
+
+
+def zero3_gathered_grads(shape: ModelShape, setup: Setup) -> float:
+    if setup.family != "zero" or setup.zero_stage != 3:
+        return 0.0
+    return float(max(sum(m) for m in shape.module_params()) * _param_elem(setup))
+
+
+def zero_step_grads(num_params: float, setup: Setup) -> float:
+    """The fp32 copy of this rank's gradient partition that ZeRO builds for the optimizer step."""
+    if setup.family != "zero":
+        return 0.0
+    return 4.0 * num_params / setup.data_parallel_size
+
+
+def weight_copy_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int) -> float:
+    """Autocast's 16-bit copies of the matmul weights a rank keeps for backward, per micro-batch in flight."""
+    if not setup.autocast_16bit:
+        return 0.0
+    weights = num_layers * shape.layer_matmul_weights() + (shape.head_matmul_weights() if with_head else 0)
+    return float(in_flight * weights * element_bytes(setup.precision))
 
 
 def pipeline_in_flight(setup: Setup, *, stage: int) -> int:
@@ -153,21 +229,23 @@ def pipeline_in_flight(setup: Setup, *, stage: int) -> int:
 
 
 def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len: int, elem: int,
-                           attention_scores: bool = False, fused_gelu: bool = False) -> float:
+                           attention_scores: bool = False, fused_gelu: bool = False, norm_elem: int = 0) -> float:
     """Bytes one transformer layer saves for backward for one micro-batch (see the module docstring).
 
     attention_scores: eager attention keeps the a·s² scores; fused_gelu: a GELU that saves only its input
-    (Korthikanti's assumption) instead of transformers' composed tanh GELU."""
+    (Korthikanti's assumption) instead of transformers' composed tanh GELU; norm_elem: bytes of a norm's
+    saved input when it differs from `elem` (4 under autocast)."""
     s, b, h = seq_len, micro_batch_size, shape.hidden_size
     q_k_v = h + 2 * shape.kv_dim
     # GPT-2: fc output, GELU output, and 3 more ffn-wide tensors that transformers' tanh GELU ("gelu_new",
     # composed of pow/tanh/mul ops, not fused) saves: tanh output, 0.5·x and 1 + tanh.
     # Llama (SwiGLU): gate output, SiLU output, up output, their product.
     mlp = (2 if fused_gelu else 5) * shape.ffn if shape.arch == "gpt2" else 4 * shape.ffn
-    # norm1 in, attention in, q/k/v, attention out, norm2 in, MLP in, MLP intermediates
-    values = h + h + q_k_v + h + h + h + mlp
+    # attention in, q/k/v, attention out, MLP in, MLP intermediates; and the two norms' inputs
+    values = h + q_k_v + h + h + mlp
+    norms = 2 * h
     masks = 2 * h if shape.dropout > 0 else 0  # attention-output and MLP-output dropout (1 byte each)
-    per_token = values * elem + masks
+    per_token = values * elem + norms * (norm_elem or elem) + masks
     scores = 0.0
     if attention_scores:  # eager attention: softmax output (+ dropout mask and output)
         scores = shape.num_heads * s * s * b * ((2 * elem + 1) if shape.dropout > 0 else elem)
@@ -177,9 +255,11 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len:
 def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int) -> float:
     """Activations a rank holds at its peak: `in_flight` micro-batches through `num_layers` layers."""
     elem = element_bytes(setup.precision)
+    norm_elem = 4 if setup.autocast_16bit else elem
     s, b = setup.seq_len, setup.micro_batch_size
-    layer = layer_activation_bytes(shape, micro_batch_size=b, seq_len=s, elem=elem)
-    head = s * b * (2 * shape.hidden_size * elem + shape.vocab_size * 4) if with_head else 0.0
+    layer = layer_activation_bytes(shape, micro_batch_size=b, seq_len=s, elem=elem, norm_elem=norm_elem)
+    # the final norm's input, the head's input, the fp32 log-softmax of the logits
+    head = s * b * (shape.hidden_size * (norm_elem + elem) + shape.vocab_size * 4) if with_head else 0.0
     if setup.activation_checkpointing:
         # each micro-batch keeps its layer inputs; one layer at a time is recomputed in full
         return in_flight * (num_layers * s * b * shape.hidden_size * elem + head) + layer

@@ -61,6 +61,12 @@ class Setup:
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
     regime: str = "auto"
+    # ZeRO-3's gathering, as DeepSpeed is configured (zero_optimization.stage3_*; in elements). The persistence
+    # threshold is this project's default (0: every parameter partitioned), the rest are DeepSpeed's defaults.
+    zero3_persistence_threshold: int = 0
+    zero3_max_live_parameters: int = 10**9
+    zero3_max_reuse_distance: int = 10**9
+    zero3_prefetch_bucket_size: int = 5 * 10**7
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -88,6 +94,13 @@ class Setup:
         return max(1, self.global_batch_size // (self.micro_batch_size * self.data_parallel_size))
 
     @property
+    def autocast_16bit(self) -> bool:
+        """Whether a 16-bit run computes under torch autocast over fp32 weights (single, dp, ddp, pipelines):
+        norms then run in fp32 and matrix products keep 16-bit copies of their weights. FSDP's mixed precision
+        and DeepSpeed compute in 16 bits throughout instead."""
+        return self.precision in ("bf16", "fp16") and self.family in ("single", "dp", "ddp", "pipeline")
+
+    @property
     def resolved_regime(self) -> str:
         if self.regime != "auto":
             return self.regime
@@ -110,6 +123,20 @@ def family_of(name: str, strategy: Optional[Mapping[str, Any]] = None) -> tuple[
     raise ValueError(f"strategy {name!r}: cannot tell its family; known: {', '.join(KNOWN_STRATEGIES)}")
 
 
+_ZERO3_KEYS = {
+    "stage3_param_persistence_threshold": "zero3_persistence_threshold",
+    "stage3_max_live_parameters": "zero3_max_live_parameters",
+    "stage3_max_reuse_distance": "zero3_max_reuse_distance",
+    "stage3_prefetch_bucket_size": "zero3_prefetch_bucket_size",
+}
+
+
+def _zero3_fields(strategy: Mapping[str, Any]) -> dict[str, int]:
+    """ZeRO-3 knobs a run overrides through strategy.extra.zero_optimization."""
+    zero = (strategy.get("extra") or {}).get("zero_optimization") or {}
+    return {field: int(float(zero[key])) for key, field in _ZERO3_KEYS.items() if key in zero}
+
+
 def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: Any) -> Setup:
     """A Setup from a resolved run config (a dict with strategy/train/precision/optimizer groups)."""
     strategy = dict(cfg.get("strategy") or {})
@@ -128,6 +155,7 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         num_microbatches=strategy.get("num_microbatches"),
         split_points=tuple(split) if split else None,
         reshard_after_forward=bool(strategy.get("reshard_after_forward", True)),
+        **_zero3_fields(strategy),
     )
     fields.update(overrides)
     return Setup(**fields)

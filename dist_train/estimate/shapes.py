@@ -85,6 +85,32 @@ class ModelShape:
     def num_params(self) -> int:
         return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params()
 
+    # ------------------------------------------------------------------ what autocast and ZeRO-3 see
+    def layer_matmul_weights(self) -> int:
+        """Weights of one layer's matrix products: what autocast copies to 16 bits and keeps for backward."""
+        h, f, kv = self.hidden_size, self.ffn, self.kv_dim
+        if self.arch == "gpt2":
+            return h * 3 * h + h * h + h * f + f * h
+        return h * h + 2 * h * kv + h * h + 3 * h * f
+
+    def head_matmul_weights(self) -> int:
+        """The LM head's weight (a matrix product whether or not it is tied to the embedding)."""
+        return self.vocab_size * self.hidden_size
+
+    def module_params(self) -> list[tuple[int, ...]]:
+        """Each module's own parameter tensors (their sizes), in forward order: the unit ZeRO-3 gathers."""
+        h, f, kv, v = self.hidden_size, self.ffn, self.kv_dim, self.vocab_size
+        if self.arch == "gpt2":
+            first = [(v * h,), (self.max_seq_len * h,)]
+            layer = [(h, h), (h * 3 * h, 3 * h), (h * h, h), (h, h), (h * f, f), (f * h, h)]
+            last = [(h, h)]
+        else:
+            first = [(v * h,)]
+            layer = [(h,), (h * h,), (h * kv,), (h * kv,), (h * h,), (h,), (h * f,), (h * f,), (f * h,)]
+            last = [(h,)]
+        head = [] if self.tie_embeddings else [(v * h,)]
+        return [*first, *layer * self.num_layers, *last, *head]
+
 
 # Public shapes far beyond this machine, for "does it fit" questions (Touvron et al. 2023, Llama 2 table).
 PRESETS: dict[str, ModelShape] = {

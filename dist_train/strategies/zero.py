@@ -172,11 +172,35 @@ class ZeroModelState(ModelState):
         return out
 
 
+class TransientPeaks:
+    """Peaks of what ZeRO holds only for a moment, per logging window (`extra_metrics` drains them).
+
+    - gathered parameters (stage 3): DeepSpeed's own count of parameter elements gathered or in flight
+      (its parameter coordinator's `__n_available_params`), read at every module's forward and backward;
+    - the fp32 gradient partition the optimizer step consumes: its gradients' bytes when the step begins,
+      leaving out storage already counted as gradients (stage 3 in fp32 steps on a view of its buffer).
+    """
+
+    def __init__(self) -> None:
+        self.gathered_bytes = 0
+        self.step_grads_bytes = 0
+
+    def drain(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.gathered_bytes:
+            out["memory/gathered_params_bytes"] = self.gathered_bytes
+        if self.step_grads_bytes:
+            out["memory/step_grads_bytes"] = self.step_grads_bytes
+        self.gathered_bytes = self.step_grads_bytes = 0
+        return out
+
+
 class ZeroStrategy:
     def __init__(self, cfg: ZeroConfig, ctx: StrategyContext) -> None:
         self.name, self.cfg, self.ctx = cfg.name, cfg, ctx
         self.engine: Any = None
         self._grads_bytes = 0  # peak gradient bytes of the last step, counted at the boundary
+        self.peaks = TransientPeaks()
 
     def setup(self, model: nn.Module) -> None:
         cache = use_extensions_cache()
@@ -199,6 +223,32 @@ class ZeroStrategy:
             config=config,
             dist_init_required=False,
         )
+        self._watch_transients()
+
+    def _watch_transients(self) -> None:
+        opt = self.engine.optimizer
+
+        def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            counted = {t.untyped_storage().data_ptr() for t in self._gradient_tensors(with_fp32=False) if t is not None}
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            fresh = tensor_bytes(g for g in grads if g.untyped_storage().data_ptr() not in counted)
+            self.peaks.step_grads_bytes = max(self.peaks.step_grads_bytes, fresh)
+
+        opt.optimizer.register_step_pre_hook(before_step)
+        if self.cfg.stage != 3:
+            return
+        coordinator = opt.parameter_offload.get_param_coordinator()
+        params = list(self.engine.module.parameters())
+        elem = params[0].element_size() if params else 4
+
+        def sample(*_: Any) -> None:
+            gathered = getattr(coordinator, "_PartitionedParameterCoordinator__n_available_params", 0)
+            self.peaks.gathered_bytes = max(self.peaks.gathered_bytes, int(gathered) * elem)
+
+        for module in self.engine.module.modules():  # after DeepSpeed's own hooks (it fetches in them) ...
+            module.register_forward_pre_hook(sample)
+            module.register_forward_hook(sample, prepend=True)  # ... and before its release after forward
+            module.register_full_backward_pre_hook(sample)
 
     def train_step(self, batch: Batch) -> StepOutput:
         engine = self.engine
@@ -229,8 +279,11 @@ class ZeroStrategy:
         name = "fp32_partitioned_groups_flat" if self.cfg.stage == 3 else "single_partition_of_fp32_groups"
         return list(getattr(opt, name))
 
-    def _gradient_tensors(self) -> list[torch.Tensor | None]:
+    def _gradient_tensors(self, *, with_fp32: bool = True) -> list[torch.Tensor | None]:
         """Gradient storage this rank holds right after a backward (counted then: see ZeroModelState).
+
+        with_fp32=False leaves out the fp32 partitions' own gradients (offload keeps them; otherwise they exist
+        only inside the optimizer step, where TransientPeaks counts them).
 
         Stage 1 accumulates full gradients in `.grad` until the boundary, then keeps only its reduced
         partition (`averaged_gradients`); stage 2 reduces every micro-batch into its partition
@@ -240,7 +293,7 @@ class ZeroStrategy:
         """
         opt = self.engine.optimizer
         # With optimizer offload the fp32 gradient partition lives on the CPU beside the master copy.
-        offloaded = [getattr(t, "grad", None) for t in self._master_partitions()]
+        offloaded = [getattr(t, "grad", None) for t in self._master_partitions()] if with_fp32 else []
         if self.cfg.stage == 3:
             # averaged_gradients are views into this buffer; pass the buffer alone so nothing counts twice
             return [getattr(opt, "grad_partitions_flat_buffer", None), *offloaded, *(p.grad for p in self._params())]
@@ -310,7 +363,7 @@ class ZeroStrategy:
         return [self.ctx.runtime.device]
 
     def extra_metrics(self) -> dict[str, float]:
-        return {}
+        return self.peaks.drain()
 
 
 class DeepSpeedIO:

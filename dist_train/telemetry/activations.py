@@ -3,7 +3,12 @@
 A saved-tensors hook sees every tensor the graph saves for backward. Each saved tensor is wrapped in a
 small handle whose finaliser runs when autograd releases it (after its backward, or when the graph is
 freed), so the meter knows the bytes alive at any moment and keeps their peak. Parameters (and views of
-them) are not activations and are skipped; a storage saved several times counts once. This is what
+them) are not activations and are skipped; a storage saved several times counts once.
+
+Under bf16/fp16 autocast a matrix product saves a 16-bit copy of its fp32 weight for backward. Those copies
+grow with the parameters, not with the tokens, so they are counted apart (`weights_peak_bytes`): a saved
+tensor is a weight copy when its autograd history is a cast (`ToCopyBackward0`, possibly seen through a view)
+of a parameter. This is what
 micro-batching, pipeline schedules (GPipe keeps every micro-batch's activations until backward, 1F1B at
 most K) and activation checkpointing change. It works on CPU and GPU alike; it does not see memory that
 autograd does not save (temporaries freed inside forward), and it only sees the thread that runs the
@@ -35,11 +40,34 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
+# Autograd nodes of views through which a saved weight copy may be seen (a Linear saves W.t()).
+_VIEWS = frozenset(("TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0", "ExpandBackward0",
+                    "UnsafeViewBackward0", "AliasBackward0"))
+
+
+def is_weight_copy(t: torch.Tensor) -> bool:
+    """Whether `t` is a cast of a parameter (autocast's 16-bit weight copy), possibly through views."""
+    fn = t.grad_fn
+    for _ in range(3):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name == "ToCopyBackward0":
+            source = fn.next_functions[0][0] if fn.next_functions else None
+            return source is not None and isinstance(getattr(source, "variable", None), nn.Parameter)
+        if name not in _VIEWS or not fn.next_functions:
+            return False
+        fn = fn.next_functions[0][0]
+    return False
+
+
 class ActivationMeter:
     def __init__(self) -> None:
-        self._live: dict[int, list[int]] = {}  # storage ptr -> [handles alive, storage bytes]
+        self._live: dict[int, list[int]] = {}  # storage ptr -> [handles alive, storage bytes, is a weight copy]
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.weights_live_bytes = 0
+        self.weights_peak_bytes = 0
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -49,6 +77,7 @@ class ActivationMeter:
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
+        self.weights_peak_bytes = self.weights_live_bytes
 
     def _pack(self, t: torch.Tensor) -> Any:
         if _is_parameter(t) or t.device.type == "meta":
@@ -60,9 +89,14 @@ class ActivationMeter:
         with self._lock:
             entry = self._live.get(key)
             if entry is None:
-                self._live[key] = [1, nbytes]
-                self.live_bytes += nbytes
-                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+                copy = is_weight_copy(t)
+                self._live[key] = [1, nbytes, copy]
+                if copy:
+                    self.weights_live_bytes += nbytes
+                    self.weights_peak_bytes = max(self.weights_peak_bytes, self.weights_live_bytes)
+                else:
+                    self.live_bytes += nbytes
+                    self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             else:
                 entry[0] += 1
         return _Saved(t, key, self)
@@ -78,5 +112,8 @@ class ActivationMeter:
                 return
             entry[0] -= 1
             if entry[0] == 0:
-                self.live_bytes -= entry[1]
+                if entry[2]:
+                    self.weights_live_bytes -= entry[1]
+                else:
+                    self.live_bytes -= entry[1]
                 del self._live[key]

@@ -1,0 +1,52 @@
+"""The estimator against real runs: every category it predicts within 10% of what each rank measured, for
+every strategy and precision that runs on CPU (fp16: single, ddp and fsdp; DeepSpeed and the pipelines refuse
+it here). Categories: parameters, gradients, optimizer state, activations, and where they exist autocast's
+weight copies, ZeRO-3's gathered parameters and ZeRO's fp32 step gradients."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import RESUMABLE
+from tests.helpers import ROOT, env
+
+pytestmark = pytest.mark.multiproc
+
+STRATEGIES = [s for s in RESUMABLE]  # single, ddp, fsdp, zero1-3, gpipe, 1f1b
+FP16 = ["single+precision=fp16", "ddp+precision=fp16", "fsdp+precision=fp16"]
+
+
+def _compare(out: Path, *args: str) -> dict[str, dict]:
+    cmd = [sys.executable, "launch/compare.py", f"compare.out_dir={out}", "compare.wandb=false", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["strategy"]: r for r in json.loads((out / "table.json").read_text())}
+
+
+def _assert_predicted(rows: dict[str, dict], expected: list[str]) -> None:
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert row["status"] == "ok", (name, row["reason"])
+        errors = {k: v for k, v in row.items() if k.startswith("err_") and k != "err_comm_bytes"}
+        assert row["prediction_ok"] is True, (name, errors)
+
+
+def test_fp32_runs_are_predicted_within_ten_percent(straight_run, tmp_path):
+    dirs = [str(straight_run(s)[0]) for s in STRATEGIES]
+    _assert_predicted(_compare(tmp_path, f"compare.from=[{','.join(dirs)}]"), STRATEGIES)
+
+
+def test_bf16_and_fp16_runs_are_predicted_within_ten_percent(tmp_path):
+    rows = _compare(tmp_path, f"compare.strategies=[{','.join(STRATEGIES + FP16)}]", "compare.nproc=2",
+                    "precision=bf16", "logger=none", "model=tiny", "train.steps=2")
+    _assert_predicted(rows, STRATEGIES + FP16)
+    # the new categories were really there to compare
+    assert rows["single"]["mem_weight_copies_max_bytes"] > 0 and rows["single"]["err_weight_copies"] == 0
+    assert rows["zero3"]["mem_gathered_params_max_bytes"] == 2 * rows["single"]["num_params"]  # all, in bf16
+    for stage in (1, 2, 3):
+        assert rows[f"zero{stage}"]["mem_step_grads_max_bytes"] == 4 * rows["single"]["num_params"] / 2
