@@ -1,0 +1,69 @@
+"""An nccl-tests-style microbenchmark of torch.distributed collectives on the run's backend.
+
+    torchrun --standalone --nproc_per_node=2 bench/collectives.py all_reduce:964096 all_gather:1928192
+
+For each `op:bytes`: 5 warm-up calls, then `--iterations` timed calls, each alone (a barrier first, the call
+blocking), timed from issue to return as dist_train times a collective. Bus bandwidth follows nccl-tests:
+size / time x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather and reduce_scatter (size = the full buffer).
+Prints one JSON line on rank 0: {op: {"bytes", "median_s", "busbw_gbps"}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from dist_train.telemetry.comm import busbw_gbps  # noqa: E402
+
+
+def call(op: str, nbytes: int, world: int):  # noqa: ANN201
+    """A zero-argument function issuing `op` on a buffer of `nbytes` (nccl-tests' size convention)."""
+    numel = max(world, nbytes // 4 // world * world)
+    full = torch.ones(numel)
+    part = torch.ones(numel // world)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full)
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, part)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(part, full)
+    raise ValueError(f"{op}: all_reduce, all_gather or reduce_scatter")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="+", help="op:bytes")
+    parser.add_argument("--iterations", type=int, default=50)
+    args = parser.parse_args()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    world = dist.get_world_size()
+    out = {}
+    for case in args.cases:
+        op, nbytes = case.split(":")
+        fn = call(op, int(float(nbytes)), world)
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(args.iterations):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        median = statistics.median(times)
+        out[op] = {"bytes": int(float(nbytes)), "median_s": median, "busbw_gbps": busbw_gbps(op, int(float(nbytes)), median, world)}
+    if dist.get_rank() == 0:
+        print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

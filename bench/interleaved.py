@@ -1,0 +1,123 @@
+"""Step-by-step timing in the same processes: a dist_train step beside another step, alternating.
+
+End-to-end runs on a shared 2-core machine vary by tens of percent from one run to the next; timing two
+step functions alternately in the same two processes cancels most of that. Each iteration times one step
+of A and one of B (the order alternates), each after a barrier so every rank starts it together, and
+records the ratio A/B on rank 0. Prints one JSON line: the median ratio and its interquartile range.
+
+    torchrun --standalone --nproc_per_node=2 bench/interleaved.py --vs reference --strategy ddp
+    torchrun --standalone --nproc_per_node=2 bench/interleaved.py --vs telemetry-off --strategy fsdp
+
+--vs reference: dist_train (telemetry as configured) against bench/reference.py's hand-written loop;
+--vs telemetry-off: dist_train with telemetry on against the same strategy with comm and activation
+telemetry off. B runs with dist_train's collective wrappers suspended, so it pays nothing for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch.distributed as dist  # noqa: E402
+
+from reference import ReferenceLoop, Shape  # noqa: E402
+
+
+def dist_train_session(strategy: str, shape: Shape, *, steps: int, telemetry: bool, run_dir: Path, extra: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dist_train.config import register_configs
+    from dist_train.rundir import register_resolvers
+    from dist_train.runtime import init_runtime
+    from dist_train.session import build_session
+    from dist_train.train import to_run_config
+
+    register_configs()
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    overrides = [
+        f"strategy={strategy}", "logger=none", f"model.num_layers={shape.layers}", f"model.hidden_size={shape.hidden}",
+        f"model.num_heads={shape.heads}", f"model.vocab_size={shape.vocab}", f"model.max_seq_len={shape.seq}",
+        f"train.seq_len={shape.seq}", f"train.global_batch_size={shape.global_batch}",
+        f"train.micro_batch_size={shape.micro_batch}", f"train.steps={steps}", f"train.lr={shape.lr}",
+        f"telemetry.comm={str(telemetry).lower()}", f"telemetry.activations={str(telemetry).lower()}", *extra,
+    ]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    run = to_run_config(cfg)
+    runtime = init_runtime(needs_group=True)
+    session = build_session(run, cfg, runtime, resume=None, fault=None, run_dir=run_dir)
+    session.telemetry.start()
+    return session
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vs", choices=("reference", "telemetry-off"), default="reference")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("overrides", nargs="*", help="extra dist_train overrides for A (e.g. train.log_every=1)")
+    args = parser.parse_args()
+    from dist_train.train import train_one_step
+
+    shape = Shape(layers=args.layers, hidden=args.hidden, seq=args.seq)
+    steps = args.warmup + args.iterations
+    tmp = Path(tempfile.mkdtemp(prefix="dist_train_bench_"))
+    a = dist_train_session(args.strategy, shape, steps=steps, telemetry=True, run_dir=tmp / "a", extra=args.overrides)
+    tracker = a.telemetry.tracker
+    if args.vs == "reference":
+        with tracker.suspended():
+            ref = ReferenceLoop(args.strategy, shape)
+        b_step = ref.step
+    else:
+        with tracker.suspended():
+            b = dist_train_session(args.strategy, shape, steps=steps, telemetry=False, run_dir=tmp / "b",
+                                   extra=args.overrides)
+        counter = iter(range(1, steps + 1))
+        b_step = lambda: train_one_step(b, next(counter))  # noqa: E731
+
+    def timed(fn, *, inside_tracker: bool) -> float:
+        with tracker.suspended():
+            dist.barrier()
+        start = time.perf_counter()
+        if inside_tracker:
+            fn()
+        else:
+            with tracker.suspended():
+                fn()
+        return time.perf_counter() - start
+
+    ratios = []
+    for i in range(steps):
+        step = i + 1
+        run_a = lambda: train_one_step(a, step)  # noqa: E731
+        if i % 2 == 0:
+            ta, tb = timed(run_a, inside_tracker=True), timed(b_step, inside_tracker=False)
+        else:
+            tb, ta = timed(b_step, inside_tracker=False), timed(run_a, inside_tracker=True)
+        if i >= args.warmup:
+            ratios.append(ta / tb)
+    if dist.get_rank() == 0:
+        q = statistics.quantiles(ratios, n=4)
+        print(json.dumps({"vs": args.vs, "strategy": args.strategy, "median_ratio": statistics.median(ratios),
+                          "q1": q[0], "q3": q[2], "iterations": len(ratios)}), flush=True)
+    with tracker.suspended():
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

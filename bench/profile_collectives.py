@@ -1,0 +1,74 @@
+"""The tracker's collective times against torch's own records of the same steps (torch.profiler).
+
+    torchrun --standalone --nproc_per_node=2 bench/profile_collectives.py --strategy ddp
+
+Runs dist_train steps under torch.profiler and compares, per op, the time dist_train's tracker reports
+(issue to completion, from the Python call) with the profiler's events for the same collectives: gloo's
+`gloo:<op>` events on CPU (the operation as the backend ran it), `nccl:<op>` kernels on CUDA. Prints one
+JSON line on rank 0: {"tracker": {op: {"time_s", "calls"}}, "profiler": {op: {"time_s", "calls"}}}, per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from interleaved import dist_train_session  # noqa: E402
+from reference import Shape  # noqa: E402
+
+
+# the backends' event names -> dist_train's op names
+_OP_NAMES = {"allreduce": "all_reduce", "all_reduce": "all_reduce", "allgather": "all_gather",
+             "all_gather": "all_gather", "all_gather_into_tensor": "all_gather", "_allgather_base": "all_gather",
+             "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+             "_reduce_scatter_base": "reduce_scatter"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    from dist_train.train import train_one_step
+
+    warmup = 3
+    session = dist_train_session(args.strategy, Shape(), steps=warmup + args.steps, telemetry=True,
+                                 run_dir=Path(tempfile.mkdtemp()), extra=[f"train.log_every={warmup + args.steps}"])
+    tracker = session.telemetry.tracker
+    for step in range(1, warmup + 1):
+        train_one_step(session, step)
+    tracker.drain()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for step in range(warmup + 1, warmup + args.steps):
+            train_one_step(session, step)
+    ours = tracker.drain()
+    n = args.steps - 1
+    theirs: dict[str, dict[str, float]] = {}
+    for event in prof.events():
+        for prefix, seconds in (("gloo:", event.cpu_time_total), ("nccl:", event.device_time_total)):
+            if event.name.startswith(prefix):
+                op = _OP_NAMES.get(event.name[len(prefix):], event.name[len(prefix):])
+                entry = theirs.setdefault(op, {"time_s": 0.0, "calls": 0.0})
+                entry["time_s"] += seconds / 1e6 / n
+                entry["calls"] += 1 / n
+    tracker_ops = {op: {"time_s": t.time_s / n, "calls": t.count / n} for op, t in ours.items() if t.count}
+    if dist.get_rank() == 0:
+        print(json.dumps({"strategy": args.strategy, "tracker": tracker_ops, "profiler": theirs}), flush=True)
+    with tracker.suspended():
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
