@@ -8,37 +8,13 @@ size); a text file's windows are cut from a per-epoch shuffle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from dist_train.config import DataConfig
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [batch, seq_len] int64
-    labels: torch.Tensor  # [batch, seq_len] int64, input_ids shifted by one
-
-    def __len__(self) -> int:
-        return self.input_ids.size(0)
-
-    def split(self, size: int) -> list["Batch"]:
-        return [Batch(i, l) for i, l in zip(self.input_ids.split(size), self.labels.split(size))]
-
-    def to(self, device: torch.device) -> "Batch":
-        if device.type == "cuda":  # pinned host memory lets the copy overlap with compute
-            return Batch(
-                self.input_ids.pin_memory().to(device, non_blocking=True),
-                self.labels.pin_memory().to(device, non_blocking=True),
-            )
-        return self
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()
+from dist_train.contracts import Batch
 
 
 class Dataset(Protocol):

@@ -71,7 +71,7 @@ class Fault:
 def _poison(strategy: Any) -> None:
     import torch
 
-    from dist_train.telemetry.memory import local_tensor
+    from dist_train.contracts import local_tensor
 
     with torch.no_grad():
         for t in strategy.model_state().params:

@@ -10,42 +10,13 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Runtime:
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    device: torch.device
-    backend: str | None  # None: no process group (strategy=single / dp)
-    # How long a collective waits for its peers (runtime.timeout_s); groups created later use it too.
-    timeout_s: float = 600.0
-    node: str = ""  # this process's node (Slurm's node name, else the host name)
-    nodes: tuple[str, ...] = ()  # every rank's node, by rank: which collectives cross nodes
-
-    @property
-    def timeout(self) -> timedelta:
-        return timedelta(seconds=self.timeout_s)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def has_group(self) -> bool:
-        return self.backend is not None
-
-    @property
-    def device_type(self) -> str:
-        return self.device.type
+from dist_train.contracts import Runtime
 
 
 def _env_int(name: str, default: int) -> int:

@@ -100,7 +100,8 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, flo
     FLOPs per token are read before any wrapping shards it."""
     from dist_train.model import apply_activation_checkpointing, build_model, count_params
     from dist_train.optim import OptimizerFactory
-    from dist_train.strategies import StrategyContext, build_strategy
+    from dist_train.strategies.base import StrategyContext
+    from dist_train.strategies.registry import build_strategy
     from dist_train.telemetry.flops import embedding_params, flops_per_token
 
     t = run.train
@@ -145,7 +146,7 @@ def _telemetry(session: Session, tracker: Any, *, saved: dict[str, Any], device_
     telemetry = Telemetry(
         runtime=runtime, strategy=session.strategy, sink=sink, workload=workload, tracker=tracker,
         activations=ActivationMeter() if run.telemetry.activations else None,
-        skips_allowed=run.precision.name == "fp16",
+        skips_allowed=run.precision.loss_scaling,
     )
     if saved:
         telemetry.restore(losses=saved.get("losses", []), history=history, skipped_steps=saved.get("skipped_steps", 0))

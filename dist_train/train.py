@@ -13,7 +13,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dist_train.config import ConfigError, RunConfig, accumulation_steps, validate, world_size_from_env
+from dist_train.checks import validate
+from dist_train.config import ConfigError, RunConfig, accumulation_steps, world_size_from_env
 from dist_train.session import Session, build_session, checkpoint_root, hydra_run_dir
 
 log = logging.getLogger("dist_train")

@@ -25,7 +25,7 @@ def main() -> int:
     parser.add_argument("checkpoint", type=Path, help="a checkpoint (step-NNNNNNNN) or a directory of them")
     parser.add_argument("out_dir", type=Path, help="where to write config.json and the weights")
     args = parser.parse_args()
-    from dist_train.checkpoint.export import export_pretrained
+    from dist_train.export import export_pretrained
 
     try:
         source = export_pretrained(args.checkpoint, args.out_dir)

@@ -15,7 +15,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from dist_train.config import register_configs  # noqa: E402
+from dist_train.strategies.registry import register_configs  # noqa: E402
 from dist_train.entry import mark_running, run_hydra_app  # noqa: E402
 from dist_train.rundir import register_resolvers  # noqa: E402
 

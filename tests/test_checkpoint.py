@@ -172,7 +172,7 @@ def test_metrics_jsonl_keeps_the_steps_before_a_resume_once(tmp_path):
 def test_lr_schedule_position_and_loss_scaler_round_trip():
     from dist_train.config import OptimizerConfig, PrecisionConfig
     from dist_train.optim import OptimizerFactory
-    from dist_train.runtime import Runtime
+    from dist_train.contracts import Runtime
     from dist_train.strategies.base import LocalOptimizer, StrategyContext
 
     t = TrainConfig(steps=10, lr_schedule="cosine", lr_warmup_steps=2)

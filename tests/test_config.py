@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
-from dist_train.config import ConfigError, register_configs, validate
+from dist_train.checks import validate
+from dist_train.config import ConfigError
+from dist_train.strategies.registry import register_configs
 from dist_train.rundir import register_resolvers
 from dist_train.session import experiment_group
 from dist_train.train import to_run_config

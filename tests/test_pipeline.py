@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from dist_train.config import ConfigError, ModelConfig, PipelineConfig, RunConfig, TrainConfig, validate
+from dist_train.checks import validate
+from dist_train.config import ConfigError, ModelConfig, RunConfig, TrainConfig
+from dist_train.strategies.pipeline import PipelineConfig
 from dist_train.model import build_model
 from dist_train.strategies.pipeline import bubble_formula
 from dist_train.strategies.pipeline_stages import build_stage, is_tied, param_counts, split_layers, stage_ranges

@@ -11,7 +11,7 @@ from dist_train.optim import LRSchedule
 from dist_train.telemetry.activations import ActivationMeter
 from dist_train.telemetry.comm import busbw_factor, busbw_gbps
 from dist_train.telemetry.flops import flops_per_token, peak_flops
-from dist_train.telemetry.memory import ModelState, tensor_bytes
+from dist_train.contracts import ModelState, tensor_bytes
 from dist_train.telemetry.wandb_sink import wandb_payload
 
 

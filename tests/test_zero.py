@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from dist_train.config import PrecisionConfig, TrainConfig, ZeroConfig
-from dist_train.strategies.zero import deep_merge, deepspeed_config
+from dist_train.config import PrecisionConfig, TrainConfig
+from dist_train.strategies.zero import ZeroConfig, deep_merge, deepspeed_config
 from tests.helpers import FAST, ROOT, TRAIN, env, last_step, rel_diff, summary, train_ok
 
 N_RANKS = 2
@@ -256,3 +256,22 @@ def test_active_clipping_matches_single(tmp_path):
     zero = train_ok(["strategy=zero3", "logger=none", *FAST, *clip], run_dir=tmp_path / "zero3", nproc=N_RANKS)
     assert min(single["losses"]) < single["losses"][0]  # it still trains
     _assert_same_losses(single, zero)
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_run():
+    """torch's JIT build waits forever on a `lock` file that a killed build left; build_comm_op removes it.
+
+    Found by hand: a benchmark killed during the comm op's first compile left the lock, and the next zero2
+    run hung in start-up until torchrun was killed. The call runs in a child process with a generous bound
+    (it may compile the op, about a minute on 2 cores, if no earlier test has); a hang is the failure."""
+    code = (
+        "import torch; from dist_train.strategies.zero import SHM_COMM_OP, build_comm_op, use_extensions_cache\n"
+        "cache = use_extensions_cache(); lock = cache / SHM_COMM_OP / 'lock'\n"
+        "lock.parent.mkdir(parents=True, exist_ok=True); lock.touch()\n"
+        "build_comm_op(cache, torch.device('cpu'))\n"
+        "assert not lock.exists(); assert (cache / SHM_COMM_OP / (SHM_COMM_OP + '.so')).is_file(); print('built')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-2000:]
+    assert "left by an interrupted build" in proc.stderr

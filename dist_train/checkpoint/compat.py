@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dist_train.checkpoint.layout import read_marker, read_trainer_state
-from dist_train.config import ConfigError, RunConfig
+from dist_train.config import ConfigError, PrecisionConfig, RunConfig
 
 # Keys whose saved value must equal this run's (dotted, under the resolved config).
 _SAME = ("train.seq_len", "train.global_batch_size", "train.seed", "data.name", "data.path", "data.noise")
@@ -62,8 +62,8 @@ def _differences(saved: dict[str, Any], run: RunConfig) -> list[str]:
         was, now_value = saved.get(group, {}).get(name), now[group][name]
         if was != now_value:
             out.append(f"{dotted}: saved {was!r}, now {now_value!r}")
-    was_fp16 = saved.get("precision", {}).get("name") == "fp16"
-    if was_fp16 != (run.precision.name == "fp16"):
+    was = PrecisionConfig(**saved.get("precision", {}))
+    if was.loss_scaling != run.precision.loss_scaling:
         out.append(f"precision: saved {saved.get('precision', {}).get('name')!r}, now {run.precision.name!r} "
                    "(an fp16 loss scaler is part of the state only in fp16)")
     return out

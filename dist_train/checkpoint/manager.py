@@ -41,7 +41,7 @@ from dist_train.checkpoint.layout import (
     step_dir_name,
 )
 from dist_train.config import CheckpointConfig
-from dist_train.runtime import Runtime
+from dist_train.contracts import Runtime
 
 log = logging.getLogger("dist_train")
 

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dist_train.compare.settings import StrategySpec
+from dist_train.strategies.registry import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "launch" / "train.py"
-ONE_PROCESS = ("single", "dp")
 
 
 @dataclass
@@ -51,7 +51,7 @@ def command_for(
     spec: StrategySpec, *, training: list[str], nproc: int, run_dir: Path, group: str, launcher: str = "local"
 ) -> list[str]:
     prefix = _launcher(spec, nproc=nproc, run_dir=run_dir) if launcher == "slurm" else [sys.executable]
-    if launcher == "local" and spec.name not in ONE_PROCESS:
+    if launcher == "local" and processes(spec.name, nproc) > 1:
         prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     overrides = [*training, f"strategy={spec.name}", *spec.overrides, f"logger.group={group}",
                  f"hydra.run.dir={run_dir}"]
@@ -62,7 +62,7 @@ def _launcher(spec: StrategySpec, *, nproc: int, run_dir: Path) -> list[str]:
     """A job step of the Slurm allocation this comparison runs in."""
     from dist_train import slurm
 
-    if spec.name in ONE_PROCESS:
+    if processes(spec.name, nproc) == 1:
         return [*slurm.srun_one_process(), *slurm.step_python()]
     alloc = slurm.Allocation.from_env()
     rdzv_id = f"{alloc.job_id}-{run_dir.name}"  # one rendezvous per step

@@ -19,7 +19,8 @@ def compose_training_config(overrides: list[str], *, validated: bool = True) -> 
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from dist_train.config import register_configs, validate_fields
+    from dist_train.config import validate_fields
+    from dist_train.strategies.registry import register_configs
     from dist_train.rundir import register_resolvers
 
     register_configs()

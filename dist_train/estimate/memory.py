@@ -37,16 +37,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dist_train.config import PRECISIONS
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
 
-_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
 def element_bytes(precision: str) -> int:
-    if precision not in _ELEMENT_BYTES:
-        raise ValueError(f"precision={precision!r} unknown; allowed: {', '.join(_ELEMENT_BYTES)}")
-    return _ELEMENT_BYTES[precision]
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} unknown; allowed: {', '.join(PRECISIONS)}")
+    return PRECISIONS[precision][1]
 
 
 @dataclass(frozen=True)

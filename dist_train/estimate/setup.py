@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from dist_train.config import PrecisionConfig
+
 FAMILIES = ("single", "dp", "ddp", "fsdp", "zero", "pipeline")
 
 # name -> (family, ZeRO stage, pipeline schedule) for the strategies this project has or plans.
@@ -98,7 +100,7 @@ class Setup:
         """Whether a 16-bit run computes under torch autocast over fp32 weights (single, dp, ddp, pipelines):
         norms then run in fp32 and matrix products keep 16-bit copies of their weights. FSDP's mixed precision
         and DeepSpeed compute in 16 bits throughout instead."""
-        return self.precision in ("bf16", "fp16") and self.family in ("single", "dp", "ddp", "pipeline")
+        return PrecisionConfig(self.precision).mixed and self.family in ("single", "dp", "ddp", "pipeline")
 
     @property
     def resolved_regime(self) -> str:

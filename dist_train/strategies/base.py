@@ -11,29 +11,17 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ContextManager, Protocol
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
 
 from dist_train.config import PrecisionConfig, TrainConfig
-from dist_train.data import Batch
+from dist_train.contracts import Batch, ModelState, Runtime
 from dist_train.model import forward_loss
 from dist_train.optim import OptimizerFactory
-from dist_train.runtime import Runtime
-from dist_train.telemetry.memory import ModelState, optimizer_state_tensors
-
-
-@dataclass
-class StepOutput:
-    """What one optimizer step leaves behind; tensors stay on the device (no sync in the step)."""
-
-    loss_sum: torch.Tensor | None  # sum of this rank's micro-batch mean losses (None: the loss is elsewhere)
-    num_microbatches: int  # how many micro-batch losses loss_sum holds
-    grad_norm: torch.Tensor | None  # global gradient norm before clipping
+from dist_train.telemetry.memory import optimizer_state_tensors
 
 
 @dataclass(frozen=True)
@@ -48,65 +36,15 @@ class StrategyContext:
     ddp_comm_hook: Callable[..., Any] | None = None
 
 
-class CheckpointIO(Protocol):
-    """How a strategy writes and reads its whole training state (model, optimizer, LR schedule, loss scaler)
-    into one checkpoint directory, sharded where the strategy is sharded. Every rank calls both."""
-
-    format: str  # recorded in the checkpoint; a strategy resumes only from a format it reads
-
-    def save(self, directory: Path, *, background: bool, group: Any = None) -> Future | None:
-        """Write into `directory`. background=True may return a Future that completes once every rank's part
-        is written (the caller must not change `directory` before); `group`: the process group to use then."""
-
-    def load(self, directory: Path) -> None: ...
-
-
-class Strategy(Protocol):
-    name: str
-
-    def setup(self, model: nn.Module) -> None:
-        """Wrap/shard/split `model` (built on the CPU, identical on every rank) and build the optimizer."""
-
-    def train_step(self, batch: Batch) -> StepOutput:
-        """One optimizer step over this rank's share of the global batch."""
-
-    def model_state(self) -> ModelState:
-        """The parameters, gradients and optimizer state this rank holds (local shards only)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """{"model": ..., "optimizer": ...} in the layout torch.distributed.checkpoint saves (sharded where sharded)."""
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-    def checkpoint_io(self) -> CheckpointIO:
-        """The on-disk checkpoint format of this strategy (torch.distributed.checkpoint, DeepSpeed's own)."""
-
-    @property
-    def lr(self) -> float: ...
-
-    @property
-    def devices(self) -> list[torch.device]:
-        """Devices whose memory this rank should report (several for nn.DataParallel)."""
-
-    def extra_metrics(self) -> dict[str, float]:
-        """Strategy-specific figures of the window just closed (e.g. `pipeline/bubble_fraction`); {} if none.
-
-        Called once per logging window on every rank, after the window's steps; keys carry a prefix.
-        """
-
-
 # --------------------------------------------------------------------------------------------------
 # Shared pieces for strategies that drive a torch optimizer themselves (single, dp, ddp, fsdp).
 # --------------------------------------------------------------------------------------------------
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def autocast(precision: PrecisionConfig, device: torch.device) -> ContextManager[Any]:
     """bf16/fp16 autocast on the rank's device; fp32 runs as is."""
-    if precision.name == "fp32":
+    if not precision.mixed:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=_DTYPES[precision.name])
+    return torch.autocast(device_type=device.type, dtype=precision.dtype)
 
 
 def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, *, total: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,8 +72,7 @@ class LocalOptimizer:
         self.max_norm = ctx.train.grad_clip
         self.optimizer = ctx.optimizer.build(params)
         self.scheduler = ctx.optimizer.scheduler(self.optimizer)
-        fp16 = ctx.precision.name == "fp16"
-        self.scaler = torch.amp.GradScaler(ctx.runtime.device.type) if fp16 else None
+        self.scaler = torch.amp.GradScaler(ctx.runtime.device.type) if ctx.precision.loss_scaling else None
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ContextManager
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dist_train.config import DDPConfig
+from dist_train.config import StrategyConfig, require
+from dist_train.contracts import StrategyFamily
 from dist_train.strategies.base import StrategyContext
 from dist_train.strategies.torch_strategy import TorchStrategy
+
+
+@dataclass
+class DDPConfig(StrategyConfig):
+    name: str = "ddp"
+    bucket_cap_mb: float = 25.0
+    # Gradients live inside DDP's all-reduce buckets instead of beside them: one copy, not two.
+    gradient_as_bucket_view: bool = True
+
+    def check(self, world_size: int) -> None:
+        require(self.bucket_cap_mb > 0, f"strategy.bucket_cap_mb={self.bucket_cap_mb} must be > 0")
+
 
 
 class DDPWrapper:
@@ -40,3 +54,6 @@ class DDPWrapper:
 
 def build(cfg: DDPConfig, ctx: StrategyContext) -> TorchStrategy:
     return TorchStrategy(cfg.name, ctx, DDPWrapper(cfg, ctx))
+
+
+FAMILY = StrategyFamily(family="ddp", schema=DDPConfig, names={"ddp": {}}, build=build)

@@ -9,16 +9,42 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, ContextManager
+from dataclasses import dataclass
+from typing import Any, ContextManager, Optional
 
 import torch
 from torch import nn
 
-from dist_train.config import DPConfig
+from dist_train.config import StrategyConfig, require
+from dist_train.contracts import StrategyFamily
 from dist_train.strategies.base import StrategyContext
 from dist_train.strategies.torch_strategy import TorchStrategy
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class DPConfig(StrategyConfig):
+    """``nn.DataParallel``: one process drives every local GPU."""
+
+    name: str = "dp"
+    # None = all visible GPUs.
+    device_ids: Optional[list[int]] = None
+
+    @property
+    def needs_process_group(self) -> bool:
+        return False
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return 1  # one process; DataParallel scatters each micro-batch over GPUs itself
+
+    def check(self, world_size: int) -> None:
+        require(
+            world_size == 1,
+            f"strategy=dp is single-process nn.DataParallel but WORLD_SIZE={world_size}; "
+            "launch it with `python launch/train.py strategy=dp` (no torchrun) or use strategy=ddp",
+        )
+
 
 
 class DataParallelWrapper:
@@ -46,3 +72,6 @@ class DataParallelWrapper:
 
 def build(cfg: DPConfig, ctx: StrategyContext) -> TorchStrategy:
     return TorchStrategy(cfg.name, ctx, DataParallelWrapper(cfg, ctx.runtime.device))
+
+
+FAMILY = StrategyFamily(family="dp", schema=DPConfig, names={"dp": {}}, build=build)

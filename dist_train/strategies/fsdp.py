@@ -11,22 +11,35 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from dist_train.config import FSDPConfig, PrecisionConfig
+from dist_train.config import PrecisionConfig, StrategyConfig
+from dist_train.contracts import StrategyFamily
 from dist_train.model import transformer_blocks
 from dist_train.strategies.base import StrategyContext
 from dist_train.strategies.torch_strategy import TorchStrategy
 
-_PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class FSDPConfig(StrategyConfig):
+    """FSDP2 (`fully_shard`) per transformer block, then the root."""
+
+    name: str = "fsdp"
+    # True: free gathered parameters after forward and gather again in backward (ZeRO-3-like).
+    # False: keep them from forward to backward (ZeRO-2-like: more memory, one all-gather fewer).
+    reshard_after_forward: bool = True
+
 
 
 def mixed_precision(precision: PrecisionConfig) -> MixedPrecisionPolicy:
     """Compute in the chosen dtype; keep fp32 shards and reduce gradients in fp32."""
-    return MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[precision.name], reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=precision.dtype if precision.mixed else None, reduce_dtype=torch.float32)
 
 
 class FSDPWrapper:
@@ -65,3 +78,6 @@ class FSDPWrapper:
 
 def build(cfg: FSDPConfig, ctx: StrategyContext) -> TorchStrategy:
     return TorchStrategy(cfg.name, ctx, FSDPWrapper(cfg, ctx))
+
+
+FAMILY = StrategyFamily(family="fsdp", schema=FSDPConfig, names={"fsdp": {}}, build=build)

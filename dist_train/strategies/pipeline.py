@@ -31,7 +31,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,12 +40,11 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from dist_train.checkpoint.dcp_io import DcpIO
-from dist_train.config import PipelineConfig
-from dist_train.data import Batch
+from dist_train.config import RunConfig, StrategyConfig, TrainConfig, choice, require
+from dist_train.contracts import Batch, ModelState, StepOutput, StrategyFamily
 from dist_train.model import causal_lm_loss
 from dist_train.strategies.base import (
     LocalOptimizer,
-    StepOutput,
     StrategyContext,
     autocast,
     load_torch_state_dict,
@@ -60,11 +60,90 @@ from dist_train.strategies.pipeline_stages import (
     split_layers,
     stage_ranges,
 )
-from dist_train.telemetry.memory import ModelState
 
 log = logging.getLogger("dist_train")
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+@dataclass
+class PipelineConfig(StrategyConfig):
+    """torch.distributed.pipelining: one stage per rank, `schedule` picks GPipe or 1F1B."""
+
+    name: str = "gpipe"
+    schedule: str = "gpipe"
+    # Micro-batches per step; None = train.global_batch_size // train.micro_batch_size.
+    num_microbatches: Optional[int] = None
+    # Index of the first transformer block of stages 1..K-1; None = balance by parameter count.
+    split_points: Optional[list[int]] = None
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return 1  # every rank is a stage of one pipeline
+
+    def check(self, world_size: int) -> None:
+        choice("strategy.schedule", self.schedule, ("gpipe", "1f1b"))
+        require(
+            self.name not in ("gpipe", "1f1b") or self.name == self.schedule,
+            f"strategy.schedule={self.schedule!r} contradicts strategy={self.name}; "
+            f"pick the schedule by name: strategy={self.schedule}",
+        )
+        require(
+            world_size >= 2,
+            f"strategy={self.name} needs at least 2 processes (one pipeline stage each), got WORLD_SIZE={world_size}",
+        )
+        if self.num_microbatches is not None:
+            require(self.num_microbatches >= 1, f"strategy.num_microbatches={self.num_microbatches} must be >= 1")
+
+    # ---------------------------------------------------------------- pipeline: checks needing run values
+    def microbatches(self, train: "TrainConfig") -> int:
+        """Micro-batches per step: strategy.num_microbatches, else global_batch_size // micro_batch_size."""
+        if self.num_microbatches is not None:
+            return self.num_microbatches
+        return train.global_batch_size // train.micro_batch_size
+
+    def microbatches_per_step(self, train: "TrainConfig", world_size: int) -> int:
+        return self.microbatches(train)
+
+    def check_run(self, run: "RunConfig", world_size: int) -> None:
+        stages, layers, batch = world_size, run.model.num_layers, run.train.global_batch_size
+        require(
+            layers >= stages,
+            f"model.num_layers={layers} is fewer than the {stages} pipeline stages (one per process, "
+            f"WORLD_SIZE={stages}); strategy={self.name} needs model.num_layers >= WORLD_SIZE",
+        )
+        if self.num_microbatches is None:
+            require(
+                batch % run.train.micro_batch_size == 0,
+                f"train.global_batch_size={batch} must be divisible by train.micro_batch_size="
+                f"{run.train.micro_batch_size} (or set strategy.num_microbatches)",
+            )
+        micro = self.microbatches(run.train)
+        require(
+            batch % micro == 0,
+            f"strategy.num_microbatches={micro} must divide train.global_batch_size={batch} "
+            "(every micro-batch the same size)",
+        )
+        if self.schedule == "1f1b":
+            require(
+                micro >= stages,
+                f"strategy.num_microbatches={micro} must be >= the {stages} pipeline stages for strategy=1f1b",
+            )
+        if self.split_points is not None:
+            points = list(self.split_points)
+            edges = [0, *points, layers]  # every stage needs at least one block
+            ok = len(points) == stages - 1 and all(a < b for a, b in zip(edges, edges[1:]))
+            require(
+                ok,
+                f"strategy.split_points={points} must be a list of {stages - 1} strictly increasing block "
+                f"index(es) in [1, {layers - 1}] "
+                f"(the first block of stages 1..{stages - 1}; WORLD_SIZE={stages}, model.num_layers={layers})",
+            )
+        require(
+            not run.precision.loss_scaling,
+            f"precision=fp16 is not supported with strategy={self.name} (each stage would skip steps on its own "
+            "overflows); use precision=bf16 or precision=fp32",
+        )
+
 
 
 def bubble_formula(*, num_stages: int, num_microbatches: int) -> float:
@@ -223,7 +302,7 @@ class PipelineStrategy:
         if not self.is_last:
             return torch.empty((*shape, self._hidden_size()), dtype=torch.float32, device="meta", requires_grad=True)
         assert self.module is not None
-        dtype = torch.float32 if self.ctx.precision.name == "fp32" else torch.bfloat16  # logits; never sent
+        dtype = self.ctx.precision.dtype  # logits; never sent
         return torch.empty((*shape, int(self.module.config.vocab_size)), dtype=dtype, device="meta", requires_grad=True)
 
     # ------------------------------------------------------------------ the step
@@ -318,3 +397,6 @@ class PipelineStrategy:
 
 def build(cfg: PipelineConfig, ctx: StrategyContext) -> PipelineStrategy:
     return PipelineStrategy(cfg, ctx)
+
+
+FAMILY = StrategyFamily(family="pipeline", schema=PipelineConfig, names={"gpipe": {"schedule": "gpipe"}, "1f1b": {"schedule": "1f1b"}}, build=build)

@@ -3,14 +3,36 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, ContextManager
 
 import torch
 from torch import nn
 
-from dist_train.config import SingleConfig
+from dist_train.config import StrategyConfig, require
+from dist_train.contracts import StrategyFamily
 from dist_train.strategies.base import StrategyContext
 from dist_train.strategies.torch_strategy import TorchStrategy
+
+
+@dataclass
+class SingleConfig(StrategyConfig):
+    name: str = "single"
+
+    @property
+    def needs_process_group(self) -> bool:
+        return False
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return 1
+
+    def check(self, world_size: int) -> None:
+        require(
+            world_size == 1,
+            f"strategy=single runs one process but WORLD_SIZE={world_size}; "
+            "run it with plain `python launch/train.py` or pick strategy=ddp|fsdp|...",
+        )
+
 
 
 class SingleWrapper:
@@ -29,3 +51,6 @@ class SingleWrapper:
 
 def build(cfg: SingleConfig, ctx: StrategyContext) -> TorchStrategy:
     return TorchStrategy(cfg.name, ctx, SingleWrapper(ctx.runtime.device))
+
+
+FAMILY = StrategyFamily(family="single", schema=SingleConfig, names={"single": {}}, build=build)

@@ -8,16 +8,14 @@ import torch
 from torch import nn
 
 from dist_train.checkpoint.dcp_io import DcpIO
-from dist_train.data import Batch
+from dist_train.contracts import Batch, ModelState, StepOutput
 from dist_train.strategies.base import (
     LocalOptimizer,
-    StepOutput,
     StrategyContext,
     accumulate,
     load_torch_state_dict,
     torch_state_dict,
 )
-from dist_train.telemetry.memory import ModelState
 
 
 class Wrapper(Protocol):

@@ -20,17 +20,18 @@ import logging
 import os
 import sys
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from dist_train.config import PrecisionConfig, TrainConfig, ZeroConfig
-from dist_train.data import Batch
+from dist_train.config import PrecisionConfig, RunConfig, StrategyConfig, TrainConfig, importable, require
+from dist_train.contracts import Batch, ModelState, StepOutput, StrategyFamily, tensor_bytes
 from dist_train.model import forward_loss
-from dist_train.strategies.base import StepOutput, StrategyContext, detached_clone
-from dist_train.telemetry.memory import ModelState, optimizer_state_tensors, tensor_bytes
+from dist_train.strategies.base import StrategyContext, detached_clone
+from dist_train.telemetry.memory import optimizer_state_tensors
 
 log = logging.getLogger("dist_train")
 
@@ -40,6 +41,55 @@ DEFAULT_EXTENSIONS_DIR = Path.home() / ".cache" / "dist_train" / "torch_extensio
 # --------------------------------------------------------------------------------------------------
 # The DeepSpeed config, derived from ours (a pure function: unit-tested without DeepSpeed).
 # --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ZeroConfig(StrategyConfig):
+    """DeepSpeed ZeRO; zero1/zero2/zero3 differ only in `stage` (and the offload variants)."""
+
+    name: str = "zero2"
+    stage: int = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    # Extra DeepSpeed config keys merged over the ones derived from the run's own config.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def checkpoint_format(self) -> str:
+        return "deepspeed"
+
+    def check(self, world_size: int) -> None:
+        require(self.stage in (1, 2, 3), f"strategy.stage={self.stage} is not a ZeRO stage; allowed: 1, 2, 3")
+        require(
+            not self.offload_params or self.stage == 3,
+            f"strategy.offload_params=true needs strategy.stage=3 (got {self.stage})",
+        )
+        require(
+            importable("deepspeed"),
+            f"strategy={self.name} needs DeepSpeed, which is not importable in this environment; "
+            "`pip install deepspeed` or pick strategy=ddp|fsdp",
+        )
+        if self.offload_optimizer or self.offload_params:
+            import torch
+
+            what = "optimizer and parameters" if self.offload_params else "optimizer"
+            require(
+                torch.cuda.is_available(),
+                f"strategy={self.name} offloads the {what} from GPU to CPU memory, but no CUDA GPU is visible; "
+                f"on CPU use strategy=zero{self.stage} (no offload)",
+            )
+
+    def check_run(self, run: "RunConfig", world_size: int) -> None:
+        super().check_run(run, world_size)
+        if run.precision.loss_scaling:
+            import torch
+
+            require(
+                torch.cuda.is_available(),
+                f"strategy={self.name} with precision=fp16 needs a GPU: DeepSpeed's CPU accelerator runs fp32 and "
+                "bf16 only; use precision=bf16 on CPU",
+            )
+
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -74,8 +124,8 @@ def deepspeed_config(
         "gradient_accumulation_steps": accumulation,
         # DeepSpeed clips at 1.0 unless told otherwise; 0 disables, as train.grad_clip does.
         "gradient_clipping": float(train.grad_clip),
-        "fp16": {"enabled": precision.name == "fp16"},
-        "bf16": {"enabled": precision.name == "bf16"},
+        "fp16": {"enabled": precision.loss_scaling},
+        "bf16": {"enabled": precision.mixed and not precision.loss_scaling},
         "zero_optimization": zero_opt,
         # The optimizer is our torch optimizer (same math as every strategy), not a DeepSpeed op:
         # ZeRO accepts it only with this flag, and offload only with the second one (DeepSpeedCPUAdam
@@ -116,13 +166,39 @@ def use_extensions_cache() -> Path:
     return path
 
 
-def announce_compilation(cache: Path, device: torch.device) -> None:
-    """Say so when the comm op is about to be compiled, rather than going silent for a minute."""
-    if device.type == "cpu" and not (cache / SHM_COMM_OP / f"{SHM_COMM_OP}.so").is_file():
-        log.info(
-            "compiling DeepSpeed's shared-memory comm op into %s (about a minute on 2 cores; once per machine)",
-            cache / SHM_COMM_OP,
-        )
+def build_comm_op(cache: Path, device: torch.device) -> None:
+    """Compile DeepSpeed's CPU shared-memory comm op into `cache` if needed, one process at a time.
+
+    torch's JIT build guards a build with a `lock` file that a killed build leaves behind (Ctrl-C or a
+    scancel during the first run's compile), and every later run then waits for it forever, silently.
+    Here the build runs under an OS lock (fcntl), which dies with its process: whoever holds it knows that no
+    other dist_train process is building, so a `lock` file it finds is stale and is removed. Ranks take turns;
+    the first compiles, the others find the op built. No collective runs under the lock.
+    """
+    if device.type != "cpu":
+        return
+    import fcntl
+
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    op_dir = cache / SHM_COMM_OP
+    with open(cache / ".dist_train_build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            stale = op_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by an interrupted build", stale)
+                stale.unlink()
+            builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+            if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+                return  # DeepSpeed will not use it either (deepspeed.comm.torch.build_shm_op)
+            if not (op_dir / f"{SHM_COMM_OP}.so").is_file():
+                log.info("compiling DeepSpeed's shared-memory comm op into %s (about a minute on 2 cores; once "
+                         "per machine)", op_dir)
+            builder.load(verbose=False)
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def init_deepspeed_comm(backend: str | None) -> None:
@@ -207,7 +283,7 @@ class ZeroStrategy:
         import deepspeed
 
         rt = self.ctx.runtime
-        announce_compilation(cache, rt.device)
+        build_comm_op(cache, rt.device)
         # DeepSpeed insists on LOCAL_RANK, which a plain `python launch/train.py` run does not set.
         os.environ.setdefault("LOCAL_RANK", str(rt.local_rank))
         init_deepspeed_comm(rt.backend)
@@ -396,3 +472,12 @@ class DeepSpeedIO:
 
 def build(cfg: ZeroConfig, ctx: StrategyContext) -> ZeroStrategy:
     return ZeroStrategy(cfg, ctx)
+
+
+FAMILY = StrategyFamily(family="zero", schema=ZeroConfig, names={
+        "zero1": {"stage": 1},
+        "zero2": {"stage": 2},
+        "zero3": {"stage": 3},
+        "zero2_offload": {"stage": 2, "offload_optimizer": True},
+        "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_params": True},
+    }, build=build)

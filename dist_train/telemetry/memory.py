@@ -7,55 +7,16 @@ a replica. On CUDA the caching allocator's peaks are read and reset per window a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of `t` this rank stores (a DTensor's local shard, otherwise `t` itself)."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
-def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen: dict[tuple[int, int], int] = {}
-    for t in tensors:
-        if t is None:
-            continue
-        t = local_tensor(t)
-        if t.device.type == "meta":
-            continue
-        nbytes = t.numel() * t.element_size()
-        try:
-            key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        except (RuntimeError, NotImplementedError):
-            key = (id(t), 0)
-        seen[key] = max(seen.get(key, 0), nbytes)
-    return sum(seen.values())
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-@dataclass
-class ModelState:
-    """The tensors a rank holds for each category; strategies know where they live."""
 
-    params: list[torch.Tensor] = field(default_factory=list)
-    grads: list[torch.Tensor | None] = field(default_factory=list)
-    optimizer: list[torch.Tensor] = field(default_factory=list)
-
-    def bytes(self) -> dict[str, int]:
-        return {
-            "memory/params_bytes": tensor_bytes(self.params),
-            "memory/grads_bytes": tensor_bytes(self.grads),
-            "memory/optimizer_bytes": tensor_bytes(self.optimizer),
-        }
 
 
 class HostPeak:

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dist_train.runtime import Runtime
-from dist_train.strategies.base import StepOutput, Strategy
+from dist_train.contracts import Runtime, StepOutput, Strategy
 from dist_train.telemetry.activations import ActivationMeter
 from dist_train.telemetry.comm import CommTracker
 from dist_train.telemetry.memory import HostPeak, cuda_peaks, reset_cuda_peaks

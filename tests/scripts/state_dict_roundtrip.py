@@ -19,15 +19,17 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from dist_train.config import register_configs, validate, world_size_from_env  # noqa: E402
+from dist_train.checks import validate  # noqa: E402
+from dist_train.config import world_size_from_env  # noqa: E402
 from dist_train.data import GlobalBatches, build_dataset  # noqa: E402
 from dist_train.model import build_model  # noqa: E402
 from dist_train.optim import OptimizerFactory  # noqa: E402
 from dist_train.rundir import register_resolvers  # noqa: E402
 from dist_train.runtime import init_runtime, leave, shutdown  # noqa: E402
-from dist_train.strategies import StrategyContext, build_strategy  # noqa: E402
+from dist_train.strategies.base import StrategyContext  # noqa: E402
+from dist_train.strategies.registry import build_strategy, register_configs  # noqa: E402
 from dist_train.strategies.base import detached_clone  # noqa: E402
-from dist_train.telemetry.memory import local_tensor  # noqa: E402
+from dist_train.contracts import local_tensor  # noqa: E402
 from dist_train.train import to_run_config  # noqa: E402
 
 

@@ -1,0 +1,193 @@
+"""The contracts every part of dist_train shares, in one module that imports nothing else of the project.
+
+- Batch: the tokens one rank trains on in one step.
+- Runtime: where this process runs (rank, world, device, backend, node), decided once at start-up.
+- ModelState: the tensors a rank holds for parameters, gradients and optimizer state (what telemetry counts).
+- StepOutput, Strategy, CheckpointIO: what a strategy hands the loop, telemetry and the checkpointer.
+- StrategyFamily: how a strategy module registers its names with the registry
+  (dist_train/strategies/registry.py).
+
+Everything above this module (config, data, runtime, strategies, telemetry, checkpoint, compare) may import
+it; it imports only torch and the standard library, so no import of it can close a cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [batch, seq_len] int64
+    labels: torch.Tensor  # [batch, seq_len] int64, input_ids shifted by one
+
+    def __len__(self) -> int:
+        return self.input_ids.size(0)
+
+    def split(self, size: int) -> list["Batch"]:
+        return [Batch(i, l) for i, l in zip(self.input_ids.split(size), self.labels.split(size))]
+
+    def to(self, device: torch.device) -> "Batch":
+        if device.type == "cuda":  # pinned host memory lets the copy overlap with compute
+            return Batch(
+                self.input_ids.pin_memory().to(device, non_blocking=True),
+                self.labels.pin_memory().to(device, non_blocking=True),
+            )
+        return self
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None  # None: no process group (strategy=single / dp)
+    # How long a collective waits for its peers (runtime.timeout_s); groups created later use it too.
+    timeout_s: float = 600.0
+    node: str = ""  # this process's node (Slurm's node name, else the host name)
+    nodes: tuple[str, ...] = ()  # every rank's node, by rank: which collectives cross nodes
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def has_group(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank stores (a DTensor's local shard, otherwise `t` itself)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen: dict[tuple[int, int], int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        t = local_tensor(t)
+        if t.device.type == "meta":
+            continue
+        nbytes = t.numel() * t.element_size()
+        try:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        except (RuntimeError, NotImplementedError):
+            key = (id(t), 0)
+        seen[key] = max(seen.get(key, 0), nbytes)
+    return sum(seen.values())
+
+
+@dataclass
+class ModelState:
+    """The tensors a rank holds for each category; strategies know where they live."""
+
+    params: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+    optimizer: list[torch.Tensor] = field(default_factory=list)
+
+    def bytes(self) -> dict[str, int]:
+        return {
+            "memory/params_bytes": tensor_bytes(self.params),
+            "memory/grads_bytes": tensor_bytes(self.grads),
+            "memory/optimizer_bytes": tensor_bytes(self.optimizer),
+        }
+
+
+@dataclass
+class StepOutput:
+    """What one optimizer step leaves behind; tensors stay on the device (no sync in the step)."""
+
+    loss_sum: torch.Tensor | None  # sum of this rank's micro-batch mean losses (None: the loss is elsewhere)
+    num_microbatches: int  # how many micro-batch losses loss_sum holds
+    grad_norm: torch.Tensor | None  # global gradient norm before clipping
+
+
+class CheckpointIO(Protocol):
+    """How a strategy writes and reads its whole training state (model, optimizer, LR schedule, loss scaler)
+    into one checkpoint directory, sharded where the strategy is sharded. Every rank calls both."""
+
+    format: str  # recorded in the checkpoint; a strategy resumes only from a format it reads
+
+    def save(self, directory: Path, *, background: bool, group: Any = None) -> Future | None:
+        """Write into `directory`. background=True may return a Future that completes once every rank's part
+        is written (the caller must not change `directory` before); `group`: the process group to use then."""
+
+    def load(self, directory: Path) -> None: ...
+
+
+class Strategy(Protocol):
+    name: str
+
+    def setup(self, model: nn.Module) -> None:
+        """Wrap/shard/split `model` (built on the CPU, identical on every rank) and build the optimizer."""
+
+    def train_step(self, batch: Batch) -> StepOutput:
+        """One optimizer step over this rank's share of the global batch."""
+
+    def model_state(self) -> ModelState:
+        """The parameters, gradients and optimizer state this rank holds (local shards only)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"model": ..., "optimizer": ...} in the layout torch.distributed.checkpoint saves (sharded where sharded)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def checkpoint_io(self) -> CheckpointIO:
+        """The on-disk checkpoint format of this strategy (torch.distributed.checkpoint, DeepSpeed's own)."""
+
+    @property
+    def lr(self) -> float: ...
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Devices whose memory this rank should report (several for nn.DataParallel)."""
+
+    def extra_metrics(self) -> dict[str, float]:
+        """Strategy-specific figures of the window just closed (e.g. `pipeline/bubble_fraction`); {} if none.
+
+        Called once per logging window on every rank, after the window's steps; keys carry a prefix.
+        """
+
+
+
+@dataclass(frozen=True)
+class StrategyFamily:
+    """One strategy module's registration: its schema, the names it answers to and how to build it.
+
+    `names` maps every `strategy=<name>` of the family to the schema values that name implies (Lightning's
+    `register_strategies` does the same: `zero3` -> stage=3); conf/strategy/<name>.yaml sets the same values,
+    and tests/test_structure.py checks that they agree.
+    """
+
+    family: str  # the schema's name in Hydra's ConfigStore: conf/strategy/*.yaml extend /schema/strategy/<family>
+    schema: type  # the config dataclass (a dist_train.config.StrategyConfig)
+    names: Mapping[str, Mapping[str, Any]]
+    build: Callable[[Any, Any], "Strategy"]  # build(cfg, ctx) -> Strategy
+
+    def config(self, name: str) -> Any:
+        """The schema instance `strategy=<name>` gets before any override."""
+        return self.schema(name=name, **self.names[name])
