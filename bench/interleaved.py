@@ -36,7 +36,7 @@ def dist_train_session(strategy: str, shape: Shape, *, steps: int, telemetry: bo
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from dist_train.config import register_configs
+    from dist_train.strategies.registry import register_configs
     from dist_train.rundir import register_resolvers
     from dist_train.runtime import init_runtime
     from dist_train.session import build_session
