@@ -126,3 +126,15 @@ def test_failure_reason_prefers_the_child_error_over_torchrun():
         "launch/train.py FAILED",
     ])
     assert failure_reason(log, 1) == "RuntimeError: shapes do not match at x.py:1 (exit 1)"
+
+
+def test_one_process_strategies_come_from_the_registry_and_unknown_names_still_launch(tmp_path):
+    """single/dp run as one plain process; an unknown name is launched like the others, so that its row
+    carries train.py's own config error instead of the comparison failing."""
+    from dist_train.compare.runner import command_for
+
+    def launched(name: str) -> list[str]:
+        return command_for(StrategySpec.parse(name), training=[], nproc=2, run_dir=tmp_path, group="g")
+
+    assert "torch.distributed.run" not in launched("single") and "torch.distributed.run" not in launched("dp")
+    assert "torch.distributed.run" in launched("ddp") and "torch.distributed.run" in launched("bogus")
