@@ -133,8 +133,9 @@ def test_one_process_strategies_come_from_the_registry_and_unknown_names_still_l
     carries train.py's own config error instead of the comparison failing."""
     from dist_train.compare.runner import command_for
 
-    def launched(name: str) -> list[str]:
-        return command_for(StrategySpec.parse(name), training=[], nproc=2, run_dir=tmp_path, group="g")
+    def launched(name: str, nproc: int = 2) -> list[str]:
+        return command_for(StrategySpec.parse(name), training=[], nproc=nproc, run_dir=tmp_path, group="g")
 
     assert "torch.distributed.run" not in launched("single") and "torch.distributed.run" not in launched("dp")
     assert "torch.distributed.run" in launched("ddp") and "torch.distributed.run" in launched("bogus")
+    assert "torch.distributed.run" in launched("ddp", nproc=1)  # 1 process per node is still a group

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from dist_train.compare.settings import StrategySpec
 from dist_train.config import ConfigError
-from dist_train.strategies.registry import processes
+from dist_train.strategies.registry import one_process
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "launch" / "train.py"
@@ -52,18 +52,19 @@ def command_for(
     spec: StrategySpec, *, training: list[str], nproc: int, run_dir: Path, group: str, launcher: str = "local"
 ) -> list[str]:
     prefix = _launcher(spec, nproc=nproc, run_dir=run_dir) if launcher == "slurm" else [sys.executable]
-    if launcher == "local" and not _one_process(spec.name, nproc):
+    if launcher == "local" and not _one_process(spec.name):
         prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     overrides = [*training, f"strategy={spec.name}", *spec.overrides, f"logger.group={group}",
                  f"hydra.run.dir={run_dir}"]
     return [*prefix, str(TRAIN), *overrides]
 
 
-def _one_process(name: str, nproc: int) -> bool:
-    """Whether `strategy=<name>` runs as one process (single, dp). A name the registry does not know is
-    launched like the others, so that its row carries train.py's own one-line config error."""
+def _one_process(name: str) -> bool:
+    """Whether `strategy=<name>` runs as one process (single, dp), asked of the registry: not whether the
+    launch has one process per node (a CPU Slurm job runs ddp with 1 per node). A name the registry does
+    not know is launched like the others, so that its row carries train.py's own one-line config error."""
     try:
-        return processes(name, nproc) == 1
+        return one_process(name)
     except ConfigError:
         return False
 
@@ -72,7 +73,7 @@ def _launcher(spec: StrategySpec, *, nproc: int, run_dir: Path) -> list[str]:
     """A job step of the Slurm allocation this comparison runs in."""
     from dist_train import slurm
 
-    if _one_process(spec.name, nproc):
+    if _one_process(spec.name):
         return [*slurm.srun_one_process(), *slurm.step_python()]
     alloc = slurm.Allocation.from_env()
     rdzv_id = f"{alloc.job_id}-{run_dir.name}"  # one rendezvous per step

@@ -46,9 +46,10 @@ def default_config(name: str) -> StrategyConfig:
     return families()[name].config(name)
 
 
-def processes(name: str, nproc: int) -> int:
-    """How many processes a launch of `strategy=<name>` runs when `nproc` are asked for."""
-    return nproc if default_config(name).needs_process_group else 1
+def one_process(name: str) -> bool:
+    """Whether `strategy=<name>` runs as one plain process (no process group: single, dp), whatever the
+    number of processes per node a launch asks for."""
+    return not default_config(name).needs_process_group
 
 
 def register_configs() -> None:
