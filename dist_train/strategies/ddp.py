@@ -26,7 +26,6 @@ class DDPConfig(StrategyConfig):
         require(self.bucket_cap_mb > 0, f"strategy.bucket_cap_mb={self.bucket_cap_mb} must be > 0")
 
 
-
 class DDPWrapper:
     def __init__(self, cfg: DDPConfig, ctx: StrategyContext) -> None:
         self.cfg, self.ctx = cfg, ctx

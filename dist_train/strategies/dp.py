@@ -46,7 +46,6 @@ class DPConfig(StrategyConfig):
         )
 
 
-
 class DataParallelWrapper:
     def __init__(self, cfg: DPConfig, device: torch.device) -> None:
         if device.type == "cuda":

@@ -25,7 +25,6 @@ from dist_train.strategies.base import StrategyContext
 from dist_train.strategies.torch_strategy import TorchStrategy
 
 
-
 @dataclass
 class FSDPConfig(StrategyConfig):
     """FSDP2 (`fully_shard`) per transformer block, then the root."""
@@ -34,7 +33,6 @@ class FSDPConfig(StrategyConfig):
     # True: free gathered parameters after forward and gather again in backward (ZeRO-3-like).
     # False: keep them from forward to backward (ZeRO-2-like: more memory, one all-gather fewer).
     reshard_after_forward: bool = True
-
 
 
 def mixed_precision(precision: PrecisionConfig) -> MixedPrecisionPolicy:

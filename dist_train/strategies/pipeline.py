@@ -145,7 +145,6 @@ class PipelineConfig(StrategyConfig):
         )
 
 
-
 def bubble_formula(*, num_stages: int, num_microbatches: int) -> float:
     """GPipe's idle fraction (K-1)/(M+K-1) for K equal stages and M micro-batches (1F1B's is the same)."""
     k, m = num_stages, num_microbatches
@@ -399,4 +398,9 @@ def build(cfg: PipelineConfig, ctx: StrategyContext) -> PipelineStrategy:
     return PipelineStrategy(cfg, ctx)
 
 
-FAMILY = StrategyFamily(family="pipeline", schema=PipelineConfig, names={"gpipe": {"schedule": "gpipe"}, "1f1b": {"schedule": "1f1b"}}, build=build)
+FAMILY = StrategyFamily(
+    family="pipeline",
+    schema=PipelineConfig,
+    names={"gpipe": {"schedule": "gpipe"}, "1f1b": {"schedule": "1f1b"}},
+    build=build,
+)

@@ -34,7 +34,6 @@ class SingleConfig(StrategyConfig):
         )
 
 
-
 class SingleWrapper:
     def __init__(self, device: torch.device) -> None:
         self.device = device

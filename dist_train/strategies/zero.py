@@ -91,7 +91,6 @@ class ZeroConfig(StrategyConfig):
             )
 
 
-
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """`base` with `extra` merged in; nested dicts merge key by key, anything else in `extra` wins."""
     out = copy.deepcopy(base)
@@ -474,10 +473,15 @@ def build(cfg: ZeroConfig, ctx: StrategyContext) -> ZeroStrategy:
     return ZeroStrategy(cfg, ctx)
 
 
-FAMILY = StrategyFamily(family="zero", schema=ZeroConfig, names={
+FAMILY = StrategyFamily(
+    family="zero",
+    schema=ZeroConfig,
+    names={
         "zero1": {"stage": 1},
         "zero2": {"stage": 2},
         "zero3": {"stage": 3},
         "zero2_offload": {"stage": 2, "offload_optimizer": True},
         "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_params": True},
-    }, build=build)
+    },
+    build=build,
+)
