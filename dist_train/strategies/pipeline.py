@@ -28,6 +28,7 @@ optimizer step is outside the span (no pipeline there).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -37,7 +38,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from dist_train.checkpoint.dcp_io import DcpIO
 from dist_train.config import RunConfig, StrategyConfig, TrainConfig, choice, require
@@ -63,7 +63,13 @@ from dist_train.strategies.pipeline_stages import (
 
 log = logging.getLogger("dist_train")
 
-_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+def _schedule_class(name: str) -> Any:
+    # torch.distributed.pipelining (with dynamo) is imported only by a pipeline run: importing it costs every
+    # run about 0.8 s of start-up, and the registry imports this module for its schema whatever the strategy.
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
 
 
 @dataclass
@@ -201,25 +207,32 @@ class BusyClock:
         ]
 
 
-class TimedStage(PipelineStage):
-    """A PipelineStage whose forward and backward run under the run's autocast and are timed as busy."""
+@functools.cache
+def _timed_stage_class() -> type:
+    """TimedStage, defined on first use (see `_schedule_class`)."""
+    from torch.distributed.pipelining import PipelineStage
 
-    def __init__(self, *args: Any, clock: BusyClock, precision: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.clock, self.precision = clock, precision
-        sent = kwargs["output_args"]
-        self._sent = (tuple(sent.shape), sent.dtype)
+    class TimedStage(PipelineStage):
+        """A PipelineStage whose forward and backward run under the run's autocast and are timed as busy."""
 
-    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
-        with self.clock.busy(), autocast(self.precision, self.device):
-            out = super().forward_maybe_with_nosync(*args, **kwargs)
-        # The receiver allocated its buffer from the static shape: a mismatch would garble the transfer.
-        assert self.is_last or (tuple(out.shape), out.dtype) == self._sent, f"stage output {out.shape} {out.dtype}"
-        return out
+        def __init__(self, *args: Any, clock: BusyClock, precision: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.clock, self.precision = clock, precision
+            sent = kwargs["output_args"]
+            self._sent = (tuple(sent.shape), sent.dtype)
 
-    def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
-        with self.clock.busy():
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+            with self.clock.busy(), autocast(self.precision, self.device):
+                out = super().forward_maybe_with_nosync(*args, **kwargs)
+            # The receiver allocated its buffer from the static shape: a mismatch would garble the transfer.
+            assert self.is_last or (tuple(out.shape), out.dtype) == self._sent, f"stage output {out.shape} {out.dtype}"
+            return out
+
+        def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+            with self.clock.busy():
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+
+    return TimedStage
 
 
 class PipelineStrategy:
@@ -259,12 +272,12 @@ class PipelineStrategy:
             if holder is not None:
                 self._tied = self.module.model.get_submodule(holder).weight
         self.opt = LocalOptimizer(self.ctx, list(self.module.parameters()))
-        stage = TimedStage(
+        stage = _timed_stage_class()(
             self.module, self.stage_index, self.num_stages, self.device,
             input_args=self._example_input(), output_args=self._example_output(),
             clock=self.clock, precision=self.ctx.precision,
         )
-        self.schedule = _SCHEDULES[self.cfg.schedule](
+        self.schedule = _schedule_class(self.cfg.schedule)(
             stage, n_microbatches=self.num_microbatches, loss_fn=self._loss, scale_grads=False
         )
 
