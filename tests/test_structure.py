@@ -9,6 +9,8 @@ would be a cycle even if no two modules imported each other.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -116,6 +118,18 @@ def test_a_strategy_module_imports_no_other_strategy_module(module):
     """Shared pieces (base, torch_strategy, pipeline_stages) are fine; another family's module is not."""
     others = set(FAMILY_MODULES) - {module}
     assert not GRAPH[module] & others
+
+
+def test_finding_the_strategies_imports_none_of_their_heavy_machinery():
+    """The registry imports every family module (for its schema) in every run, config errors included: DTensor,
+    pipelining, DCP, FSDP and DeepSpeed must wait until a strategy that needs them is built (start-up time)."""
+    heavy = ("torch.distributed.tensor", "torch.distributed.pipelining", "torch.distributed.checkpoint",
+             "torch.distributed.fsdp", "deepspeed", "torch._dynamo")
+    code = ("from dist_train.strategies.registry import families; families(); import sys; "
+            f"print([m for m in {heavy!r} if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
 
 
 def _yaml_names() -> set[str]:

@@ -131,7 +131,7 @@ def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> dict[
         "activations_with_the_other_checkpointing": [r.activations for r in other],
         "kv_cache_bytes": kv_cache_bytes(shape, batch=kv_batch, context=kv_ctx, elem=element_bytes(setup.precision)),
         "communication_per_rank": [
-            [{**asdict(c), "ring_bytes": c.ring_bytes(setup.data_parallel_size)} for c in colls]
+            [{**asdict(c), "ring_bytes": c.ring_bytes(setup.comm_group_size)} for c in colls]
             for colls in predict_comm(shape, setup)
         ],
         "fit": [asdict(c) for c in fit_table(
@@ -220,7 +220,7 @@ def comm_section(shape: ModelShape, setup: Setup) -> str:
     colls = per_rank[worst]
     if not colls:
         return "communication per step: none (one process)"
-    n = setup.data_parallel_size if setup.family != "pipeline" else 2
+    n = setup.comm_group_size
     psi = shape.num_params
     rows = [[c.op, human_bytes(c.bytes), f"{c.elem} B", f"{bus_factor(c.op, n):.3f}", human_bytes(c.ring_bytes(n)),
              f"{c.ring_elements(n) / psi:.3f} Ψ", c.what] for c in colls]

@@ -15,7 +15,8 @@ does: DDP and FSDP2 (no_sync / set_requires_gradient_sync) reduce once per step,
 reduce gradients on every micro-batch (engine.allreduce_gradients: "ZeRO stage >= 2 communicates during
 non gradient accumulation boundaries as well"), ZeRO-1 at the boundary only; ZeRO-3 and FSDP with
 reshard_after_forward gather every parameter twice per micro-batch. A pipeline sends one activation
-(s x b x h) forward and one gradient backward per micro-batch across each stage boundary.
+(s x b x h) forward and one gradient backward per micro-batch across each stage boundary. Tensor
+parallelism all-reduces s x b x h activations inside every layer, forward and backward (Megatron-LM).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def predict_comm(shape: ModelShape, setup: Setup) -> list[list[Collective]]:
     """For every rank, the collectives of one optimizer step."""
     if setup.family == "pipeline":
         return [_pipeline(shape, setup, stage=k) for k in range(setup.num_stages)]
+    if setup.family == "tp":
+        return [_tensor_parallel(shape, setup)] * setup.world_size
     return [_data_parallel(shape, setup)] * setup.world_size
 
 
@@ -120,6 +123,25 @@ def _pipeline(shape: ModelShape, setup: Setup, *, stage: int) -> list[Collective
     return [
         Collective("send", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem),
         Collective("recv", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem),
+    ]
+
+
+def _tensor_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
+    """Megatron's per-layer all-reduces of an s x b x h activation, per micro-batch: forward, the output of
+    each row-parallel projection (attention out, MLP out), in the compute dtype; backward, the input gradient
+    of each column-parallel projection, in fp32 under autocast (the cast to 16 bits sits after the split).
+    torch's ColwiseParallel reduces each projection's input gradient on its own: Llama's q, k, v, gate and up
+    are 5 all-reduces, GPT-2's fused c_attn and c_fc 2."""
+    if setup.tensor_parallel_size == 1:
+        return []
+    m, layers = setup.microbatches_per_step, shape.num_layers
+    tokens = setup.seq_len * setup.micro_batch_size * shape.hidden_size
+    compute = element_bytes(setup.precision)
+    grad = 4 if setup.resolved_regime == "autocast" else compute
+    backward = 2 if shape.arch == "gpt2" else 5
+    return [
+        Collective("all_reduce", m * layers * (2 * tokens * compute + backward * tokens * grad),
+                   f"activations: 2 forward + {backward} backward per layer, {m} micro-batch(es)", compute),
     ]
 
 

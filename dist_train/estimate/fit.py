@@ -44,6 +44,12 @@ def fit_cell(model: FitModel, *, base: Setup, strategy: str, world_size: int, gp
     setup = replace(base, strategy=strategy, family=family, zero_stage=stage, schedule=schedule,
                     world_size=world_size, split_points=None,
                     num_microbatches=world_size if family == "pipeline" else None, global_batch_size=None)
+    if family == "tp":
+        if model.shape is None:
+            return FitCell(model.name, strategy, world_size, None, False, "needs a model shape")
+        kv = model.shape.num_kv_heads or model.shape.num_heads
+        if model.shape.num_heads % world_size or kv % world_size:
+            return FitCell(model.name, strategy, world_size, None, False, f"{world_size} does not divide the heads")
     if model.shape is not None:
         if family == "pipeline" and world_size > model.shape.num_layers:
             return FitCell(model.name, strategy, world_size, None, False,

@@ -153,7 +153,7 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
     """One entry per rank: model state, activations of the micro-batches alive at the peak, transient buffers."""
     if setup.family != "pipeline":
         gathered, persistent = zero3_gathered(shape, setup)
-        state = model_state_bytes(shape.num_params, setup, persistent=persistent)
+        state = model_state_bytes(tp_rank_params(shape, setup), setup, persistent=persistent)
         act = activation_bytes(shape, setup=setup, num_layers=shape.num_layers, with_head=True, in_flight=1)
         copies = weight_copy_bytes(shape, setup=setup, num_layers=shape.num_layers, with_head=True, in_flight=1)
         one = RankMemory(
@@ -174,6 +174,13 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
         copies = weight_copy_bytes(shape, setup=setup, **shared)
         out.append(RankMemory(state.params, state.grads, state.master, state.optimizer, act, copies))
     return out
+
+
+def tp_rank_params(shape: ModelShape, setup: Setup) -> float:
+    """Parameters one rank holds under tensor parallelism of degree t (all of them when t = 1): each layer's
+    matmul weights and column-parallel biases split t ways, everything else whole."""
+    t = setup.tensor_parallel_size
+    return shape.num_params - shape.num_layers * shape.layer_tp_sharded() * (1 - 1 / t)
 
 
 def _param_elem(setup: Setup) -> int:
@@ -214,7 +221,8 @@ def weight_copy_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_
     """Autocast's 16-bit copies of the matmul weights a rank keeps for backward, per micro-batch in flight."""
     if not setup.autocast_16bit:
         return 0.0
-    weights = num_layers * shape.layer_matmul_weights() + (shape.head_matmul_weights() if with_head else 0)
+    layer = shape.layer_matmul_weights() / setup.tensor_parallel_size
+    weights = num_layers * layer + (shape.head_matmul_weights() if with_head else 0)
     return float(in_flight * weights * element_bytes(setup.precision))
 
 
@@ -227,12 +235,15 @@ def pipeline_in_flight(setup: Setup, *, stage: int) -> int:
 
 
 def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len: int, elem: int,
-                           attention_scores: bool = False, fused_gelu: bool = False, norm_elem: int = 0) -> float:
+                           attention_scores: bool = False, fused_gelu: bool = False, norm_elem: int = 0,
+                           tp: int = 1) -> float:
     """Bytes one transformer layer saves for backward for one micro-batch (see the module docstring).
 
     attention_scores: eager attention keeps the a·s² scores; fused_gelu: a GELU that saves only its input
     (Korthikanti's assumption) instead of transformers' composed tanh GELU; norm_elem: bytes of a norm's
-    saved input when it differs from `elem` (4 under autocast)."""
+    saved input when it differs from `elem` (4 under autocast); tp: tensor-parallel degree, which splits
+    what lies between a column- and a row-parallel projection (q/k/v, attention out, MLP intermediates,
+    scores) and leaves the rest whole (Korthikanti et al. without sequence parallelism)."""
     s, b, h = seq_len, micro_batch_size, shape.hidden_size
     q_k_v = h + 2 * shape.kv_dim
     # GPT-2: fc output, GELU output, and 3 more ffn-wide tensors that transformers' tanh GELU ("gelu_new",
@@ -240,13 +251,13 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len:
     # Llama (SwiGLU): gate output, SiLU output, up output, their product.
     mlp = (2 if fused_gelu else 5) * shape.ffn if shape.arch == "gpt2" else 4 * shape.ffn
     # attention in, q/k/v, attention out, MLP in, MLP intermediates; and the two norms' inputs
-    values = h + q_k_v + h + h + mlp
+    values = h + (q_k_v + h + mlp) / tp + h
     norms = 2 * h
     masks = 2 * h if shape.dropout > 0 else 0  # attention-output and MLP-output dropout (1 byte each)
     per_token = values * elem + norms * (norm_elem or elem) + masks
     scores = 0.0
     if attention_scores:  # eager attention: softmax output (+ dropout mask and output)
-        scores = shape.num_heads * s * s * b * ((2 * elem + 1) if shape.dropout > 0 else elem)
+        scores = shape.num_heads / tp * s * s * b * ((2 * elem + 1) if shape.dropout > 0 else elem)
     return s * b * per_token + scores
 
 
@@ -255,7 +266,9 @@ def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_h
     elem = element_bytes(setup.precision)
     norm_elem = 4 if setup.autocast_16bit else elem
     s, b = setup.seq_len, setup.micro_batch_size
-    layer = layer_activation_bytes(shape, micro_batch_size=b, seq_len=s, elem=elem, norm_elem=norm_elem)
+    layer = layer_activation_bytes(
+        shape, micro_batch_size=b, seq_len=s, elem=elem, norm_elem=norm_elem, tp=setup.tensor_parallel_size
+    )
     # the final norm's input, the head's input, the fp32 log-softmax of the logits
     head = s * b * (shape.hidden_size * (norm_elem + elem) + shape.vocab_size * 4) if with_head else 0.0
     if setup.activation_checkpointing:

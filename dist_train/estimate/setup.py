@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from dist_train.config import PrecisionConfig
 
-FAMILIES = ("single", "dp", "ddp", "fsdp", "zero", "pipeline")
+FAMILIES = ("single", "dp", "ddp", "fsdp", "zero", "pipeline", "tp")
 
 # name -> (family, ZeRO stage, pipeline schedule) for the strategies this project has or plans.
 KNOWN_STRATEGIES: dict[str, tuple[str, int, str]] = {
@@ -27,6 +27,7 @@ KNOWN_STRATEGIES: dict[str, tuple[str, int, str]] = {
     "zero3": ("zero", 3, ""),
     "gpipe": ("pipeline", 0, "gpipe"),
     "1f1b": ("pipeline", 0, "1f1b"),
+    "tp": ("tp", 0, ""),
 }
 
 # How model state is stored (bytes per parameter; see memory.state_bytes):
@@ -80,7 +81,18 @@ class Setup:
 
     @property
     def data_parallel_size(self) -> int:
-        return 1 if self.family in ("single", "dp", "pipeline") else self.world_size
+        return 1 if self.family in ("single", "dp", "pipeline", "tp") else self.world_size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.world_size if self.family == "tp" else 1
+
+    @property
+    def comm_group_size(self) -> int:
+        """Ranks in the group a rank's collectives run over (a pipeline's send/recv: a pair)."""
+        if self.family == "pipeline":
+            return 2
+        return self.tensor_parallel_size if self.family == "tp" else self.data_parallel_size
 
     @property
     def num_stages(self) -> int:
@@ -97,10 +109,10 @@ class Setup:
 
     @property
     def autocast_16bit(self) -> bool:
-        """Whether a 16-bit run computes under torch autocast over fp32 weights (single, dp, ddp, pipelines):
+        """Whether a 16-bit run computes under torch autocast over fp32 weights (single, dp, ddp, pipelines, tp):
         norms then run in fp32 and matrix products keep 16-bit copies of their weights. FSDP's mixed precision
         and DeepSpeed compute in 16 bits throughout instead."""
-        return PrecisionConfig(self.precision).mixed and self.family in ("single", "dp", "ddp", "pipeline")
+        return PrecisionConfig(self.precision).mixed and self.family in ("single", "dp", "ddp", "pipeline", "tp")
 
     @property
     def resolved_regime(self) -> str:

@@ -93,6 +93,13 @@ class ModelShape:
             return h * 3 * h + h * h + h * f + f * h
         return h * h + 2 * h * kv + h * h + 3 * h * f
 
+    def layer_tp_sharded(self) -> int:
+        """Elements of one layer that tensor parallelism splits across ranks: the matmul weights and the
+        column-parallel biases (GPT-2's c_attn and c_fc); norms and row-parallel biases stay whole."""
+        if self.arch == "gpt2":
+            return self.layer_matmul_weights() + 3 * self.hidden_size + self.ffn
+        return self.layer_matmul_weights()
+
     def head_matmul_weights(self) -> int:
         """The LM head's weight (a matrix product whether or not it is tied to the embedding)."""
         return self.vocab_size * self.hidden_size

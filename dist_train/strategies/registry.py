@@ -3,8 +3,10 @@
 Each family module of this package (single, dp, ddp, fsdp, zero, pipeline, ...) ends with
 `FAMILY = StrategyFamily(...)`: its config schema (with its checks, whether it needs a process group and how
 many processes it runs), the names it answers to with the values each implies, and its builder. Modules
-without a `FAMILY` are shared pieces (base, torch_strategy, pipeline_stages). Adding a strategy therefore
-touches its own module and its conf/strategy/<name>.yaml; config, the loop, telemetry and compare ask here.
+without a `FAMILY` are shared pieces (base, torch_strategy, pipeline_stages). Modules whose name starts with
+`_` are never imported here: they hold what only a run of their strategy needs (heavy imports such as DTensor
+stay out of every other run's start-up). Adding a strategy therefore touches its own module and its
+conf/strategy/<name>.yaml; config, the loop, telemetry and compare ask here.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def families() -> dict[str, StrategyFamily]:
     """Every strategy name -> its family, from the FAMILY of each module of this package."""
     found: dict[str, StrategyFamily] = {}
     for info in pkgutil.iter_modules(strategies.__path__):
-        if info.name == "registry":
+        if info.name == "registry" or info.name.startswith("_"):
             continue
         family = getattr(importlib.import_module(f"{strategies.__name__}.{info.name}"), "FAMILY", None)
         if family is None:

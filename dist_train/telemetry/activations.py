@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dist_train.contracts import local_tensor
+
 
 class _Saved:
     __slots__ = ("tensor", "key", "meter")
@@ -54,6 +56,8 @@ def is_weight_copy(t: torch.Tensor) -> bool:
         name = type(fn).__name__
         if name == "ToCopyBackward0":
             source = fn.next_functions[0][0] if fn.next_functions else None
+            if type(source).__name__ == "_ToTorchTensorBackward" and source.next_functions:
+                source = source.next_functions[0][0]  # the local shard of a DTensor parameter (tp's fused q/k/v)
             return source is not None and isinstance(getattr(source, "variable", None), nn.Parameter)
         if name not in _VIEWS or not fn.next_functions:
             return False
@@ -82,7 +86,11 @@ class ActivationMeter:
     def _pack(self, t: torch.Tensor) -> Any:
         if _is_parameter(t) or t.device.type == "meta":
             return t
-        storage = t.untyped_storage()
+        if hasattr(t, "to_local"):  # a DTensor (tensor parallelism) holds its bytes in its local tensor
+            with torch.no_grad():
+                storage = local_tensor(t).untyped_storage()
+        else:
+            storage = t.untyped_storage()
         key, nbytes = storage.data_ptr(), storage.nbytes()
         if nbytes == 0:
             return t

@@ -1,0 +1,166 @@
+"""Tensor parallelism's machinery on DTensor (see `dist_train/strategies/tp.py`, the family module).
+
+Imported only when a tp run builds its model: DTensor and torch's parallel styles cost about 0.8 s to
+import, and the registry imports every family module whatever the strategy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from dist_train.model import transformer_blocks
+
+
+def _resolved(block: nn.Module) -> nn.Module:
+    """The block itself, under activation checkpointing's wrapper if there is one."""
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
+class _Conv1DStyle:
+    """Mixin: transformers' `Conv1D` stores its weight transposed (in x out), so split the other dimension."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:  # type: ignore[override]
+        if type(module).__name__ != "Conv1D":
+            return super()._apply(module, device_mesh)  # type: ignore[misc]
+        # nn.Linear's (out, in) weight: colwise Shard(0), rowwise Shard(1). Conv1D's is (in, out).
+        weight_dim = 1 if isinstance(self, ColwiseParallel) else 0
+        bias = Shard(0) if isinstance(self, ColwiseParallel) else Replicate()
+        if isinstance(self, RowwiseParallel):
+            self.desired_input_layouts = (Shard(-1),)
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            _distribute(mod, "weight", mesh, Shard(weight_dim), self.src_data_rank)  # type: ignore[attr-defined]
+            _distribute(mod, "bias", mesh, bias, self.src_data_rank)  # type: ignore[attr-defined]
+
+        return distribute_module(
+            module, device_mesh, partition,
+            lambda mod, inputs, mesh: self._prepare_input_fn(  # type: ignore[attr-defined]
+                self.input_layouts, self.desired_input_layouts, mod, inputs, mesh  # type: ignore[attr-defined]
+            ),
+            lambda mod, outputs, mesh: self._prepare_output_fn(  # type: ignore[attr-defined]
+                self.output_layouts, self.use_local_output, mod, outputs, mesh  # type: ignore[attr-defined]
+            ),
+        )
+
+
+class Colwise(_Conv1DStyle, ColwiseParallel):
+    """torch's ColwiseParallel, for nn.Linear and transformers' Conv1D."""
+
+
+class Rowwise(_Conv1DStyle, RowwiseParallel):
+    """torch's RowwiseParallel, for nn.Linear and transformers' Conv1D."""
+
+
+def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Any, src_data_rank: int | None) -> None:
+    p = getattr(module, name, None)
+    if p is None or isinstance(p, DTensor):
+        return
+    t = distribute_tensor(p.data, mesh, [placement], src_data_rank=src_data_rank)
+    module.register_parameter(name, nn.Parameter(t, requires_grad=p.requires_grad))
+
+
+class FusedColwiseConv1D(nn.Module):
+    """GPT-2's fused [q | k | v] projection, column-parallel by head: each rank computes its heads of all three.
+
+    Keeps the Conv1D's parameter names (`weight`, `bias`), so state dicts match transformers'."""
+
+    def __init__(self, conv: nn.Module, mesh: DeviceMesh, *, parts: int, src_data_rank: int | None) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.weight = conv.weight
+        self.bias = conv.bias
+        _distribute(self, "weight", mesh, _StridedShard(1, split_factor=parts), src_data_rank)
+        _distribute(self, "bias", mesh, _StridedShard(0, split_factor=parts), src_data_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Identity in forward; in backward the partial input gradients of the ranks are all-reduced.
+        x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        weight, bias = self.weight.to_local(), self.bias.to_local()  # type: ignore[attr-defined]
+        out = torch.addmm(bias, x.reshape(-1, x.size(-1)), weight)
+        return out.view(*x.shape[:-1], weight.size(1))
+
+
+class Replicated(ParallelStyle):
+    """Every rank holds the module whole and computes it on the same input: parameters become `Replicate`
+    DTensors (so one optimizer and one norm see only DTensors), inputs and outputs stay local tensors."""
+
+    def __init__(self, src_data_rank: int | None = None) -> None:
+        super().__init__()
+        self.src_data_rank = src_data_rank
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, _ in list(mod.named_parameters(recurse=False)):
+                _distribute(mod, pname, mesh, Replicate(), self.src_data_rank)
+
+        def inputs(mod: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+            return tuple(
+                DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a
+                for a in args
+            )
+
+        def outputs(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
+def tp_plan(arch: str) -> dict[str, ParallelStyle]:
+    """Per transformer block: which projection is split how (paths relative to the block)."""
+    if arch == "llama":
+        return {
+            "self_attn.q_proj": Colwise(), "self_attn.k_proj": Colwise(), "self_attn.v_proj": Colwise(),
+            "self_attn.o_proj": Rowwise(),
+            "mlp.gate_proj": Colwise(), "mlp.up_proj": Colwise(), "mlp.down_proj": Rowwise(),
+        }
+    # GPT-2: attn.c_attn is fused and handled by FusedColwiseConv1D.
+    return {"attn.c_proj": Rowwise(), "mlp.c_fc": Colwise(), "mlp.c_proj": Rowwise()}
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, arch: str) -> nn.Module:
+    """Shard each block's projections over `mesh` (1-D) and replicate the rest, in place."""
+    tp = mesh.size()
+    for block in transformer_blocks(model):
+        inner = _resolved(block)
+        if arch == "gpt2":
+            attn = inner.attn
+            # Each rank runs its heads: split_size is what the fused output is cut into (q, k, v).
+            attn.c_attn = FusedColwiseConv1D(attn.c_attn, mesh, parts=3, src_data_rank=None)
+            attn.split_size //= tp
+            attn.num_heads //= tp
+            attn.embed_dim //= tp
+        # Every rank built the same weights from the seed: nothing to broadcast.
+        parallelize_module(inner, mesh, tp_plan(arch), src_data_rank=None)
+    for module in list(model.modules()):
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            parallelize_module(module, mesh, Replicated(), src_data_rank=None)
+    return model
+
+
+def _strided(t: Any) -> bool:
+    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+def contiguous(t: Any) -> Any:
+    """A `_StridedShard` DTensor as plain `Shard` on the same dimension (one contiguous block per rank)."""
+    if not _strided(t):
+        return t
+    placements = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements]
+    return distribute_tensor(t.full_tensor(), t.device_mesh, placements, src_data_rank=None)
+
+
+def like(loaded: Any, current: Any) -> Any:
+    """`loaded` in `current`'s placements where `current` is a `_StridedShard` DTensor (see tp.TPStrategy)."""
+    if isinstance(current, dict) and isinstance(loaded, dict):
+        return {k: like(v, current.get(k)) for k, v in loaded.items()}
+    if _strided(current) and isinstance(loaded, DTensor):
+        return distribute_tensor(loaded.full_tensor(), current.device_mesh, current.placements, src_data_rank=None)
+    return loaded

@@ -1,0 +1,78 @@
+"""Tensor parallelism (strategy=tp) against one process: same losses, sharded weights, Megatron's all-reduces."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_train.checkpoint.layout import step_dir_name
+from dist_train.config import ModelConfig
+from dist_train.model import build_model, transformer_blocks
+from tests.helpers import FAST, last_step, rel_diff, train_ok
+
+pytestmark = pytest.mark.multiproc
+
+LLAMA = ["model.arch=llama", "model.num_heads=4", "model.num_kv_heads=2"]
+
+
+def _assert_same_losses(single: dict, other: dict) -> None:
+    assert len(other["losses"]) == len(single["losses"])
+    for step, (a, b) in enumerate(zip(other["losses"], single["losses"]), start=1):
+        assert rel_diff(a, b) < 1e-5, f"step {step}: {a} vs single {b}"
+
+
+def _split_elements(model_cfg: ModelConfig) -> int:
+    """Elements of the model that TP splits: every block's projection weights and column-parallel biases,
+    counted from the model as transformers builds it."""
+    model = build_model(model_cfg, seed=0)
+    total = 0
+    for block in transformer_blocks(model):
+        for name, p in block.named_parameters():
+            projection = name.endswith("weight") and p.dim() == 2
+            column_bias = name in ("attn.c_attn.bias", "mlp.c_fc.bias")
+            total += p.numel() if projection or column_bias else 0
+    return total
+
+
+def test_gpt2_tp_matches_single_splits_the_blocks_and_all_reduces_activations(straight_run):
+    _, single = straight_run("single")
+    tp_dir, tp = straight_run("tp")
+    _assert_same_losses(single, tp)
+    assert tp["data_parallel_size"] == 1 and tp["accumulation_steps"] == 4  # both ranks see the whole batch
+
+    n, cfg = tp["num_params"], ModelConfig()
+    split = _split_elements(cfg)
+    ranks = last_step(tp_dir)
+    for rec in ranks:
+        assert rec["memory/params_bytes"] == 4 * (n - split // 2)  # half of each split tensor, the rest whole
+        assert rec["memory/grads_bytes"] == rec["memory/params_bytes"]
+        # Megatron: per layer and micro-batch, 2 all-reduces of a (micro-batch x seq x hidden) fp32 activation in
+        # forward and 2 of its gradient in backward; plus the gradient norm's partial sums (a few bytes).
+        activation = 2 * 64 * cfg.hidden_size * 4
+        expected = 4 * cfg.num_layers * 4 * activation
+        assert expected <= rec["comm/all_reduce/bytes"] <= expected + 1024
+        assert rec["comm/all_gather/count"] == rec["comm/reduce_scatter/count"] == 0
+    # the replicated parts are identical on both ranks, so the ranks' views of the model agree
+    assert ranks[0]["memory/params_bytes"] == ranks[1]["memory/params_bytes"]
+
+
+def test_llama_tp_with_grouped_query_attention_matches_single(tmp_path):
+    single = train_ok(["strategy=single", "logger=none", *FAST, *LLAMA], run_dir=tmp_path / "single")
+    tp = train_ok(["strategy=tp", "logger=none", *FAST, *LLAMA], run_dir=tmp_path / "tp", nproc=2)
+    _assert_same_losses(single, tp)
+    cfg = ModelConfig(arch="llama", num_heads=4, num_kv_heads=2)
+    for rec in last_step(tmp_path / "tp"):
+        assert rec["memory/params_bytes"] == 4 * (tp["num_params"] - _split_elements(cfg) // 2)
+        # backward reduces the input gradient of q, k, v, gate and up separately (torch's ColwiseParallel)
+        activation = 2 * 64 * cfg.hidden_size * 4
+        expected = 4 * cfg.num_layers * (2 + 5) * activation
+        assert expected <= rec["comm/all_reduce/bytes"] <= expected + 1024
+
+
+def test_a_tp_checkpoint_resumes_under_single(straight_run, tmp_path):
+    """GPT-2's fused q/k/v is saved as plain column blocks: one process reads the same global weights."""
+    tp_dir, tp = straight_run("tp")
+    resumed = train_ok(["strategy=single", "logger=none", *FAST, "train.steps=8",
+                        f"checkpoint.resume={tp_dir / 'checkpoints' / step_dir_name(4)}"], run_dir=tmp_path)
+    assert resumed["losses"][:4] == tp["losses"][:4]
+    for step in range(4, 8):
+        assert rel_diff(resumed["losses"][step], tp["losses"][step]) < 1e-5, step
