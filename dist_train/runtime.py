@@ -51,8 +51,9 @@ def init_runtime(*, needs_group: bool, timeout_s: float = 600.0) -> Runtime:
         kwargs: dict = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
         if device.type == "cuda":
             kwargs["device_id"] = device  # eager NCCL init, bound to this rank's GPU
-        if "MASTER_ADDR" not in os.environ:
-            # Launched without torchrun: a one-process group through a private file store.
+        if "MASTER_ADDR" not in os.environ or "RANK" not in os.environ:
+            # Launched without torchrun (or by `accelerate launch --cpu`, which sets MASTER_ADDR and no ranks):
+            # a one-process group through a private file store.
             fd, path = tempfile.mkstemp(prefix="dist_train_pg_")
             os.close(fd)
             os.unlink(path)

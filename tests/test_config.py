@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from dist_train.checks import validate
@@ -46,6 +47,7 @@ def test_defaults_validate_for_one_and_two_processes():
         (["model.num_heads=5"], 1, "model.hidden_size=64 must be divisible by model.num_heads=5"),
         (["strategy=tp"], 3, "strategy=tp splits model.num_heads=4 across 3 processes"),
         (["strategy=tp", "model.arch=llama", "model.num_kv_heads=1"], 2, "model.num_kv_heads=1 across 2"),
+        (["strategy=accelerate", "strategy.plugin=deepspeed"], 2, "strategy.plugin='deepspeed' is not supported"),
     ],
 )
 def test_bad_values_are_one_clear_line(overrides, world, needle):
@@ -69,3 +71,17 @@ def test_experiment_group_ignores_strategy_but_not_the_model():
     b, _ = run_config("strategy=fsdp")
     c, _ = run_config("strategy=ddp", "model.num_layers=2")
     assert experiment_group(a) == experiment_group(b) != experiment_group(c)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU Accelerate runs FSDP")
+def test_an_accelerate_fsdp_config_is_refused_on_cpu_instead_of_silently_becoming_ddp(tmp_path):
+    config = tmp_path / "fsdp.yaml"
+    config.write_text("distributed_type: FSDP\nmixed_precision: 'no'\nnum_processes: 2\nfsdp_config:\n"
+                      "  fsdp_version: 2\n")
+    _, run = run_config("strategy=accelerate", f"strategy.config_file={config}")
+    with pytest.raises(ConfigError, match="Accelerate runs FSDP on GPUs only"):
+        validate(run, 2)
+    config.write_text("distributed_type: MULTI_GPU\nmixed_precision: bf16\n")
+    _, run = run_config("strategy=accelerate", f"strategy.config_file={config}")
+    with pytest.raises(ConfigError, match="says mixed_precision=bf16 but precision=fp32"):
+        validate(run, 2)

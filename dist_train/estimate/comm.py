@@ -76,10 +76,10 @@ def _data_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
     b = state_bytes(
         precision=setup.precision, optimizer=setup.optimizer, momentum=setup.momentum, regime=setup.resolved_regime
     )
-    if setup.family == "ddp":
+    if setup.kind == "ddp":
         return [Collective("all_reduce", num_params * b.grads, "gradients, once per step (no_sync while accumulating)",
                            int(b.grads))]
-    if setup.family == "fsdp":
+    if setup.kind == "fsdp":
         # Each block is gathered in forward and, when resharded after it, again in backward; the root (embeddings,
         # final norm, head) is gathered once per micro-batch and kept for backward (FSDP2's default for the root).
         block_gathers = m * (2 if setup.reshard_after_forward else 1)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from dist_train.config import PrecisionConfig
 
-FAMILIES = ("single", "dp", "ddp", "fsdp", "zero", "pipeline", "tp")
+FAMILIES = ("single", "dp", "ddp", "fsdp", "zero", "pipeline", "tp", "accelerate")
 
 # name -> (family, ZeRO stage, pipeline schedule) for the strategies this project has or plans.
 KNOWN_STRATEGIES: dict[str, tuple[str, int, str]] = {
@@ -28,6 +28,7 @@ KNOWN_STRATEGIES: dict[str, tuple[str, int, str]] = {
     "gpipe": ("pipeline", 0, "gpipe"),
     "1f1b": ("pipeline", 0, "1f1b"),
     "tp": ("tp", 0, ""),
+    "accelerate": ("accelerate", 0, ""),
 }
 
 # How model state is stored (bytes per parameter; see memory.state_bytes):
@@ -70,6 +71,8 @@ class Setup:
     zero3_max_live_parameters: int = 10**9
     zero3_max_reuse_distance: int = 10**9
     zero3_prefetch_bucket_size: int = 5 * 10**7
+    # strategy=accelerate: what Accelerate wraps the model in (ddp | fsdp)
+    plugin: str = "ddp"
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -78,6 +81,13 @@ class Setup:
             raise ValueError(f"regime={self.regime!r} unknown; allowed: {', '.join(REGIMES)}")
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size} must be >= 1")
+
+    @property
+    def kind(self) -> str:
+        """The family whose memory and traffic this run has: Accelerate's DDP is DDP's, its FSDP2 is FSDP's."""
+        if self.family == "accelerate":
+            return "fsdp" if self.plugin == "fsdp" else "ddp"
+        return self.family
 
     @property
     def data_parallel_size(self) -> int:
@@ -112,7 +122,7 @@ class Setup:
         """Whether a 16-bit run computes under torch autocast over fp32 weights (single, dp, ddp, pipelines, tp):
         norms then run in fp32 and matrix products keep 16-bit copies of their weights. FSDP's mixed precision
         and DeepSpeed compute in 16 bits throughout instead."""
-        return PrecisionConfig(self.precision).mixed and self.family in ("single", "dp", "ddp", "pipeline", "tp")
+        return PrecisionConfig(self.precision).mixed and self.kind in ("single", "dp", "ddp", "pipeline", "tp")
 
     @property
     def resolved_regime(self) -> str:
@@ -132,6 +142,8 @@ def family_of(name: str, strategy: Optional[Mapping[str, Any]] = None) -> tuple[
         return "fsdp", 0, ""
     if "bucket_cap_mb" in s:
         return "ddp", 0, ""
+    if "plugin" in s:
+        return "accelerate", 0, ""
     if name in KNOWN_STRATEGIES:
         return KNOWN_STRATEGIES[name]
     raise ValueError(f"strategy {name!r}: cannot tell its family; known: {', '.join(KNOWN_STRATEGIES)}")
@@ -169,6 +181,7 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         num_microbatches=strategy.get("num_microbatches"),
         split_points=tuple(split) if split else None,
         reshard_after_forward=bool(strategy.get("reshard_after_forward", True)),
+        plugin=str(strategy.get("plugin") or "ddp"),
         **_zero3_fields(strategy),
     )
     fields.update(overrides)

@@ -1,0 +1,187 @@
+"""Hugging Face Accelerate: the model prepared by `accelerate.Accelerator`, as a user's own Accelerate setup would.
+
+Accelerate decides the wrapping (DDP, or FSDP2 with its auto-wrap policy), places the model on its device,
+applies its mixed-precision autocast and silences gradient sync during accumulation (`accelerator.no_sync`).
+Which of these it does comes from, in order: `strategy.plugin` (ddp | fsdp), the accelerate config file in
+`strategy.config_file` (read with accelerate's own launcher code, exactly as `accelerate launch
+--config_file` would), the environment `accelerate launch` set, else plain DDP.
+
+The optimizer, its clipping and the LR schedule are the ones every strategy uses (built before `prepare`,
+which re-points them at the prepared parameters), so the training is the same as `strategy=single`'s and the
+rows of a comparison differ only by what Accelerate does. DeepSpeed through Accelerate is not supported:
+its engine owns the optimizer step; strategy=zero1|zero2|zero3 drive DeepSpeed directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ContextManager, Optional
+
+import torch
+from torch import nn
+
+from dist_train.config import RunConfig, StrategyConfig, choice, importable, require
+from dist_train.contracts import StrategyFamily
+from dist_train.model import transformer_blocks
+from dist_train.strategies.base import LocalOptimizer, StrategyContext
+from dist_train.strategies.torch_strategy import TorchStrategy
+
+log = logging.getLogger("dist_train")
+
+PLUGINS = ("ddp", "fsdp")
+# accelerate's mixed_precision names for this project's precisions
+MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+@dataclass
+class AccelerateConfig(StrategyConfig):
+    """The model prepared by accelerate.Accelerator (DDP or FSDP2), the loop and optimizer shared."""
+
+    name: str = "accelerate"
+    # ddp | fsdp; None: from config_file, else from `accelerate launch`'s environment, else ddp.
+    plugin: Optional[str] = None
+    # An accelerate config YAML (what `accelerate config` writes); applied as `accelerate launch` would.
+    config_file: Optional[str] = None
+
+    def check(self, world_size: int) -> None:
+        require(importable("accelerate"), "strategy=accelerate needs the accelerate package (pip install accelerate)")
+        if self.plugin is not None:
+            choice("strategy.plugin", self.plugin, PLUGINS)
+        if self.config_file is not None:
+            require(Path(self.config_file).is_file(), f"strategy.config_file={self.config_file}: no such file")
+            kind = _file_settings(self.config_file).get("distributed_type", "NO")
+            require(
+                str(kind).upper() != "DEEPSPEED",
+                f"strategy.config_file={self.config_file} asks for DeepSpeed; strategy=accelerate drives DDP and "
+                "FSDP, use strategy=zero1|zero2|zero3 for DeepSpeed",
+            )
+        require(
+            os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true",
+            "accelerate launch was configured for DeepSpeed; strategy=accelerate drives DDP and FSDP, use "
+            "strategy=zero1|zero2|zero3 for DeepSpeed",
+        )
+        import torch
+
+        require(
+            self.requested_plugin() != "fsdp" or torch.cuda.is_available(),
+            "strategy=accelerate with FSDP (from strategy.plugin, strategy.config_file or accelerate launch): "
+            "Accelerate runs FSDP on GPUs only (on CPU it would silently use DDP); on CPU use strategy=fsdp",
+        )
+
+    def requested_plugin(self) -> str:
+        """ddp or fsdp: strategy.plugin, else the config file's distributed_type, else accelerate launch's
+        environment, else ddp."""
+        if self.plugin is not None:
+            return self.plugin
+        if self.config_file is not None:
+            return "fsdp" if str(_file_settings(self.config_file).get("distributed_type", "")).upper() == "FSDP" else "ddp"
+        return "fsdp" if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" else "ddp"
+
+    def check_run(self, run: RunConfig, world_size: int) -> None:
+        super().check_run(run, world_size)
+        if self.config_file is None:
+            return
+        wanted = str(_file_settings(self.config_file).get("mixed_precision", "no"))
+        require(
+            wanted in ("no", MIXED_PRECISION[run.precision.name]),
+            f"strategy.config_file={self.config_file} says mixed_precision={wanted} but precision="
+            f"{run.precision.name}; set precision= to match (the run's precision decides, for every strategy)",
+        )
+
+
+def _file_settings(path: str) -> dict[str, Any]:
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    require(isinstance(data, dict), f"strategy.config_file={path}: not an accelerate config (a YAML mapping)")
+    return data
+
+
+def launcher_environment(config_file: str) -> dict[str, str]:
+    """What `accelerate launch --config_file F` puts in the environment for the plugins (ACCELERATE_USE_FSDP,
+    FSDP_*, ...), computed by accelerate's own launcher code."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", config_file, "train.py"])
+    validated = _validate_launch_command(args)
+    args = validated[0] if isinstance(validated, tuple) else args
+    env = prepare_multi_gpu_env(args)
+    return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_USE_", "FSDP_"))}
+
+
+class AccelerateWrapper:
+    def __init__(self, cfg: AccelerateConfig, ctx: StrategyContext) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        self.accelerator: Any = None
+
+    def _accelerator(self, model: nn.Module) -> Any:
+        from accelerate import Accelerator
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        if self.cfg.config_file is not None:
+            os.environ.update(launcher_environment(self.cfg.config_file))
+        if self.cfg.plugin == "ddp":
+            os.environ["ACCELERATE_USE_FSDP"] = "false"
+        fsdp = None
+        if self.cfg.plugin == "fsdp":  # else the config file's or accelerate launch's FSDP settings, if any
+            block = type(transformer_blocks(model)[0]).__name__  # GPT2Block, LlamaDecoderLayer
+            fsdp = FullyShardedDataParallelPlugin(
+                fsdp_version=2, reshard_after_forward=True, auto_wrap_policy="transformer_based_wrap",
+                transformer_cls_names_to_wrap=[block], state_dict_type="SHARDED_STATE_DICT",
+            )
+        return Accelerator(
+            cpu=self.ctx.runtime.device.type == "cpu",
+            mixed_precision=MIXED_PRECISION[self.ctx.precision.name],
+            fsdp_plugin=fsdp,
+        )
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        self.accelerator = self._accelerator(model)
+        wrapped, _ = self.accelerator.prepare(model, optimizer)
+        if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) and self.ctx.ddp_comm_hook is not None:
+            wrapped.register_comm_hook(state=None, hook=self.ctx.ddp_comm_hook)  # telemetry sees the buckets
+        return wrapped
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError("Accelerate prepares the model with its optimizer: AccelerateStrategy.setup")
+
+    def no_sync(self, wrapped: nn.Module) -> ContextManager[Any]:
+        return self.accelerator.no_sync(wrapped)
+
+    def devices(self) -> list[torch.device]:
+        return [self.accelerator.device if self.accelerator is not None else self.ctx.runtime.device]
+
+    @property
+    def kind(self) -> str:
+        """What Accelerate made of the model: ddp, fsdp (FSDP2) or none (one process)."""
+        if self.accelerator is None:
+            return "none"
+        if self.accelerator.is_fsdp2:
+            return "fsdp"
+        return "ddp" if self.accelerator.num_processes > 1 else "none"
+
+
+class AccelerateStrategy(TorchStrategy):
+    wrapper: AccelerateWrapper
+
+    def setup(self, model: nn.Module) -> None:
+        self.model = model
+        # The shared optimizer and schedule, built over the model as is; prepare() re-points the optimizer at
+        # the prepared (e.g. FSDP2-sharded) parameters, which are then what the norm and clipping see.
+        self.opt = LocalOptimizer(self.ctx, list(model.parameters()))
+        self.wrapped = self.wrapper.prepare(model, self.opt.optimizer)
+        self.opt.params = list(self.wrapped.parameters())
+        if self.wrapper.kind != "none" and self.wrapper.kind != self.wrapper.cfg.requested_plugin():
+            raise RuntimeError(f"asked Accelerate for {self.wrapper.cfg.requested_plugin()}, it prepared {self.wrapper.kind}")
+        log.info("accelerate prepared the model as %s on %s", self.wrapper.kind, self.wrapper.devices()[0])
+
+
+def build(cfg: AccelerateConfig, ctx: StrategyContext) -> TorchStrategy:
+    return AccelerateStrategy(cfg.name, ctx, AccelerateWrapper(cfg, ctx))
+
+
+FAMILY = StrategyFamily(family="accelerate", schema=AccelerateConfig, names={"accelerate": {}}, build=build)

@@ -1,0 +1,43 @@
+"""strategy=accelerate: the model prepared by Hugging Face Accelerate, launched by torchrun or `accelerate launch`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import FAST, ROOT, TRAIN, env, last_step, rel_diff, summary, train_ok
+
+pytestmark = pytest.mark.multiproc
+
+
+def _assert_same_losses(single: dict, other: dict) -> None:
+    assert len(other["losses"]) == len(single["losses"]) == 5
+    for step, (a, b) in enumerate(zip(other["losses"], single["losses"]), start=1):
+        assert rel_diff(a, b) < 1e-5, f"step {step}: {a} vs single {b}"
+
+
+def test_accelerate_ddp_under_torchrun_matches_single_with_ddps_figures(single_run, tmp_path):
+    _, single = single_run
+    s = train_ok(["strategy=accelerate", "logger=none", *FAST], run_dir=tmp_path, nproc=2)
+    _assert_same_losses(single, s)
+    assert "accelerate prepared the model as ddp" in (tmp_path / "logs" / "rank0.log").read_text()
+    n = s["num_params"]
+    for rec in last_step(tmp_path):
+        assert rec["memory/params_bytes"] == rec["memory/grads_bytes"] == 4 * n  # a replica per rank
+        assert rec["comm/all_reduce/bytes"] == 4 * n  # Accelerate's no_sync: one gradient all-reduce per step
+        assert rec["comm/all_reduce/time_s"] > 0
+
+
+def test_accelerate_launch_runs_the_same_training(single_run, tmp_path):
+    """`accelerate launch --multi_gpu` is torchrun underneath; on CPU our runtime picks gloo."""
+    _, single = single_run
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(TRAIN),
+           "strategy=accelerate", "logger=none", *FAST, f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    s = summary(tmp_path)
+    assert s["world_size"] == 2
+    _assert_same_losses(single, s)
