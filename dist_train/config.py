@@ -60,6 +60,10 @@ class StrategyConfig:
     def data_parallel_size(self, world_size: int) -> int:
         return world_size
 
+    def data_parallel_rank(self, rank: int, world_size: int) -> int:
+        """Which slice of the global batch `rank` trains on (ranks of one model replica share a slice)."""
+        return rank % self.data_parallel_size(world_size)
+
     def check(self, world_size: int) -> None:
         """Strategy-specific checks; world_size is the number of processes that will run."""
 

@@ -78,7 +78,8 @@ def build_session(
     dp = run.strategy.data_parallel_size(runtime.world_size)
     batches = GlobalBatches(
         build_dataset(run.data, vocab_size=run.model.vocab_size, seq_len=t.seq_len, seed=t.seed),
-        global_batch_size=t.global_batch_size, dp_rank=runtime.rank % dp, dp_size=dp,
+        global_batch_size=t.global_batch_size,
+        dp_rank=run.strategy.data_parallel_rank(runtime.rank, runtime.world_size), dp_size=dp,
     )
     session = Session(
         run=run, cfg=cfg, runtime=runtime, run_dir=run_dir, strategy=strategy, batches=batches, telemetry=None,
@@ -119,6 +120,8 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, flo
     )
     strategy = build_strategy(run.strategy, ctx)
     strategy.setup(model)
+    if tracker is not None:  # collectives also counted per device-mesh dimension (tp, dp) where there is a mesh
+        tracker.name_groups(getattr(strategy, "mesh_groups", dict)())
     return strategy, num_params, fpt
 
 

@@ -45,8 +45,8 @@ def test_defaults_validate_for_one_and_two_processes():
         (["precision.name=fp8"], 1, "precision.name='fp8'"),
         (["train.seq_len=4096"], 1, "train.seq_len=4096 exceeds model.max_seq_len"),
         (["model.num_heads=5"], 1, "model.hidden_size=64 must be divisible by model.num_heads=5"),
-        (["strategy=tp"], 3, "strategy=tp splits model.num_heads=4 across 3 processes"),
-        (["strategy=tp", "model.arch=llama", "model.num_kv_heads=1"], 2, "model.num_kv_heads=1 across 2"),
+        (["strategy=tp"], 3, "strategy=tp splits model.num_heads=4 3 ways"),
+        (["strategy=tp", "model.arch=llama", "model.num_kv_heads=1"], 2, "model.num_kv_heads=1 2 ways"),
         (["strategy=accelerate", "strategy.plugin=deepspeed"], 2, "strategy.plugin='deepspeed' is not supported"),
     ],
 )

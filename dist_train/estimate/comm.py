@@ -50,9 +50,11 @@ class Collective:
     bytes: float  # buffer bytes per step, all calls together
     what: str
     elem: int = 4  # bytes per element moved
+    dim: str = ""  # the mesh dimension it runs over (fsdp_tp: tp or dp); "" = the strategy's one group
+    group_size: int = 0  # ranks in that group; 0 = the group size the caller passes
 
     def ring_bytes(self, group_size: int) -> float:
-        return self.bytes * bus_factor(self.op, group_size)
+        return self.bytes * bus_factor(self.op, self.group_size or group_size)
 
     def ring_elements(self, group_size: int) -> float:
         """Elements each rank sends: the ZeRO paper's unit (2Ψ, 3Ψ)."""
@@ -65,6 +67,16 @@ def predict_comm(shape: ModelShape, setup: Setup) -> list[list[Collective]]:
         return [_pipeline(shape, setup, stage=k) for k in range(setup.num_stages)]
     if setup.family == "tp":
         return [_tensor_parallel(shape, setup)] * setup.world_size
+    if setup.family == "fsdp_tp":
+        from dataclasses import replace
+
+        from dist_train.estimate.memory import tp_rank_params
+
+        tp = [replace(c, dim="tp", group_size=setup.tp) for c in _tensor_parallel(shape, setup)]
+        # FSDP2 over the dp dimension, of what each TP rank holds (blocks split by tp, the rest whole)
+        fsdp = _fsdp(shape, setup, block_params=shape.num_layers * shape.layer_params_tp(setup.tp),
+                     num_params=tp_rank_params(shape, setup))
+        return [tp + [replace(c, dim="dp", group_size=setup.data_parallel_size) for c in fsdp]] * setup.world_size
     return [_data_parallel(shape, setup)] * setup.world_size
 
 
@@ -80,16 +92,7 @@ def _data_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
         return [Collective("all_reduce", num_params * b.grads, "gradients, once per step (no_sync while accumulating)",
                            int(b.grads))]
     if setup.kind == "fsdp":
-        # Each block is gathered in forward and, when resharded after it, again in backward; the root (embeddings,
-        # final norm, head) is gathered once per micro-batch and kept for backward (FSDP2's default for the root).
-        block_gathers = m * (2 if setup.reshard_after_forward else 1)
-        blocks = shape.num_layers * shape.layer_params()
-        compute = element_bytes(setup.precision)  # MixedPrecisionPolicy(param_dtype) gathers in the compute dtype
-        gathered = (block_gathers * blocks + m * (num_params - blocks)) * compute
-        return [
-            Collective("all_gather", gathered, f"parameters: blocks {block_gathers}x, root {m}x per step", compute),
-            Collective("reduce_scatter", num_params * 4, "fp32 gradients (reduce_dtype), once per step", 4),
-        ]
+        return _fsdp(shape, setup, block_params=shape.num_layers * shape.layer_params(), num_params=num_params)
     stage = setup.zero_stage
     if stage >= 3:
         # The paper gathers every parameter in forward and again in backward. DeepSpeed keeps a parameter
@@ -111,6 +114,21 @@ def _data_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
     return [
         Collective(op, reduces * num_params * b.grads, f"gradients, {reduces}x per step", int(b.grads)),
         Collective("all_gather", num_params * b.weights, "updated parameters after the step", int(b.weights)),
+    ]
+
+
+def _fsdp(shape: ModelShape, setup: Setup, *, block_params: float, num_params: float) -> list[Collective]:
+    """FSDP2 per block, then the root, of `num_params` parameters of which `block_params` are in blocks.
+
+    Each block is gathered in forward and, when resharded after it, again in backward; the root (embeddings,
+    final norm, head) is gathered once per micro-batch and kept for backward (FSDP2's default for the root)."""
+    m = setup.microbatches_per_step
+    block_gathers = m * (2 if setup.reshard_after_forward else 1)
+    compute = element_bytes(setup.precision)  # MixedPrecisionPolicy(param_dtype) gathers in the compute dtype
+    gathered = (block_gathers * block_params + m * (num_params - block_params)) * compute
+    return [
+        Collective("all_gather", gathered, f"parameters: blocks {block_gathers}x, root {m}x per step", compute),
+        Collective("reduce_scatter", num_params * 4, "fp32 gradients (reduce_dtype), once per step", 4),
     ]
 
 

@@ -99,7 +99,7 @@ def shards(setup: Setup) -> Shards:
     if setup.family == "zero":
         s = setup.zero_stage
         return Shards(weights=n if s >= 3 else 1, grads=n if s >= 2 else 1, optimizer=n)
-    if setup.kind == "fsdp":
+    if setup.kind in ("fsdp", "fsdp_tp"):
         return Shards(weights=n, grads=n, optimizer=n)
     return Shards(weights=1, grads=1, optimizer=1)
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from dist_train.config import PrecisionConfig
 
-FAMILIES = ("single", "dp", "ddp", "fsdp", "zero", "pipeline", "tp", "accelerate")
+FAMILIES = ("single", "dp", "ddp", "fsdp", "zero", "pipeline", "tp", "accelerate", "fsdp_tp")
 
 # name -> (family, ZeRO stage, pipeline schedule) for the strategies this project has or plans.
 KNOWN_STRATEGIES: dict[str, tuple[str, int, str]] = {
@@ -29,6 +29,7 @@ KNOWN_STRATEGIES: dict[str, tuple[str, int, str]] = {
     "1f1b": ("pipeline", 0, "1f1b"),
     "tp": ("tp", 0, ""),
     "accelerate": ("accelerate", 0, ""),
+    "fsdp_tp": ("fsdp_tp", 0, ""),
 }
 
 # How model state is stored (bytes per parameter; see memory.state_bytes):
@@ -73,6 +74,8 @@ class Setup:
     zero3_prefetch_bucket_size: int = 5 * 10**7
     # strategy=accelerate: what Accelerate wraps the model in (ddp | fsdp)
     plugin: str = "ddp"
+    # strategy=fsdp_tp: ranks per tensor-parallel group
+    tp: int = 2
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -91,18 +94,20 @@ class Setup:
 
     @property
     def data_parallel_size(self) -> int:
+        if self.family == "fsdp_tp":
+            return max(self.world_size // self.tp, 1)
         return 1 if self.family in ("single", "dp", "pipeline", "tp") else self.world_size
 
     @property
     def tensor_parallel_size(self) -> int:
-        return self.world_size if self.family == "tp" else 1
+        return {"tp": self.world_size, "fsdp_tp": self.tp}.get(self.family, 1)
 
     @property
     def comm_group_size(self) -> int:
         """Ranks in the group a rank's collectives run over (a pipeline's send/recv: a pair)."""
         if self.family == "pipeline":
             return 2
-        return self.tensor_parallel_size if self.family == "tp" else self.data_parallel_size
+        return self.tensor_parallel_size if self.family == "tp" else self.data_parallel_size  # fsdp_tp: by collective
 
     @property
     def num_stages(self) -> int:
@@ -138,6 +143,8 @@ def family_of(name: str, strategy: Optional[Mapping[str, Any]] = None) -> tuple[
         return "zero", int(s["stage"]), ""
     if "schedule" in s:
         return "pipeline", 0, str(s["schedule"])
+    if "tp" in s:
+        return "fsdp_tp", 0, ""
     if "reshard_after_forward" in s:
         return "fsdp", 0, ""
     if "bucket_cap_mb" in s:
@@ -182,6 +189,7 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         split_points=tuple(split) if split else None,
         reshard_after_forward=bool(strategy.get("reshard_after_forward", True)),
         plugin=str(strategy.get("plugin") or "ddp"),
+        tp=int(strategy.get("tp") or 2),
         **_zero3_fields(strategy),
     )
     fields.update(overrides)

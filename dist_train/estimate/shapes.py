@@ -100,6 +100,10 @@ class ModelShape:
             return self.layer_matmul_weights() + 3 * self.hidden_size + self.ffn
         return self.layer_matmul_weights()
 
+    def layer_params_tp(self, tp: int) -> float:
+        """Parameters of one layer that one rank of a `tp`-way tensor-parallel group holds."""
+        return self.layer_params() - self.layer_tp_sharded() * (1 - 1 / tp)
+
     def head_matmul_weights(self) -> int:
         """The LM head's weight (a matrix product whether or not it is tied to the embedding)."""
         return self.vocab_size * self.hidden_size

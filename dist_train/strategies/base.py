@@ -36,6 +36,21 @@ class StrategyContext:
     ddp_comm_hook: Callable[..., Any] | None = None
 
 
+def check_tensor_parallel(run: Any, tp: int, *, what: str) -> None:
+    """ConfigError unless the model can be split `tp` ways by tensor parallelism (heads, KV heads, MLP width)."""
+    from dist_train.config import require
+
+    m = run.model
+    require(m.arch in ("gpt2", "llama"), f"{what} supports model.arch gpt2 or llama, not {m.arch}")
+    kv = m.num_kv_heads or m.num_heads
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    for field, value in (("num_heads", m.num_heads), ("num_kv_heads", kv), ("ffn_hidden_size", ffn)):
+        require(
+            value % tp == 0,
+            f"{what} splits model.{field}={value} {tp} ways (tensor parallelism): it must be divisible by {tp}",
+        )
+
+
 # --------------------------------------------------------------------------------------------------
 # Shared pieces for strategies that drive a torch optimizer themselves (single, dp, ddp, fsdp).
 # --------------------------------------------------------------------------------------------------

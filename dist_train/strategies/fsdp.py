@@ -8,17 +8,14 @@ once per step: sync is off for all but the last micro-batch.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
 
-from dist_train.config import PrecisionConfig, StrategyConfig
+from dist_train.config import StrategyConfig
 from dist_train.contracts import StrategyFamily
-from dist_train.model import transformer_blocks
 from dist_train.strategies.base import StrategyContext
 from dist_train.strategies.torch_strategy import TorchStrategy
 
@@ -33,49 +30,25 @@ class FSDPConfig(StrategyConfig):
     reshard_after_forward: bool = True
 
 
-# torch.distributed.fsdp is imported where it is used: importing it (with DTensor and dynamo) costs every run
-# about 0.8 s of start-up, and the registry imports this module for its schema whatever the strategy.
-def mixed_precision(precision: PrecisionConfig) -> Any:
-    """Compute in the chosen dtype; keep fp32 shards and reduce gradients in fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=precision.dtype if precision.mixed else None, reduce_dtype=torch.float32)
-
-
 class FSDPWrapper:
+    # torch.distributed.fsdp (in _fsdp.py) is imported when a model is wrapped: importing it (with DTensor and
+    # dynamo) at module level would cost every run start-up time, since the registry imports this module.
     def __init__(self, cfg: FSDPConfig, ctx: StrategyContext) -> None:
         self.cfg, self.ctx = cfg, ctx
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+
+        from dist_train.strategies._fsdp import shard
 
         rt = self.ctx.runtime
         mesh = init_device_mesh(rt.device.type, (rt.world_size,))
-        kwargs = dict(
-            mesh=mesh,
-            reshard_after_forward=self.cfg.reshard_after_forward,
-            mp_policy=mixed_precision(self.ctx.precision),
-        )
-        # Blocks first, then the root (embeddings, final norm, head): each block is one all-gather unit.
-        for block in transformer_blocks(model):
-            fully_shard(block, **kwargs)
-        # The root's parameters are needed again as soon as backward starts, so FSDP2's default (None) keeps them
-        # gathered after forward; passing True would gather them twice per micro-batch for nothing (measured:
-        # 2 extra all-gathers per step on the tiny model). With reshard_after_forward=false nothing reshards.
-        fully_shard(model, **{**kwargs, "reshard_after_forward": None if self.cfg.reshard_after_forward else False})
-        return model
+        return shard(model, mesh, reshard_after_forward=self.cfg.reshard_after_forward, precision=self.ctx.precision)
 
-    @contextlib.contextmanager
-    def no_sync(self, wrapped: nn.Module) -> Iterator[None]:
-        from torch.distributed.fsdp import FSDPModule
+    def no_sync(self, wrapped: nn.Module) -> ContextManager[Any]:
+        from dist_train.strategies._fsdp import no_sync
 
-        assert isinstance(wrapped, FSDPModule)
-        wrapped.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            wrapped.set_requires_gradient_sync(True)
+        return no_sync(wrapped)
 
     def devices(self) -> list[torch.device]:
         return [self.ctx.runtime.device]

@@ -85,3 +85,7 @@ class TorchStrategy:
 
     def extra_metrics(self) -> dict[str, float]:
         return {}
+
+    def mesh_groups(self) -> dict[str, list[int]]:
+        """This rank's process group per named device-mesh dimension ({"tp": [0, 1]}); {} without a mesh."""
+        return getattr(self.wrapper, "mesh_groups", dict)()

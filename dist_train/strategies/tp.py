@@ -28,9 +28,9 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from dist_train.config import RunConfig, StrategyConfig, require
+from dist_train.config import RunConfig, StrategyConfig
 from dist_train.contracts import StrategyFamily
-from dist_train.strategies.base import StrategyContext
+from dist_train.strategies.base import StrategyContext, check_tensor_parallel
 from dist_train.strategies.torch_strategy import TorchStrategy
 
 
@@ -45,21 +45,13 @@ class TPConfig(StrategyConfig):
 
     def check_run(self, run: RunConfig, world_size: int) -> None:
         super().check_run(run, world_size)
-        m = run.model
-        require(m.arch in ("gpt2", "llama"), f"strategy=tp supports model.arch gpt2 or llama, not {m.arch}")
-        kv = m.num_kv_heads or m.num_heads
-        ffn = m.ffn_hidden_size or 4 * m.hidden_size
-        for field, value in (("num_heads", m.num_heads), ("num_kv_heads", kv), ("ffn_hidden_size", ffn)):
-            require(
-                value % world_size == 0,
-                f"strategy=tp splits model.{field}={value} across {world_size} processes: it must be divisible "
-                f"by the number of processes",
-            )
+        check_tensor_parallel(run, world_size, what="strategy=tp")
 
 
 class TPWrapper:
     def __init__(self, cfg: TPConfig, ctx: StrategyContext) -> None:
         self.cfg, self.ctx = cfg, ctx
+        self.mesh: Any = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -67,8 +59,11 @@ class TPWrapper:
         from dist_train.strategies._tensor_parallel import parallelize
 
         rt = self.ctx.runtime
-        mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",))
-        return parallelize(model.to(rt.device), mesh, arch=model.config.model_type)
+        self.mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",))
+        return parallelize(model.to(rt.device), self.mesh, arch=model.config.model_type)
+
+    def mesh_groups(self) -> dict[str, list[int]]:
+        return {"tp": list(range(self.ctx.runtime.world_size))}
 
     def no_sync(self, wrapped: nn.Module) -> ContextManager[Any]:
         return contextlib.nullcontext()  # no data parallelism: no gradient sync to hold back
@@ -77,26 +72,9 @@ class TPWrapper:
         return [self.ctx.runtime.device]
 
 
-class TPStrategy(TorchStrategy):
-    """A TorchStrategy whose state dicts hold GPT-2's fused q/k/v shards as plain column blocks.
-
-    torch.distributed.checkpoint writes each rank's shard as one contiguous chunk of the global tensor, which
-    a `_StridedShard` (a rank's q, k and v columns) is not; on save those tensors are laid out `Shard(dim)`
-    (same global values: any strategy can read them), on load put back. One tensor at a time is gathered."""
-
-    def state_dict(self) -> dict[str, Any]:
-        from dist_train.strategies._tensor_parallel import contiguous
-
-        state = super().state_dict()
-        return {k: ({n: contiguous(t) for n, t in v.items()} if isinstance(v, dict) else v) for k, v in state.items()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from dist_train.strategies._tensor_parallel import like
-
-        super().load_state_dict(like(state, super().state_dict()))
-
-
 def build(cfg: TPConfig, ctx: StrategyContext) -> TorchStrategy:
+    from dist_train.strategies._tensor_parallel import TPStrategy
+
     return TPStrategy(cfg.name, ctx, TPWrapper(cfg, ctx))
 
 

@@ -117,6 +117,7 @@ class _Record:
     group_size: int
     start_s: float
     inter_node: bool = False  # its process group (or, for send/recv, its peer) spans nodes
+    dim: str | None = None  # the device-mesh dimension its group is (tp, dp), where the strategy named them
     end_s: float | None = None
     start_event: Any = None
     end_event: Any = None
@@ -150,10 +151,17 @@ class OpTotals:
     timed_bytes: int = 0  # bytes of the ops whose completion time is known
     group_size: int = 1
     inter_node_bytes: int = 0  # bytes of the ops whose group spans nodes
+    # per named mesh dimension: [count, bytes, time_s] of the ops over that dimension's group
+    by_dim: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, rec: _Record, duration: float | None) -> None:
         self.count += 1
         self.bytes += rec.nbytes
+        if rec.dim is not None:
+            per = self.by_dim.setdefault(rec.dim, [0, 0, 0.0])
+            per[0] += 1
+            per[1] += rec.nbytes
+            per[2] += duration or 0.0
         self.inter_node_bytes += rec.nbytes if rec.inter_node else 0
         self.group_size = max(self.group_size, rec.group_size)
         if duration is not None:
@@ -182,6 +190,26 @@ class CommTracker:
     # inter-node from the ranks its process group holds (for send/recv: from its peer).
     nodes: tuple[str, ...] = ()
     _group_nodes: dict[int, int] = field(default_factory=dict)
+    # ranks of a group -> the mesh dimension it is (see `name_groups`); group id -> that name, cached
+    _dims: dict[frozenset[int], str] = field(default_factory=dict)
+    _group_dims: dict[int, str | None] = field(default_factory=dict)
+
+    def name_groups(self, groups: dict[str, list[int]]) -> None:
+        """Name this rank's process groups by mesh dimension ({"tp": [0, 1], "dp": [0, 2]}): their collectives
+        are then also counted under `comm/<name>/<op>/...`."""
+        self._dims.update({frozenset(ranks): name for name, ranks in groups.items()})
+        self._group_dims.clear()
+
+    def _dim(self, group: Any = None, *, ranks: Any = None) -> str | None:
+        if not self._dims:
+            return None
+        if ranks is not None:
+            return self._dims.get(frozenset(int(r) for r in ranks))
+        key = id(group)
+        if key not in self._group_dims:
+            members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            self._group_dims[key] = self._dims.get(frozenset(members))
+        return self._group_dims[key]
 
     @property
     def multi_node(self) -> bool:
@@ -297,7 +325,8 @@ class CommTracker:
         if size is None:
             size = dist.get_world_size(group) if group is not None else dist.get_world_size()
         inter = self._spans_nodes(group, ranks=ranks, peer=peer)
-        rec = _Record(op=op, nbytes=nbytes, group_size=size, start_s=time.perf_counter(), inter_node=inter)
+        dim = self._dim(group, ranks=ranks) if peer is None else None
+        rec = _Record(op=op, nbytes=nbytes, group_size=size, start_s=time.perf_counter(), inter_node=inter, dim=dim)
         if self.cuda_events:
             rec.start_event = torch.cuda.Event(enable_timing=True)
             rec.start_event.record()

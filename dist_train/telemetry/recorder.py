@@ -179,6 +179,10 @@ class Telemetry:
                 rec[f"comm/{op}/busbw_gbps"] = totals.busbw_gbps(op)
                 if self.tracker.multi_node:  # of those bytes, the ones whose group spans nodes
                     rec[f"comm/{op}/inter_node_bytes"] = totals.inter_node_bytes / n
+                for dim, (count, nbytes, time_s) in totals.by_dim.items():  # the same ops, by mesh dimension
+                    rec[f"comm/{dim}/{op}/count"] = count / n
+                    rec[f"comm/{dim}/{op}/bytes"] = nbytes / n
+                    rec[f"comm/{dim}/{op}/time_s"] = time_s / n
         rec.update(self.strategy.extra_metrics())
         rec["time/step_s"] = (self.step_end_s[-1] - self._window_start_s) / n
         rec["time/checkpoint_s"] = self._checkpoint_s / n
