@@ -75,3 +75,10 @@ def last_step(run_dir: Path) -> list[dict[str, Any]]:
 
 def rel_diff(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
+
+
+def assert_same_losses(single: dict[str, Any], other: dict[str, Any], *, steps: int = 5) -> None:
+    """Every step's loss within relative 1e-5 of one process's (summary.json of each), both `steps` long."""
+    assert len(other["losses"]) == len(single["losses"]) == steps
+    for step, (a, b) in enumerate(zip(other["losses"], single["losses"]), start=1):
+        assert rel_diff(a, b) < 1e-5, f"step {step}: {a} vs single {b}"

@@ -7,21 +7,16 @@ import sys
 
 import pytest
 
-from tests.helpers import FAST, ROOT, TRAIN, env, last_step, rel_diff, summary, train_ok
+from tests.helpers import FAST, ROOT, TRAIN, assert_same_losses, env, last_step, summary, train_ok
 
 pytestmark = pytest.mark.multiproc
 
-
-def _assert_same_losses(single: dict, other: dict) -> None:
-    assert len(other["losses"]) == len(single["losses"]) == 5
-    for step, (a, b) in enumerate(zip(other["losses"], single["losses"]), start=1):
-        assert rel_diff(a, b) < 1e-5, f"step {step}: {a} vs single {b}"
 
 
 def test_accelerate_ddp_under_torchrun_matches_single_with_ddps_figures(single_run, tmp_path):
     _, single = single_run
     s = train_ok(["strategy=accelerate", "logger=none", *FAST], run_dir=tmp_path, nproc=2)
-    _assert_same_losses(single, s)
+    assert_same_losses(single, s)
     assert "accelerate prepared the model as ddp" in (tmp_path / "logs" / "rank0.log").read_text()
     n = s["num_params"]
     for rec in last_step(tmp_path):
@@ -40,4 +35,4 @@ def test_accelerate_launch_runs_the_same_training(single_run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = summary(tmp_path)
     assert s["world_size"] == 2
-    _assert_same_losses(single, s)
+    assert_same_losses(single, s)

@@ -6,21 +6,16 @@ import pytest
 
 from dist_train.config import ModelConfig
 from dist_train.model import build_model
-from tests.helpers import FAST, last_step, rel_diff, train_ok
+from tests.helpers import FAST, assert_same_losses, last_step, train_ok
 
 pytestmark = pytest.mark.multiproc
 
-
-def _assert_same_losses(single: dict, other: dict) -> None:
-    assert len(other["losses"]) == len(single["losses"]) == 5
-    for step, (a, b) in enumerate(zip(other["losses"], single["losses"]), start=1):
-        assert rel_diff(a, b) < 1e-5, f"step {step}: {a} vs single {b}"
 
 
 def test_ddp_matches_single_and_all_reduces_one_gradient_per_step(single_run, tmp_path):
     _, single = single_run
     s = train_ok(["strategy=ddp", "logger=none", *FAST], run_dir=tmp_path, nproc=2)
-    _assert_same_losses(single, s)
+    assert_same_losses(single, s)
     assert s["world_size"] == 2 and s["accumulation_steps"] == 2
     n = s["num_params"]
     for rec in last_step(tmp_path):
@@ -41,7 +36,7 @@ def test_fsdp_matches_single_and_holds_half_the_model_state(single_run, tmp_path
         run_dir=tmp_path,
         nproc=2,
     )
-    _assert_same_losses(single, s)
+    assert_same_losses(single, s)
     n = s["num_params"]
     ranks = last_step(tmp_path)
     assert sum(r["memory/params_bytes"] for r in ranks) == 4 * n  # the shards add up to one copy

@@ -23,7 +23,7 @@ import pytest
 
 from dist_train.config import PrecisionConfig, TrainConfig
 from dist_train.strategies.zero import ZeroConfig, deep_merge, deepspeed_config
-from tests.helpers import FAST, ROOT, TRAIN, env, last_step, rel_diff, summary, train_ok
+from tests.helpers import FAST, ROOT, TRAIN, assert_same_losses, env, last_step, summary, train_ok
 
 N_RANKS = 2
 MICRO_PER_RANK = 2  # FAST: global batch 8 = 2 ranks x 2 micro-batches x 2 samples
@@ -117,11 +117,6 @@ def runs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("zero")
 
 
-def _assert_same_losses(single: dict, other: dict) -> None:
-    assert len(other["losses"]) == len(single["losses"]) == 5
-    for step, (a, b) in enumerate(zip(other["losses"], single["losses"]), start=1):
-        assert rel_diff(a, b) < 1e-5, f"step {step}: {a} vs single {b}"
-
 
 # Per step, per rank, from the last (steady-state) step; n = num_params, 4n = one fp32 copy.
 #   stage 1: the full gradient all-reduced once at the boundary (+ the 4-byte norm all-reduce),
@@ -144,7 +139,7 @@ def test_zero_matches_single_with_expected_collectives(single_run, runs_root, st
     _, single = single_run
     run = _zero_run(stage, runs_root)
     s = run["summary"]
-    _assert_same_losses(single, s)
+    assert_same_losses(single, s)
     assert s["world_size"] == N_RANKS and s["accumulation_steps"] == MICRO_PER_RANK
     n = s["num_params"]
     for rec in last_step(run["dir"]):
@@ -206,7 +201,7 @@ def test_deepspeed_launcher_runs_zero2_like_torchrun(single_run, tmp_path):
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     s = summary(tmp_path)
     assert s["world_size"] == N_RANKS and s["strategy"] == "zero2"
-    _assert_same_losses(single, s)
+    assert_same_losses(single, s)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -255,7 +250,7 @@ def test_active_clipping_matches_single(tmp_path):
     single = train_ok(["strategy=single", "logger=none", *FAST, *clip], run_dir=tmp_path / "single")
     zero = train_ok(["strategy=zero3", "logger=none", *FAST, *clip], run_dir=tmp_path / "zero3", nproc=N_RANKS)
     assert min(single["losses"]) < single["losses"][0]  # it still trains
-    _assert_same_losses(single, zero)
+    assert_same_losses(single, zero)
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_run():
