@@ -216,7 +216,7 @@ def _transient_rows(ranks: list[RankMemory], show: list[int]) -> list[list[objec
 
 def comm_section(shape: ModelShape, setup: Setup) -> str:
     per_rank = predict_comm(shape, setup)
-    worst = max(range(len(per_rank)), key=lambda r: ring_bytes(per_rank[r], group_size=setup.world_size))
+    worst = max(range(len(per_rank)), key=lambda r: ring_bytes(per_rank[r], group_size=setup.comm_group_size))
     colls = per_rank[worst]
     if not colls:
         return "communication per step: none (one process)"

@@ -21,9 +21,9 @@ parallelism all-reduces s x b x h activations inside every layer, forward and ba
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from dist_train.estimate.memory import element_bytes, state_bytes
+from dist_train.estimate.memory import element_bytes, state_bytes, tp_rank_params
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape
 
@@ -68,10 +68,6 @@ def predict_comm(shape: ModelShape, setup: Setup) -> list[list[Collective]]:
     if setup.family == "tp":
         return [_tensor_parallel(shape, setup)] * setup.world_size
     if setup.family == "fsdp_tp":
-        from dataclasses import replace
-
-        from dist_train.estimate.memory import tp_rank_params
-
         tp = [replace(c, dim="tp", group_size=setup.tp) for c in _tensor_parallel(shape, setup)]
         # FSDP2 over the dp dimension, of what each TP rank holds (blocks split by tp, the rest whole)
         fsdp = _fsdp(shape, setup, block_params=shape.num_layers * shape.layer_params_tp(setup.tp),

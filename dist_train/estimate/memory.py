@@ -179,8 +179,8 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
 def tp_rank_params(shape: ModelShape, setup: Setup) -> float:
     """Parameters one rank holds under tensor parallelism of degree t (all of them when t = 1): each layer's
     matmul weights and column-parallel biases split t ways, everything else whole."""
-    t = setup.tensor_parallel_size
-    return shape.num_params - shape.num_layers * shape.layer_tp_sharded() * (1 - 1 / t)
+    layers = shape.num_layers * shape.layer_params_tp(setup.tensor_parallel_size)
+    return shape.embedding_params() + layers + shape.head_params()
 
 
 def _param_elem(setup: Setup) -> int:

@@ -17,7 +17,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from dist_train.config import PrecisionConfig, TrainConfig
+from dist_train.config import PrecisionConfig, RunConfig, TrainConfig, require
 from dist_train.contracts import Batch, ModelState, Runtime
 from dist_train.model import forward_loss
 from dist_train.optim import OptimizerFactory
@@ -36,10 +36,8 @@ class StrategyContext:
     ddp_comm_hook: Callable[..., Any] | None = None
 
 
-def check_tensor_parallel(run: Any, tp: int, *, what: str) -> None:
+def check_tensor_parallel(run: RunConfig, tp: int, *, what: str) -> None:
     """ConfigError unless the model can be split `tp` ways by tensor parallelism (heads, KV heads, MLP width)."""
-    from dist_train.config import require
-
     m = run.model
     require(m.arch in ("gpt2", "llama"), f"{what} supports model.arch gpt2 or llama, not {m.arch}")
     kv = m.num_kv_heads or m.num_heads
