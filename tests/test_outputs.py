@@ -26,6 +26,11 @@ def test_ddp_with_wandb_offline_leaves_every_output_and_right_figures(single_run
     assert {"loss", "lr", "grad_norm", "time/step_s", "throughput/tokens_per_s", "memory/peak_rss_bytes",
             "memory/activations_bytes", "comm/all_reduce/busbw_gbps"} <= set(rows[-1])
     assert "mfu" not in rows[-1]  # no known peak FLOP/s on a CPU: no made-up MFU
+    # Bus bandwidth leaves out the time a rank waited for its peer to issue the same all-reduce.
+    for r in rows:
+        wait, time_s = r["comm/all_reduce/wait_s"], r["comm/all_reduce/time_s"]
+        assert 0 <= wait <= time_s
+        assert r["comm/all_reduce/busbw_gbps"] == pytest.approx(r["comm/all_reduce/bytes"] / (time_s - wait) / 1e9)
 
     # summary.json
     _, single = single_run

@@ -9,7 +9,7 @@ from dist_train.config import DataConfig, TrainConfig
 from dist_train.data import GlobalBatches, SyntheticDataset, TextFileDataset, build_dataset
 from dist_train.optim import LRSchedule
 from dist_train.telemetry.activations import ActivationMeter
-from dist_train.telemetry.comm import busbw_factor, busbw_gbps
+from dist_train.telemetry.comm import busbw_factor, busbw_gbps, peer_wait
 from dist_train.telemetry.flops import flops_per_token, peak_flops
 from dist_train.contracts import ModelState, tensor_bytes
 from dist_train.telemetry.wandb_sink import wandb_payload
@@ -28,6 +28,30 @@ def test_busbw_gbps_is_size_over_time_times_factor():
     # 1 GB all-reduced in 0.1 s on 4 ranks: algbw 10 GB/s, busbw 10 * 2 * 3/4 = 15 GB/s
     assert busbw_gbps("all_reduce", 1e9, 0.1, 4) == pytest.approx(15.0)
     assert busbw_gbps("all_gather", 1e9, 0.0, 4) == 0.0
+
+
+def test_peer_wait_takes_out_the_time_before_the_last_member_issued():
+    g = (0, 1)
+    calls = {
+        # rank 0 issues seq 0 at 1.0, rank 1 at 1.3; both finish at 1.5: 0.3 s of rank 0's 0.5 s is waiting
+        0: {"all_reduce": [(g, 0, 100, 1.0, 1.5), (g, 1, 100, 2.0, 2.2)]},
+        # seq 1: rank 1 is early (1.9) and waits 0.1 for rank 0
+        1: {"all_reduce": [(g, 0, 100, 1.3, 1.5), (g, 1, 100, 1.9, 2.2)]},
+    }
+    split = peer_wait(calls, {0: "a", 1: "a"})
+    assert split[0]["all_reduce"].wait_s == pytest.approx(0.3)
+    assert split[0]["all_reduce"].transfer_s == pytest.approx(0.4)
+    assert split[1]["all_reduce"].wait_s == pytest.approx(0.1)
+    assert split[1]["all_reduce"].transfer_s == pytest.approx(0.4)
+    assert split[1]["all_reduce"].timed_bytes == 200
+    # Clocks on different hosts are not compared, and a call some member has not completed is not matched:
+    # the whole time is then the transfer.
+    apart = peer_wait(calls, {0: "a", 1: "b"})
+    assert apart[0]["all_reduce"].wait_s == 0.0 and apart[0]["all_reduce"].transfer_s == pytest.approx(0.7)
+    partial = peer_wait({0: calls[0], 1: {"all_reduce": calls[1]["all_reduce"][:1]}}, {0: "a", 1: "a"})
+    assert partial[0]["all_reduce"].wait_s == pytest.approx(0.3)
+    # point-to-point ops carry no group: never matched
+    assert peer_wait({0: {"send": [(None, 0, 8, 0.0, 1.0)]}}, {0: "a"})[0]["send"].transfer_s == 1.0
 
 
 def test_lr_schedule_warmup_then_cosine_to_floor():

@@ -17,7 +17,9 @@ collective; events are read only when a logging window closes. Gloo gives no fut
 point-to-point work: for an asynchronous caller a small pool of watcher threads blocks in `work.wait()`
 (which releases the GIL) and stamps the time it returns. Gloo's send/recv `wait()` may run only once (a
 second waiter hangs), so for those the caller gets a stand-in Work that waits for the watcher instead.
-Times include waiting for the slowest peer, as in nccl-tests.
+Times include waiting for the slowest peer. nccl-tests time after a barrier, so bus bandwidth is computed
+from the rest: when a logging window closes the ranks compare when each issued the same collective
+(`peer_wait`), and the time before the group's last member issued it is reported as `wait_s`.
 
 DTensor's functional collectives (`torch.distributed._functional_collectives`, e.g. the all-reduce of
 FSDP2's gradient-norm) are counted and sized but not timed: their completion is a lazy `wait_tensor`.
@@ -118,6 +120,10 @@ class _Record:
     start_s: float
     inter_node: bool = False  # its process group (or, for send/recv, its peer) spans nodes
     dim: str | None = None  # the device-mesh dimension its group is (tp, dp), where the strategy named them
+    # the ranks of its group and its place in that group's sequence of collectives: the same collective on
+    # every member has the same (group, seq), which is how `peer_wait` matches them across ranks
+    group: tuple[int, ...] | None = None
+    seq: int = 0
     end_s: float | None = None
     start_event: Any = None
     end_event: Any = None
@@ -151,6 +157,8 @@ class OpTotals:
     timed_bytes: int = 0  # bytes of the ops whose completion time is known
     group_size: int = 1
     inter_node_bytes: int = 0  # bytes of the ops whose group spans nodes
+    # each timed op on the wall clock: (group ranks or None, seq, bytes, start_s, end_s), for `peer_wait`
+    calls: list[tuple[tuple[int, ...] | None, int, int, float, float]] = field(default_factory=list)
     # per named mesh dimension: [count, bytes, time_s] of the ops over that dimension's group
     by_dim: dict[str, list[float]] = field(default_factory=dict)
 
@@ -167,6 +175,8 @@ class OpTotals:
         if duration is not None:
             self.time_s += duration
             self.timed_bytes += rec.nbytes
+            if rec.start_event is None:  # CUDA events have no common clock across ranks
+                self.calls.append((rec.group, rec.seq, rec.nbytes, rec.start_s, rec.start_s + duration))
 
     def busbw_gbps(self, op: str) -> float:
         """Bus bandwidth of the timed ops of this window, nccl-tests conventions."""
@@ -193,6 +203,8 @@ class CommTracker:
     # ranks of a group -> the mesh dimension it is (see `name_groups`); group id -> that name, cached
     _dims: dict[frozenset[int], str] = field(default_factory=dict)
     _group_dims: dict[int, str | None] = field(default_factory=dict)
+    _group_ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)  # group id -> its ranks, cached
+    _seq: dict[tuple[int, ...], int] = field(default_factory=dict)  # group ranks -> collectives issued on it
 
     def name_groups(self, groups: dict[str, list[int]]) -> None:
         """Name this rank's process groups by mesh dimension ({"tp": [0, 1], "dp": [0, 2]}): their collectives
@@ -325,14 +337,29 @@ class CommTracker:
         if size is None:
             size = dist.get_world_size(group) if group is not None else dist.get_world_size()
         inter = self._spans_nodes(group, ranks=ranks, peer=peer)
-        dim = self._dim(group, ranks=ranks) if peer is None else None
-        rec = _Record(op=op, nbytes=nbytes, group_size=size, start_s=time.perf_counter(), inter_node=inter, dim=dim)
+        dim = self._dim(group, ranks=ranks)  # send/recv too: over a pipeline's group (pp_dp) they are its traffic
+        # send/recv pair two ranks, not a group: they take no place in the group's sequence of collectives
+        members = self._members(group, ranks=ranks) if op not in ("send", "recv") else None
+        rec = _Record(op=op, nbytes=nbytes, group_size=size, start_s=time.perf_counter(), inter_node=inter, dim=dim,
+                      group=members)
         if self.cuda_events:
             rec.start_event = torch.cuda.Event(enable_timing=True)
             rec.start_event.record()
         with self._lock:
+            if members is not None:
+                rec.seq = self._seq.get(members, 0)
+                self._seq[members] = rec.seq + 1
             self._records.append(rec)
         return rec
+
+    def _members(self, group: Any = None, *, ranks: Any = None) -> tuple[int, ...]:
+        if ranks is not None:
+            return tuple(sorted(int(r) for r in ranks))
+        key = id(group)
+        if key not in self._group_ranks:
+            members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            self._group_ranks[key] = tuple(sorted(members))
+        return self._group_ranks[key]
 
     def _on_complete(self, recs: list[_Record], work: Any) -> Any:
         """Stamp completion from the work's future; never waits. Returns the work to hand to the caller."""
@@ -516,3 +543,48 @@ class _WatchedWork:
 
 def name_blocks(fn: Callable) -> bool:
     return getattr(fn, "__name__", "") in ("send", "recv")
+
+
+Call = tuple[tuple[int, ...] | None, int, int, float, float]  # group ranks, seq, bytes, start_s, end_s
+
+
+@dataclass
+class Transfer:
+    """One op's figures on one rank over a window, with the time spent waiting for peers taken out."""
+
+    wait_s: float = 0.0  # from this rank's issue until the last member of the group had issued the same call
+    transfer_s: float = 0.0  # the rest: the collective moving data, every member present
+    timed_bytes: int = 0
+
+
+def peer_wait(calls_by_rank: dict[int, dict[str, list[Call]]], node_of: dict[int, Any]) -> dict[int, dict[str, Transfer]]:
+    """Split each rank's collective time into waiting for the group's last member and the transfer itself.
+
+    A collective cannot start before every member has issued it; the time a rank spends before that is
+    the peers' lateness (uneven compute, a straggler), not the network's. nccl-tests measure after a
+    barrier, so only the transfer compares with them: bus bandwidth is bytes over transfer time.
+
+    The same call is matched on every member by (group ranks, seq). Issue times are compared only where
+    all members share a host (`time.perf_counter` is one monotonic clock per machine) and all of them
+    completed the call in this window; anywhere else the whole time counts as transfer.
+    """
+    issued: dict[tuple[tuple[int, ...], int], list[float]] = {}
+    for calls in calls_by_rank.values():
+        for op_calls in calls.values():
+            for group, seq, _, start, _ in op_calls:
+                if group is not None:
+                    issued.setdefault((group, seq), []).append(start)
+    out: dict[int, dict[str, Transfer]] = {}
+    for rank, calls in calls_by_rank.items():
+        per_op = out.setdefault(rank, {})
+        for op, op_calls in calls.items():
+            t = per_op.setdefault(op, Transfer())
+            for group, seq, nbytes, start, end in op_calls:
+                starts = issued.get((group, seq), []) if group is not None else []
+                same_host = group is not None and len({node_of.get(r) for r in group}) == 1
+                last = max(starts) if same_host and len(starts) == len(group) else start
+                wait = min(max(last - start, 0.0), end - start)
+                t.wait_s += wait
+                t.transfer_s += end - start - wait
+                t.timed_bytes += nbytes
+    return out

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from dist_train.contracts import Runtime, StepOutput, Strategy
 from dist_train.telemetry.activations import ActivationMeter
-from dist_train.telemetry.comm import CommTracker
+from dist_train.telemetry.comm import CommTracker, busbw_gbps, peer_wait
 from dist_train.telemetry.memory import HostPeak, cuda_peaks, reset_cuda_peaks
 from dist_train.telemetry.sinks import Sink
 
@@ -127,7 +127,9 @@ class Telemetry:
             self.step_end_s[-1] = time.perf_counter()
         first_step = step - len(self._window) + 1
         local = self._local_record(step)
-        records, losses, norms = self._add_global(self._gather(local))
+        gathered = self._gather(local)
+        self._add_transfers(gathered, len(self._window))
+        records, losses, norms = self._add_global(gathered)
         self._window, self._window_start_s = [], self.step_end_s[-1]
         self._checkpoint_s = 0.0
         self._reset_peaks()
@@ -172,17 +174,22 @@ class Telemetry:
         rec.update(cuda_peaks(self.strategy.devices))
         rec["memory/peak_rss_bytes"] = self._host.peak_bytes()
         if self.tracker is not None:
+            calls: dict[str, Any] = {}
+            group_sizes: dict[str, int] = {}
             for op, totals in self.tracker.drain().items():
                 rec[f"comm/{op}/count"] = totals.count / n
                 rec[f"comm/{op}/bytes"] = totals.bytes / n
                 rec[f"comm/{op}/time_s"] = totals.time_s / n
-                rec[f"comm/{op}/busbw_gbps"] = totals.busbw_gbps(op)
+                rec[f"comm/{op}/busbw_gbps"] = totals.busbw_gbps(op)  # until `_add_transfers` takes out the waits
+                calls[op], group_sizes[op] = totals.calls, totals.group_size
                 if self.tracker.multi_node:  # of those bytes, the ones whose group spans nodes
                     rec[f"comm/{op}/inter_node_bytes"] = totals.inter_node_bytes / n
                 for dim, (count, nbytes, time_s) in totals.by_dim.items():  # the same ops, by mesh dimension
                     rec[f"comm/{dim}/{op}/count"] = count / n
                     rec[f"comm/{dim}/{op}/bytes"] = nbytes / n
                     rec[f"comm/{dim}/{op}/time_s"] = time_s / n
+            if not self.tracker.cuda_events:  # wall-clock issue times: comparable across the ranks of a host
+                rec["_comm_calls"], rec["_comm_group_size"] = calls, group_sizes
         rec.update(self.strategy.extra_metrics())
         rec["time/step_s"] = (self.step_end_s[-1] - self._window_start_s) / n
         rec["time/checkpoint_s"] = self._checkpoint_s / n
@@ -204,6 +211,18 @@ class Telemetry:
         with self.tracker.paused() if self.tracker is not None else contextlib.nullcontext():
             dist.all_gather_object(out, local)
         return out
+
+    @staticmethod
+    def _add_transfers(records: list[dict[str, Any]], num_steps: int) -> None:
+        """Each rank's time waiting for its peers (`comm/<op>/wait_s`), and bus bandwidth from the rest."""
+        if "_comm_calls" not in records[0]:
+            return
+        split = peer_wait({r["rank"]: r["_comm_calls"] for r in records}, {r["rank"]: r["node"] for r in records})
+        for r in records:
+            for op, t in split[r["rank"]].items():
+                r[f"comm/{op}/wait_s"] = t.wait_s / num_steps
+                if t.timed_bytes:
+                    r[f"comm/{op}/busbw_gbps"] = busbw_gbps(op, t.timed_bytes, t.transfer_s, r["_comm_group_size"][op])
 
     def _add_global(
         self, records: list[dict[str, Any]]
