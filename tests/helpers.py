@@ -82,3 +82,12 @@ def assert_same_losses(single: dict[str, Any], other: dict[str, Any], *, steps: 
     assert len(other["losses"]) == len(single["losses"]) == steps
     for step, (a, b) in enumerate(zip(other["losses"], single["losses"]), start=1):
         assert rel_diff(a, b) < 1e-5, f"step {step}: {a} vs single {b}"
+
+
+def compare_from(out: Path, *run_dirs: Path) -> dict[str, dict[str, Any]]:
+    """The comparison report of runs that already happened (`compare.from`), by strategy."""
+    cmd = [sys.executable, "launch/compare.py", f"compare.out_dir={out}", "compare.wandb=false",
+           f"compare.from=[{','.join(str(d) for d in run_dirs)}]"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["strategy"]: r for r in json.loads((out / "table.json").read_text())}

@@ -1,5 +1,5 @@
-"""Pipeline parallelism (gpipe / 1f1b): the stage split, the stages themselves, bad input, and real
-2-process runs compared with one process (losses, grad norm, per-stage memory, send/recv, bubble)."""
+"""Pipeline parallelism (gpipe / 1f1b / pp_dp): the stage split, the stages themselves, bad input, and real
+2- and 4-process runs compared with one process (losses, grad norm, per-stage memory, send/recv, bubble)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from dist_train.strategies.pipeline import PipelineConfig
 from dist_train.model import build_model
 from dist_train.strategies.pipeline import bubble_formula
 from dist_train.strategies.pipeline_stages import build_stage, is_tied, param_counts, split_layers, stage_ranges
-from tests.helpers import FAST, launch, metrics, rel_diff, train_ok
+from dist_train.checkpoint.layout import step_dir_name
+from tests.conftest import CHECKPOINTED
+from tests.helpers import FAST, assert_same_losses, compare_from, last_step, launch, metrics, rel_diff, train_ok
 
 TINY_LLAMA = [
     "model=llama_1b", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
@@ -130,6 +132,15 @@ def test_chained_stages_equal_the_full_model(cfg):
         (PipelineConfig(), None, None, "fp16", 2, "precision=fp16"),
         (PipelineConfig(), None, None, "fp32", 1, "WORLD_SIZE=1"),
         (PipelineConfig(schedule="1f1b"), None, None, "fp32", 2, "strategy.schedule='1f1b' contradicts"),
+        # pp_dp: K stages of world / K replicas each
+        (PipelineConfig(name="pp_dp", pp=3), None, None, "fp32", 4, "strategy.pp=3 must divide the number of processes (4)"),
+        (PipelineConfig(name="pp_dp", pp=1), None, None, "fp32", 4, "strategy.pp=1 must be >= 2"),
+        (PipelineConfig(name="pp_dp", pp=2, dp_mode="zero"), None, None, "fp32", 4, "strategy.dp_mode='zero'"),
+        (PipelineConfig(name="pp_dp", pp=2), None, TrainConfig(global_batch_size=6, micro_batch_size=1), "fp32", 8,
+         "must be divisible by the 4 data-parallel replicas"),
+        (PipelineConfig(name="pp_dp", pp=2), None, TrainConfig(global_batch_size=8, micro_batch_size=3), "fp32", 4,
+         "the 4 samples per replica (4) must be divisible by train.micro_batch_size=3"),
+        (PipelineConfig(name="pp_dp", pp=4), ModelConfig(num_layers=3), None, "fp32", 8, "(strategy.pp=4)"),
     ],
 )
 def test_bad_pipeline_config_is_one_line(strategy, model, train, precision, world, needle):
@@ -144,6 +155,7 @@ def test_good_pipeline_configs_validate():
     validate(RunConfig(strategy=PipelineConfig(num_microbatches=8)), 2)
     validate(RunConfig(strategy=PipelineConfig(split_points=[1, 3])), 3)
     validate(RunConfig(strategy=PipelineConfig(name="1f1b", schedule="1f1b")), 4)  # 8 // 2 = 4 micro-batches
+    validate(RunConfig(strategy=PipelineConfig(name="pp_dp", pp=2, dp_mode="fsdp")), 4)
 
 
 @pytest.mark.multiproc
@@ -279,3 +291,56 @@ def test_llama_1f1b_with_more_microbatches_matches_single(tmp_path):
     assert sum(r["memory/params_bytes"] for r in ranks) == 4 * run[1]["num_params"]
     assert [r["pipeline/micro_batch_size"] for r in ranks] == [1, 1]
     _assert_pipeline_telemetry(ranks, micro=8, send_bytes=8 * (1 * 64 * 64 * 4))
+
+
+# --------------------------------------------------------------------------------------------------
+# pp_dp: 2 stages x 2 replicas on 4 processes (rank = stage * 2 + replica).
+# --------------------------------------------------------------------------------------------------
+STAGE_PARAMS = {0: EMBED + 2 * BLOCK, 1: 2 * BLOCK + HEAD}  # model=tiny split 2 + 2 blocks
+
+
+@pytest.mark.multiproc
+def test_pp_dp_replicated_stages_match_single_with_tied_embeddings(tmp_path):
+    """Each stage whole on both replicas: one all-reduce of its gradients over them per step, the tied
+    embedding/head gradient summed within each replica, the same losses as one process."""
+    tied = ["model.tie_embeddings=true", "logger=none", *FAST]
+    single = (tmp_path / "single", train_ok(["strategy=single", *tied], run_dir=tmp_path / "single"))
+    run = (tmp_path / "pp_dp", train_ok(["strategy=pp_dp", *tied], run_dir=tmp_path / "pp_dp", nproc=4))
+    _assert_same_as_single(single, run)
+    assert run[1]["data_parallel_size"] == 2
+    for r in _last_records(run[0]):
+        own = STAGE_PARAMS[r["rank"] // 2]
+        assert r["pipeline/num_replicas"] == 2 and r["pipeline/stage"] == r["rank"] // 2
+        assert r["memory/params_bytes"] == 4 * own
+        assert r["comm/dp/all_reduce/bytes"] == 4 * own
+        # the norm over the pipeline's stages, and the tied gradient between its first and last stage (with
+        # 2 stages, that pair is the pipeline's group too)
+        assert r["comm/pp/all_reduce/bytes"] == 4 + 4 * 256 * 64
+        assert r["comm/all_reduce/bytes"] == 4 * own + 4 + 4 * 256 * 64
+        assert r["comm/pp/send/bytes"] == r["comm/pp/recv/bytes"] == 2 * ACTIVATION_BYTES
+
+
+@pytest.mark.multiproc
+def test_pp_dp_fsdp_stages_match_single_predicted_and_resume_under_one_process(straight_run, tmp_path):
+    """FSDP2 inside each stage, 1F1B: half a stage per rank, the traffic the estimator predicts by mesh
+    dimension, and a checkpoint one process resumes from."""
+    single_dir, single = straight_run("single")
+    run_dir = tmp_path / "pp_dp"
+    s = train_ok(["strategy=pp_dp", "strategy.dp_mode=fsdp", "strategy.schedule=1f1b", *CHECKPOINTED],
+                 run_dir=run_dir, nproc=4)
+    assert_same_losses(single, s, steps=8)
+    for r in last_step(run_dir):
+        own = STAGE_PARAMS[r["rank"] // 2]
+        assert r["memory/params_bytes"] == pytest.approx(4 * own / 2, rel=0.01)
+        assert r["comm/dp/reduce_scatter/bytes"] == 4 * own
+        # 2 micro-batches: each block gathered for both forwards and once at the first backward, the root once
+        assert r["comm/dp/all_gather/bytes"] == 4 * (3 * 2 * BLOCK + own - 2 * BLOCK)
+        assert r["comm/pp/send/bytes"] == r["comm/pp/recv/bytes"] == 2 * ACTIVATION_BYTES
+    rows = compare_from(tmp_path / "compare", single_dir, run_dir)
+    assert rows["pp_dp"]["prediction_ok"] is True, rows["pp_dp"]
+    assert rows["pp_dp"]["agrees"] is True, rows["pp_dp"]["verdict"]
+    step4 = run_dir / "checkpoints" / step_dir_name(4)
+    alone = train_ok(["strategy=single", "logger=none", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
+                     run_dir=tmp_path / "alone")
+    for step in range(4, 8):
+        assert rel_diff(alone["losses"][step], s["losses"][step]) < 1e-6, step

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import pytest
 
@@ -12,7 +9,7 @@ from dist_train.checkpoint.layout import step_dir_name
 from dist_train.config import ModelConfig
 from dist_train.model import build_model, transformer_blocks
 from tests.conftest import CHECKPOINTED
-from tests.helpers import FAST, ROOT, assert_same_losses, env, last_step, rel_diff, train_ok
+from tests.helpers import FAST, assert_same_losses, compare_from, last_step, rel_diff, train_ok
 
 pytestmark = pytest.mark.multiproc
 
@@ -94,7 +91,7 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_single_and_names_each_dimensions_traffic(
         assert rec["comm/dp/all_gather/bytes"] == rec["comm/all_gather/bytes"] > 0
         activation = 2 * 64 * 64 * 4
         assert 2 * 4 * 4 * activation <= rec["comm/tp/all_reduce/bytes"] <= 2 * 4 * 4 * activation + 1024
-    rows = _compare(tmp_path / "compare", single_dir, run_dir)
+    rows = compare_from(tmp_path / "compare", single_dir, run_dir)
     assert rows["fsdp_tp"]["prediction_ok"] is True, rows["fsdp_tp"]
     assert rows["fsdp_tp"]["agrees"] is True, rows["fsdp_tp"]["verdict"]
 
@@ -109,11 +106,3 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_single_and_names_each_dimensions_traffic(
                      run_dir=tmp_path / "alone")
     for step in range(4, 8):
         assert rel_diff(alone["losses"][step], s["losses"][step]) < 1e-6, step
-
-
-def _compare(out, *run_dirs) -> dict[str, dict]:
-    cmd = [sys.executable, "launch/compare.py", f"compare.out_dir={out}", "compare.wandb=false",
-           f"compare.from=[{','.join(str(d) for d in run_dirs)}]"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["strategy"]: r for r in json.loads((out / "table.json").read_text())}

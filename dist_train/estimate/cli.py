@@ -222,7 +222,7 @@ def comm_section(shape: ModelShape, setup: Setup) -> str:
         return "communication per step: none (one process)"
     n = setup.comm_group_size
     psi = shape.num_params
-    rows = [[c.op, human_bytes(c.bytes), f"{c.elem} B", f"{bus_factor(c.op, n):.3f}", human_bytes(c.ring_bytes(n)),
+    rows = [[c.op, human_bytes(c.bytes), f"{c.elem} B", f"{bus_factor(c.op, c.group_size or n):.3f}", human_bytes(c.ring_bytes(n)),
              f"{c.ring_elements(n) / psi:.3f} Ψ", c.what] for c in colls]
     total_ring = ring_bytes(colls, group_size=n)
     return "\n".join([

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from dist_train.estimate.memory import element_bytes, state_bytes, tp_rank_params
 from dist_train.estimate.setup import Setup
-from dist_train.estimate.shapes import ModelShape
+from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
 
 # DeepSpeed's default `stage3_max_reuse_distance` (elements): a parameter released after forward stays
 # gathered if it is used again within this many fetched elements. A whole model at most this size is
@@ -64,7 +64,8 @@ class Collective:
 def predict_comm(shape: ModelShape, setup: Setup) -> list[list[Collective]]:
     """For every rank, the collectives of one optimizer step."""
     if setup.family == "pipeline":
-        return [_pipeline(shape, setup, stage=k) for k in range(setup.num_stages)]
+        stages = [_pipeline(shape, setup, stage=k) for k in range(setup.num_stages)]
+        return [stages[rank // setup.data_parallel_size] for rank in range(setup.world_size)]
     if setup.family == "tp":
         return [_tensor_parallel(shape, setup)] * setup.world_size
     if setup.family == "fsdp_tp":
@@ -134,9 +135,35 @@ def _pipeline(shape: ModelShape, setup: Setup, *, stage: int) -> list[Collective
     elem = 4 if setup.resolved_regime == "autocast" else element_bytes(setup.precision)
     boundary = setup.seq_len * setup.micro_batch_size * shape.hidden_size * elem
     sends = (stage < k - 1) + (stage > 0)  # activations forward, gradients backward
+    d = setup.data_parallel_size
+    dim = "pp" if d > 1 else ""
+    out = [
+        Collective("send", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem, dim=dim),
+        Collective("recv", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem, dim=dim),
+    ]
+    if d > 1:
+        out += [replace(c, dim="dp", group_size=d) for c in _stage_data_parallel(shape, setup, stage=stage)]
+    return out
+
+
+def _stage_data_parallel(shape: ModelShape, setup: Setup, *, stage: int) -> list[Collective]:
+    """A stage's replicas (strategy=pp_dp), reduced once per step after the last micro-batch's backward.
+
+    Parameters stay fp32 (the stage computes under autocast, as a plain pipeline does), so all traffic is
+    fp32. FSDP2 inside a schedule (measured, GPipe and 1F1B alike): a block is gathered for each micro-batch's
+    forward and once more at the first backward, then kept until the step's last backward (the schedule turns
+    off resharding after backward until then): m + 1 gathers; the stage's root is not resharded after forward
+    (FSDP2's root default): 1 gather."""
+    k, m = setup.num_stages, setup.microbatches_per_step
+    split = list(setup.split_points) if setup.split_points else None
+    params = stage_params(shape, num_stages=k, split_points=split)[stage]
+    if setup.dp_mode == "replicate":
+        return [Collective("all_reduce", params * 4, "the stage's fp32 gradients over its replicas, once per step", 4)]
+    blocks = stage_layers(shape, num_stages=k, split_points=split)[stage] * shape.layer_params()
     return [
-        Collective("send", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem),
-        Collective("recv", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem),
+        Collective("all_gather", ((m + 1) * blocks + (params - blocks)) * 4,
+                   f"the stage's parameters: blocks {m + 1}x, root 1x per step", 4),
+        Collective("reduce_scatter", params * 4, "the stage's fp32 gradients, once per step", 4),
     ]
 
 

@@ -99,7 +99,7 @@ def shards(setup: Setup) -> Shards:
     if setup.family == "zero":
         s = setup.zero_stage
         return Shards(weights=n if s >= 3 else 1, grads=n if s >= 2 else 1, optimizer=n)
-    if setup.kind in ("fsdp", "fsdp_tp"):
+    if setup.kind in ("fsdp", "fsdp_tp") or (setup.family == "pipeline" and setup.dp_mode == "fsdp"):
         return Shards(weights=n, grads=n, optimizer=n)
     return Shards(weights=1, grads=1, optimizer=1)
 
@@ -173,7 +173,7 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
         act = activation_bytes(shape, setup=setup, **shared)
         copies = weight_copy_bytes(shape, setup=setup, **shared)
         out.append(RankMemory(state.params, state.grads, state.master, state.optimizer, act, copies))
-    return out
+    return [out[rank // setup.data_parallel_size] for rank in range(setup.world_size)]  # rank = stage * D + replica
 
 
 def tp_rank_params(shape: ModelShape, setup: Setup) -> float:

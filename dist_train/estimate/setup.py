@@ -27,6 +27,7 @@ KNOWN_STRATEGIES: dict[str, tuple[str, int, str]] = {
     "zero3": ("zero", 3, ""),
     "gpipe": ("pipeline", 0, "gpipe"),
     "1f1b": ("pipeline", 0, "1f1b"),
+    "pp_dp": ("pipeline", 0, "gpipe"),
     "tp": ("tp", 0, ""),
     "accelerate": ("accelerate", 0, ""),
     "fsdp_tp": ("fsdp_tp", 0, ""),
@@ -76,6 +77,9 @@ class Setup:
     plugin: str = "ddp"
     # strategy=fsdp_tp: ranks per tensor-parallel group
     tp: int = 2
+    # pipelines: stages (None = one per rank); world / pp replicas, each stage replicated or FSDP-sharded
+    pp: Optional[int] = None
+    dp_mode: str = "replicate"
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -96,7 +100,9 @@ class Setup:
     def data_parallel_size(self) -> int:
         if self.family == "fsdp_tp":
             return max(self.world_size // self.tp, 1)
-        return 1 if self.family in ("single", "dp", "pipeline", "tp") else self.world_size
+        if self.family == "pipeline":
+            return max(self.world_size // self.num_stages, 1)  # replicas of the pipeline
+        return 1 if self.family in ("single", "dp", "tp") else self.world_size
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -104,14 +110,17 @@ class Setup:
 
     @property
     def comm_group_size(self) -> int:
-        """Ranks in the group a rank's collectives run over (a pipeline's send/recv: a pair)."""
+        """Ranks in the group a rank's collectives run over (a pipeline's send/recv: a pair; its replicas'
+        collectives name their own group size)."""
         if self.family == "pipeline":
             return 2
         return self.tensor_parallel_size if self.family == "tp" else self.data_parallel_size  # fsdp_tp: by collective
 
     @property
     def num_stages(self) -> int:
-        return self.world_size if self.family == "pipeline" else 1
+        if self.family != "pipeline":
+            return 1
+        return self.pp if self.pp is not None else self.world_size
 
     @property
     def microbatches_per_step(self) -> int:
@@ -190,6 +199,8 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         reshard_after_forward=bool(strategy.get("reshard_after_forward", True)),
         plugin=str(strategy.get("plugin") or "ddp"),
         tp=int(strategy.get("tp") or 2),
+        pp=int(strategy["pp"]) if strategy.get("pp") is not None else None,
+        dp_mode=str(strategy.get("dp_mode") or "replicate"),
         **_zero3_fields(strategy),
     )
     fields.update(overrides)

@@ -1,17 +1,28 @@
-"""Pipeline parallelism on `torch.distributed.pipelining`: GPipe or 1F1B, one stage per rank.
+"""Pipeline parallelism on `torch.distributed.pipelining`: GPipe or 1F1B, one stage per rank, or pipelines
+that are themselves data-parallel (strategy=pp_dp).
 
-The model (built identically on every rank) is cut into K = world-size stages of contiguous
-transformer blocks, balanced by parameter count unless `split_points` is given; the first stage also
-runs the embeddings, the last the final norm, the LM head and the loss. Every rank receives the whole
-global batch: the schedule cuts it into `num_microbatches` micro-batches, stage 0 feeds the token ids,
-the last stage the labels, and activations / their gradients travel by send/recv between neighbours.
+The model (built identically on every rank) is cut into K stages of contiguous transformer blocks,
+balanced by parameter count unless `split_points` is given; the first stage also runs the embeddings, the
+last the final norm, the LM head and the loss. K is the world size (gpipe, 1f1b), or `strategy.pp`: then
+D = world / K replicas of the pipeline each train on 1/D of the global batch, on a (pp, dp) mesh with
+rank = stage * D + replica (torchtitan's order: pipeline groups strided, a stage's replicas consecutive,
+one node's GPUs). Each stage is data-parallel over its D copies, `strategy.dp_mode` says how: `replicate`
+(torch's FSDP-based `replicate`: one all-reduce of the stage's gradients per step) or `fsdp` (FSDP2
+shards each block and the stage root over the replicas). Both run through the schedule's own support:
+gradients are reduced once, after the last micro-batch's backward.
+
+Each replica's schedule cuts its batch into `num_microbatches` micro-batches, stage 0 feeds the token
+ids, the last stage the labels, and activations / their gradients travel by send/recv between
+neighbours.
 
 Matching one process (the same-loss promise):
 - each micro-batch's loss is divided by M inside the loss function and the schedule does not rescale
   (`scale_grads=False`): the accumulated gradient is the gradient of the mean over the global batch,
   computed exactly as `accumulate` does for the other strategies;
 - the gradient norm is global: every stage's squared norm is all-reduced before clipping, so every
-  stage clips by the same coefficient a single process would use;
+  stage clips by the same coefficient a single process would use (over the pipeline's stages once the
+  replicas agree, over every rank when FSDP shards them);
+- data-parallel replicas average their gradients, so the step is the gradient of the global batch's mean;
 - tied input/output embeddings: the first stage holds the embedding, the last its own copy as the head.
   Their gradients are summed across the two stages after backward (what autograd does in one process),
   so both copies take the same optimizer step and stay equal; the norm counts the weight once.
@@ -82,12 +93,27 @@ class PipelineConfig(StrategyConfig):
     num_microbatches: Optional[int] = None
     # Index of the first transformer block of stages 1..K-1; None = balance by parameter count.
     split_points: Optional[list[int]] = None
+    # Pipeline stages K; None = one per process. Fewer stages than processes: world / K data-parallel
+    # replicas of the pipeline (strategy=pp_dp), each stage replicated or sharded over them (dp_mode).
+    pp: Optional[int] = None
+    dp_mode: str = "replicate"
+
+    def num_stages(self, world_size: int) -> int:
+        return self.pp if self.pp is not None else world_size
 
     def data_parallel_size(self, world_size: int) -> int:
-        return 1  # every rank is a stage of one pipeline
+        return max(world_size // self.num_stages(world_size), 1)  # replicas of the pipeline
 
     def check(self, world_size: int) -> None:
         choice("strategy.schedule", self.schedule, ("gpipe", "1f1b"))
+        choice("strategy.dp_mode", self.dp_mode, DP_MODES)
+        if self.pp is not None:
+            require(self.pp >= 2, f"strategy.pp={self.pp} must be >= 2 (pipeline stages)")
+            require(
+                world_size % self.pp == 0,
+                f"strategy.pp={self.pp} must divide the number of processes ({world_size}): the mesh is "
+                f"(pipeline {self.pp}) x (data-parallel {world_size}/{self.pp})",
+            )
         require(
             self.name not in ("gpipe", "1f1b") or self.name == self.schedule,
             f"strategy.schedule={self.schedule!r} contradicts strategy={self.name}; "
@@ -101,33 +127,42 @@ class PipelineConfig(StrategyConfig):
             require(self.num_microbatches >= 1, f"strategy.num_microbatches={self.num_microbatches} must be >= 1")
 
     # ---------------------------------------------------------------- pipeline: checks needing run values
-    def microbatches(self, train: "TrainConfig") -> int:
-        """Micro-batches per step: strategy.num_microbatches, else global_batch_size // micro_batch_size."""
+    def microbatches(self, train: "TrainConfig", world_size: int) -> int:
+        """Micro-batches per step and replica: strategy.num_microbatches, else (global_batch_size / replicas)
+        // micro_batch_size."""
         if self.num_microbatches is not None:
             return self.num_microbatches
-        return train.global_batch_size // train.micro_batch_size
+        return train.global_batch_size // self.data_parallel_size(world_size) // train.micro_batch_size
 
     def microbatches_per_step(self, train: "TrainConfig", world_size: int) -> int:
-        return self.microbatches(train)
+        return self.microbatches(train, world_size)
 
     def check_run(self, run: "RunConfig", world_size: int) -> None:
-        stages, layers, batch = world_size, run.model.num_layers, run.train.global_batch_size
+        stages, layers = self.num_stages(world_size), run.model.num_layers
+        dp = self.data_parallel_size(world_size)
         require(
             layers >= stages,
-            f"model.num_layers={layers} is fewer than the {stages} pipeline stages (one per process, "
-            f"WORLD_SIZE={stages}); strategy={self.name} needs model.num_layers >= WORLD_SIZE",
+            f"model.num_layers={layers} is fewer than the {stages} pipeline stages "
+            + (f"(strategy.pp={stages})" if self.pp is not None else f"(one per process, WORLD_SIZE={stages})")
+            + f"; strategy={self.name} needs model.num_layers >= {'strategy.pp' if self.pp is not None else 'WORLD_SIZE'}",
         )
+        require(
+            run.train.global_batch_size % dp == 0,
+            f"train.global_batch_size={run.train.global_batch_size} must be divisible by the {dp} data-parallel "
+            f"replicas of the pipeline (WORLD_SIZE={world_size} / strategy.pp={stages})",
+        )
+        batch = run.train.global_batch_size // dp
+        per = "train.global_batch_size" if dp == 1 else f"the {batch} samples per replica"
         if self.num_microbatches is None:
             require(
                 batch % run.train.micro_batch_size == 0,
-                f"train.global_batch_size={batch} must be divisible by train.micro_batch_size="
+                f"{per} ({batch}) must be divisible by train.micro_batch_size="
                 f"{run.train.micro_batch_size} (or set strategy.num_microbatches)",
             )
-        micro = self.microbatches(run.train)
+        micro = self.microbatches(run.train, world_size)
         require(
             batch % micro == 0,
-            f"strategy.num_microbatches={micro} must divide train.global_batch_size={batch} "
-            "(every micro-batch the same size)",
+            f"strategy.num_microbatches={micro} must divide {per} ({batch}) (every micro-batch the same size)",
         )
         if self.schedule == "1f1b":
             require(
@@ -142,13 +177,16 @@ class PipelineConfig(StrategyConfig):
                 ok,
                 f"strategy.split_points={points} must be a list of {stages - 1} strictly increasing block "
                 f"index(es) in [1, {layers - 1}] "
-                f"(the first block of stages 1..{stages - 1}; WORLD_SIZE={stages}, model.num_layers={layers})",
+                f"(the first block of stages 1..{stages - 1}; {stages} stages, model.num_layers={layers})",
             )
         require(
             not run.precision.loss_scaling,
             f"precision=fp16 is not supported with strategy={self.name} (each stage would skip steps on its own "
             "overflows); use precision=bf16 or precision=fp32",
         )
+
+
+DP_MODES = ("replicate", "fsdp")
 
 
 def bubble_formula(*, num_stages: int, num_microbatches: int) -> float:
@@ -240,14 +278,17 @@ class PipelineStrategy:
         self.name, self.cfg, self.ctx = cfg.name, cfg, ctx
         rt = ctx.runtime
         self.device = rt.device
-        self.num_stages, self.stage_index = rt.world_size, rt.rank
+        self.num_stages = cfg.num_stages(rt.world_size)
+        self.dp_size = cfg.data_parallel_size(rt.world_size)
+        self.stage_index, self.dp_rank = divmod(rt.rank, self.dp_size)  # rank = stage * replicas + replica
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.num_stages - 1
-        self.num_microbatches = cfg.microbatches(ctx.train)
-        self.micro_batch_size = ctx.train.global_batch_size // self.num_microbatches
+        self.num_microbatches = cfg.microbatches(ctx.train, rt.world_size)
+        self.micro_batch_size = ctx.train.global_batch_size // self.dp_size // self.num_microbatches
         self.clock = BusyClock(self.device)
         self.module: Stage | None = None
         self.opt: LocalOptimizer | None = None
         self.schedule: Any = None
+        self.mesh: Any = None  # (pp, dp) when the pipeline is replicated
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses (last stage), unscaled
         self._tied: nn.Parameter | None = None  # this stage's copy of a tied embedding/head weight
         self._tied_group: Any = None
@@ -265,9 +306,11 @@ class PipelineStrategy:
         tied = is_tied(model)
         layout = LAYOUTS[arch_of(model)]
         self.module = build_stage(model, bounds=bounds, stage_index=self.stage_index).to(self.device)
+        pp_group = None  # the default group: one pipeline over every rank
+        if self.dp_size > 1:
+            pp_group = self._data_parallel(self.module)
         if tied:
-            # new_group is collective: every rank calls it, only the first and last stage use it.
-            self._tied_group = dist.new_group([0, self.num_stages - 1], timeout=self.ctx.runtime.timeout)
+            self._tied_group = self._tied_pair_group()
             holder = layout.embedding if self.is_first else layout.head if self.is_last else None
             if holder is not None:
                 self._tied = self.module.model.get_submodule(holder).weight
@@ -275,11 +318,50 @@ class PipelineStrategy:
         stage = _timed_stage_class()(
             self.module, self.stage_index, self.num_stages, self.device,
             input_args=self._example_input(), output_args=self._example_output(),
-            clock=self.clock, precision=self.ctx.precision,
+            clock=self.clock, precision=self.ctx.precision, group=pp_group,
         )
         self.schedule = _schedule_class(self.cfg.schedule)(
             stage, n_microbatches=self.num_microbatches, loss_fn=self._loss, scale_grads=False
         )
+
+    def _data_parallel(self, stage: Stage) -> Any:
+        """The (pp, dp) mesh; this stage replicated or FSDP-sharded over its replicas, in place. Returns this
+        replica's pipeline group."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        rt = self.ctx.runtime
+        self.mesh = init_device_mesh(rt.device.type, (self.num_stages, self.dp_size), mesh_dim_names=("pp", "dp"))
+        if self.cfg.dp_mode == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            # Each block is one all-gather unit, then the stage's root (embeddings, norm, head), as strategy=fsdp.
+            # No mixed-precision policy: the shards stay fp32 and the stage computes under autocast like every
+            # pipeline stage, so what travels between stages keeps the dtype its receiver expects.
+            for block in stage.blocks():
+                fully_shard(block, mesh=self.mesh["dp"])
+            fully_shard(stage, mesh=self.mesh["dp"])
+        else:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(stage, mesh=self.mesh["dp"])  # one all-reduce of the stage's gradients per step
+        return self.mesh["pp"].get_group()
+
+    def _tied_pair_group(self) -> Any:
+        """The group of each replica's first and last stage (a tied embedding/head weight lives on both).
+        new_group is collective: every rank creates every replica's pair, and keeps its own."""
+        mine = None
+        last = (self.num_stages - 1) * self.dp_size
+        for replica in range(self.dp_size):
+            group = dist.new_group([replica, last + replica], timeout=self.ctx.runtime.timeout)
+            if replica == self.dp_rank:
+                mine = group
+        return mine
+
+    def mesh_groups(self) -> dict[str, list[int]]:
+        """This rank's pipeline (pp) and the replicas of its stage (dp), when the pipeline is replicated."""
+        if self.mesh is None:
+            return {}
+        return {dim: dist.get_process_group_ranks(self.mesh[dim].get_group()) for dim in ("pp", "dp")}
 
     def _log_split(self, bounds: list[int], *, block_params: list[int], first_extra: int, last_extra: int) -> None:
         ranges = stage_ranges(bounds, num_layers=len(block_params))
@@ -335,7 +417,8 @@ class PipelineStrategy:
         self.schedule.step(*args, target=target, return_outputs=False)
         if self._tied_group is not None and self._tied is not None:
             # One process accumulates embedding + head gradients into one weight; here they are on two stages.
-            dist.all_reduce(self._tied.grad, group=self._tied_group)
+            # (Replicated or sharded, both copies are laid out alike: their local parts add up elementwise.)
+            dist.all_reduce(_local(self._tied.grad), group=self._tied_group)
         grad_norm = self._global_norm()
         # The norm's all-reduce returns once every stage has drained: the end of the pipeline's span. A stage
         # whose schedule finished early (the last one, under GPipe) waited in it: that wait is bubble too.
@@ -353,11 +436,14 @@ class PipelineStrategy:
         """L2 norm over every stage's gradients (a tied weight once); all stages clip by it, as one process would."""
         assert self.opt is not None
         duplicate = self._tied if (self._tied is not None and not self.is_first) else None
-        grads = [p.grad for p in self.opt.params if p.grad is not None and p is not duplicate]
+        grads = [_local(p.grad) for p in self.opt.params if p.grad is not None and p is not duplicate]
         with self.clock.busy():
             local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
             squared = local.to(self.device).pow(2)
-        dist.all_reduce(squared)  # the sum over stages; stays on the device, no host sync
+        # The sum over stages (stays on the device, no host sync). Replicas hold equal gradients by now: the
+        # pipeline's own stages are enough. FSDP shards hold a part each: every rank's part counts.
+        group = self.mesh["pp"].get_group() if self.mesh is not None and self.cfg.dp_mode == "replicate" else None
+        dist.all_reduce(squared, group=group)
         return squared.sqrt()
 
     # ------------------------------------------------------------------ the rest of the interface
@@ -392,6 +478,7 @@ class PipelineStrategy:
         out: dict[str, float] = {
             "pipeline/stage": self.stage_index,
             "pipeline/num_stages": self.num_stages,
+            "pipeline/num_replicas": self.dp_size,
             "pipeline/num_microbatches": self.num_microbatches,
             "pipeline/micro_batch_size": self.micro_batch_size,
             "pipeline/first_block": self.module.start,
@@ -407,6 +494,11 @@ class PipelineStrategy:
         return out
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (replicate/FSDP parameters), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def build(cfg: PipelineConfig, ctx: StrategyContext) -> PipelineStrategy:
     return PipelineStrategy(cfg, ctx)
 
@@ -414,6 +506,6 @@ def build(cfg: PipelineConfig, ctx: StrategyContext) -> PipelineStrategy:
 FAMILY = StrategyFamily(
     family="pipeline",
     schema=PipelineConfig,
-    names={"gpipe": {"schedule": "gpipe"}, "1f1b": {"schedule": "1f1b"}},
+    names={"gpipe": {"schedule": "gpipe"}, "1f1b": {"schedule": "1f1b"}, "pp_dp": {"pp": 2}},
     build=build,
 )
