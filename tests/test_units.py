@@ -50,6 +50,11 @@ def test_peer_wait_takes_out_the_time_before_the_last_member_issued():
     assert apart[0]["all_reduce"].wait_s == 0.0 and apart[0]["all_reduce"].transfer_s == pytest.approx(0.7)
     partial = peer_wait({0: calls[0], 1: {"all_reduce": calls[1]["all_reduce"][:1]}}, {0: "a", 1: "a"})
     assert partial[0]["all_reduce"].wait_s == pytest.approx(0.3)
+    # A rank's next collective on the group cannot start before its previous one ended (FSDP's prefetch
+    # issues early): issued at 1.2 on both ranks, behind seq 0 until 1.5, it transfers for 0.3.
+    queued = {r: {"all_gather": [(g, 0, 100, 1.0, 1.5), (g, 1, 100, 1.2, 1.8)]} for r in (0, 1)}
+    q = peer_wait(queued, {0: "a", 1: "a"})[0]["all_gather"]
+    assert q.wait_s == pytest.approx(0.3) and q.transfer_s == pytest.approx(0.5 + 0.3)
     # point-to-point ops carry no group: never matched
     assert peer_wait({0: {"send": [(None, 0, 8, 0.0, 1.0)]}}, {0: "a"})[0]["send"].transfer_s == 1.0
 

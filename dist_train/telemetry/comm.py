@@ -19,7 +19,8 @@ point-to-point work: for an asynchronous caller a small pool of watcher threads 
 second waiter hangs), so for those the caller gets a stand-in Work that waits for the watcher instead.
 Times include waiting for the slowest peer. nccl-tests time after a barrier, so bus bandwidth is computed
 from the rest: when a logging window closes the ranks compare when each issued the same collective
-(`peer_wait`), and the time before the group's last member issued it is reported as `wait_s`.
+(`peer_wait`), and the time before the group's last member issued it, or before this rank's previous
+collective on the group finished, is reported as `wait_s`.
 
 DTensor's functional collectives (`torch.distributed._functional_collectives`, e.g. the all-reduce of
 FSDP2's gradient-norm) are counted and sized but not timed: their completion is a lazy `wait_tensor`.
@@ -558,11 +559,13 @@ class Transfer:
 
 
 def peer_wait(calls_by_rank: dict[int, dict[str, list[Call]]], node_of: dict[int, Any]) -> dict[int, dict[str, Transfer]]:
-    """Split each rank's collective time into waiting for the group's last member and the transfer itself.
+    """Split each rank's collective time into waiting and the transfer itself.
 
-    A collective cannot start before every member has issued it; the time a rank spends before that is
-    the peers' lateness (uneven compute, a straggler), not the network's. nccl-tests measure after a
-    barrier, so only the transfer compares with them: bus bandwidth is bytes over transfer time.
+    A collective cannot start before every member has issued it, nor, on this rank, before the group's
+    previous collective has finished (a backend runs a group's collectives in order; FSDP issues the next
+    all-gather early, to prefetch). Time before both is the peers' lateness (uneven compute, a straggler)
+    or the queue, not the network. nccl-tests measure after a barrier, one collective at a time, so only
+    the transfer compares with them: bus bandwidth is bytes over transfer time.
 
     The same call is matched on every member by (group ranks, seq). Issue times are compared only where
     all members share a host (`time.perf_counter` is one monotonic clock per machine) and all of them
@@ -576,15 +579,26 @@ def peer_wait(calls_by_rank: dict[int, dict[str, list[Call]]], node_of: dict[int
                     issued.setdefault((group, seq), []).append(start)
     out: dict[int, dict[str, Transfer]] = {}
     for rank, calls in calls_by_rank.items():
-        per_op = out.setdefault(rank, {})
-        for op, op_calls in calls.items():
-            t = per_op.setdefault(op, Transfer())
-            for group, seq, nbytes, start, end in op_calls:
-                starts = issued.get((group, seq), []) if group is not None else []
-                same_host = group is not None and len({node_of.get(r) for r in group}) == 1
-                last = max(starts) if same_host and len(starts) == len(group) else start
-                wait = min(max(last - start, 0.0), end - start)
-                t.wait_s += wait
-                t.transfer_s += end - start - wait
-                t.timed_bytes += nbytes
+        per_op = out.setdefault(rank, {op: Transfer() for op in calls})
+        ordered = sorted(
+            ((group, seq, op, nbytes, start, end) for op, op_calls in calls.items()
+             for group, seq, nbytes, start, end in op_calls),
+            key=lambda c: (c[0] is not None, c[0] or (), c[1]),
+        )
+        previous_end: dict[tuple[int, ...], tuple[int, float]] = {}  # group -> (seq, end) of its last call
+        for group, seq, op, nbytes, start, end in ordered:
+            ready = start
+            if group is not None:
+                starts = issued.get((group, seq), [])
+                if len({node_of.get(r) for r in group}) == 1 and len(starts) == len(group):
+                    ready = max(ready, *starts)
+                prev = previous_end.get(group)
+                if prev is not None and prev[0] == seq - 1:
+                    ready = max(ready, prev[1])
+                previous_end[group] = (seq, end)
+            t = per_op[op]
+            wait = min(max(ready - start, 0.0), end - start)
+            t.wait_s += wait
+            t.transfer_s += end - start - wait
+            t.timed_bytes += nbytes
     return out
