@@ -262,14 +262,22 @@ def test_1f1b_holds_fewer_activations_than_gpipe(gpipe_run, onef1b_run):
     assert onef1b[0]["memory/activations_bytes"] > onef1b[1]["memory/activations_bytes"]  # the first stage holds most
 
 
+TIED = ["model.tie_embeddings=true", "logger=none", *FAST]
+
+
+@pytest.fixture(scope="module")
+def tied_single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """One process with tied input/output embeddings, the baseline of the tied pipelines."""
+    run_dir = tmp_path_factory.mktemp("tied-single")
+    return run_dir, train_ok(["strategy=single", *TIED], run_dir=run_dir)
+
+
 @pytest.mark.multiproc
-def test_tied_embeddings_stay_tied_across_stages(tmp_path):
-    tied = ["model.tie_embeddings=true", "logger=none", *FAST]
-    single = (tmp_path / "single", train_ok(["strategy=single", *tied], run_dir=tmp_path / "single"))
+def test_tied_embeddings_stay_tied_across_stages(tied_single, tmp_path):
     # Explicit split points too: one block on stage 0, three on stage 1.
-    overrides = ["strategy=gpipe", "strategy.split_points=[1]", *tied]
+    overrides = ["strategy=gpipe", "strategy.split_points=[1]", *TIED]
     run = (tmp_path / "pp", train_ok(overrides, run_dir=tmp_path / "pp", nproc=2))
-    _assert_same_as_single(single, run)
+    _assert_same_as_single(tied_single, run)
     ranks = _last_records(run[0])
     assert [r["pipeline/num_blocks"] for r in ranks] == [1, 3]
     # Each end holds its own copy of the shared 256 x 64 matrix: one copy more than the model has.
@@ -300,13 +308,11 @@ STAGE_PARAMS = {0: EMBED + 2 * BLOCK, 1: 2 * BLOCK + HEAD}  # model=tiny split 2
 
 
 @pytest.mark.multiproc
-def test_pp_dp_replicated_stages_match_single_with_tied_embeddings(tmp_path):
+def test_pp_dp_replicated_stages_match_single_with_tied_embeddings(tied_single, tmp_path):
     """Each stage whole on both replicas: one all-reduce of its gradients over them per step, the tied
     embedding/head gradient summed within each replica, the same losses as one process."""
-    tied = ["model.tie_embeddings=true", "logger=none", *FAST]
-    single = (tmp_path / "single", train_ok(["strategy=single", *tied], run_dir=tmp_path / "single"))
-    run = (tmp_path / "pp_dp", train_ok(["strategy=pp_dp", *tied], run_dir=tmp_path / "pp_dp", nproc=4))
-    _assert_same_as_single(single, run)
+    run = (tmp_path / "pp_dp", train_ok(["strategy=pp_dp", *TIED], run_dir=tmp_path / "pp_dp", nproc=4))
+    _assert_same_as_single(tied_single, run)
     assert run[1]["data_parallel_size"] == 2
     for r in _last_records(run[0]):
         own = STAGE_PARAMS[r["rank"] // 2]

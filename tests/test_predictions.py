@@ -41,10 +41,15 @@ def test_fp32_runs_are_predicted_within_ten_percent(straight_run, tmp_path):
     _assert_predicted(_compare(tmp_path, f"compare.from=[{','.join(dirs)}]"), STRATEGIES)
 
 
+# 1f1b computes in bf16 exactly as gpipe does; only how many micro-batches are in flight differs, which the
+# fp32 runs check.
+BF16 = [s for s in STRATEGIES if s != "1f1b"]
+
+
 def test_bf16_and_fp16_runs_are_predicted_within_ten_percent(tmp_path):
-    rows = _compare(tmp_path, f"compare.strategies=[{','.join(STRATEGIES + FP16)}]", "compare.nproc=2",
+    rows = _compare(tmp_path, f"compare.strategies=[{','.join(BF16 + FP16)}]", "compare.nproc=2",
                     "precision=bf16", "logger=none", "model=tiny", "train.steps=2")
-    _assert_predicted(rows, STRATEGIES + FP16)
+    _assert_predicted(rows, BF16 + FP16)
     # the new categories were really there to compare
     assert rows["single"]["mem_weight_copies_max_bytes"] > 0 and rows["single"]["err_weight_copies"] == 0
     assert rows["zero3"]["mem_gathered_params_max_bytes"] == 2 * rows["single"]["num_params"]  # all, in bf16
