@@ -53,6 +53,32 @@ def test_gpt2_tp_matches_single_splits_the_blocks_and_all_reduces_activations(st
     assert ranks[0]["memory/params_bytes"] == ranks[1]["memory/params_bytes"]
 
 
+def test_sequence_parallel_splits_the_norms_and_trades_each_all_reduce_for_a_gather_and_a_scatter(
+    single_run, straight_run, tmp_path
+):
+    single_dir, single = single_run
+    run_dir = tmp_path / "sp"
+    sp = train_ok(["strategy=tp", "strategy.sequence_parallel=true", "logger=none", *FAST], run_dir=run_dir, nproc=2)
+    assert_same_losses(single, sp)
+    cfg = ModelConfig()
+    activation = 2 * 64 * cfg.hidden_size * 4  # micro-batch 2 x seq 64 x hidden, fp32
+    tp_ranks = last_step(straight_run("tp")[0])
+    for rec, tp_rec in zip(last_step(run_dir), tp_ranks):
+        assert rec["memory/params_bytes"] == tp_rec["memory/params_bytes"]
+        # Per layer and micro-batch (4 x 4): forward gathers the norms' outputs before attention and the MLP
+        # and reduce-scatters both row-parallel outputs; backward mirrors that. Per micro-batch also the first
+        # block's input gradient and the final norm's output are gathered.
+        assert rec["comm/tp/reduce_scatter/bytes"] == 4 * 4 * 4 * activation
+        assert rec["comm/tp/all_gather/bytes"] == 4 * (4 * 4 + 2) * activation
+        # what remains all-reduced: the norms' weight and bias gradients (partial over the sequence shards,
+        # 64 floats each, 4 per block and 2 for the final norm, every micro-batch), and the gradient norm
+        assert 4 * 18 * 64 * 4 <= rec["comm/all_reduce/bytes"] <= 4 * 18 * 64 * 4 + 1024
+        # the norms' inputs are split by sequence: fewer activation bytes than tp's (same batch)
+        assert rec["memory/activations_bytes"] < tp_rec["memory/activations_bytes"]
+    row = compare_from(tmp_path / "compare", single_dir, run_dir)["tp"]
+    assert row["prediction_ok"] is True and row["err_comm_bytes"] == pytest.approx(0, abs=1e-3), row
+
+
 def test_llama_tp_with_grouped_query_attention_matches_single(tmp_path):
     single = train_ok(["strategy=single", "logger=none", *FAST, *LLAMA], run_dir=tmp_path / "single")
     tp = train_ok(["strategy=tp", "logger=none", *FAST, *LLAMA], run_dir=tmp_path / "tp", nproc=2)

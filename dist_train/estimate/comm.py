@@ -179,10 +179,32 @@ def _tensor_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
     tokens = setup.seq_len * setup.micro_batch_size * shape.hidden_size
     compute = element_bytes(setup.precision)
     grad = 4 if setup.resolved_regime == "autocast" else compute
+    if setup.sequence_parallel:
+        return _sequence_parallel(shape, setup, tokens=tokens, compute=compute, wide=grad)
     backward = 2 if shape.arch == "gpt2" else 5
     return [
         Collective("all_reduce", m * layers * (2 * tokens * compute + backward * tokens * grad),
                    f"activations: 2 forward + {backward} backward per layer, {m} micro-batch(es)", compute),
+    ]
+
+
+def _sequence_parallel(shape: ModelShape, setup: Setup, *, tokens: int, compute: int, wide: int) -> list[Collective]:
+    """Megatron's sequence parallelism, per layer and micro-batch: the all-reduces become all-gathers of the
+    norms' outputs (fp32 under autocast: `wide`) before attention and the MLP, and reduce-scatters of the
+    row-parallel outputs (compute dtype); backward mirrors them (the column-parallel input gradients are
+    summed locally, then reduce-scattered once). Per micro-batch also: the first block's input gradient and
+    the final norm's output are all-gathered, and every norm weight's gradient (partial over the sequence
+    shards) is all-reduced, fp32."""
+    m, layers, h = setup.microbatches_per_step, shape.num_layers, shape.hidden_size
+    # norm parameter tensors: GPT-2 LayerNorm weight + bias (2 per block, ln_f), Llama RMSNorm weight
+    per_norm = 2 if shape.arch == "gpt2" else 1
+    norm_grads = per_norm * (2 * layers + 1)
+    return [
+        Collective("all_gather", m * (layers * 2 * tokens * (wide + compute) + 2 * tokens * wide),
+                   f"activations: 2 forward + 2 backward per layer, entry and exit, {m} micro-batch(es)", compute),
+        Collective("reduce_scatter", m * layers * 2 * tokens * (compute + wide),
+                   f"activations: 2 forward + 2 backward per layer, {m} micro-batch(es)", compute),
+        Collective("all_reduce", m * norm_grads * h * 4, f"{norm_grads} norm weight gradients, {m} micro-batch(es)", 4),
     ]
 
 

@@ -236,14 +236,16 @@ def pipeline_in_flight(setup: Setup, *, stage: int) -> int:
 
 def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len: int, elem: int,
                            attention_scores: bool = False, fused_gelu: bool = False, norm_elem: int = 0,
-                           tp: int = 1) -> float:
+                           tp: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes one transformer layer saves for backward for one micro-batch (see the module docstring).
 
     attention_scores: eager attention keeps the a·s² scores; fused_gelu: a GELU that saves only its input
     (Korthikanti's assumption) instead of transformers' composed tanh GELU; norm_elem: bytes of a norm's
     saved input when it differs from `elem` (4 under autocast); tp: tensor-parallel degree, which splits
     what lies between a column- and a row-parallel projection (q/k/v, attention out, MLP intermediates,
-    scores) and leaves the rest whole (Korthikanti et al. without sequence parallelism)."""
+    scores) and leaves the rest whole (Korthikanti et al. without sequence parallelism); sequence_parallel
+    splits the norms' inputs too. The gathered inputs of attention and the MLP stay whole: their
+    matmuls keep them for the weight gradients (torch's DTensor does not re-gather them in backward)."""
     s, b, h = seq_len, micro_batch_size, shape.hidden_size
     q_k_v = h + 2 * shape.kv_dim
     # GPT-2: fc output, GELU output, and 3 more ffn-wide tensors that transformers' tanh GELU ("gelu_new",
@@ -252,7 +254,7 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len:
     mlp = (2 if fused_gelu else 5) * shape.ffn if shape.arch == "gpt2" else 4 * shape.ffn
     # attention in, q/k/v, attention out, MLP in, MLP intermediates; and the two norms' inputs
     values = h + (q_k_v + h + mlp) / tp + h
-    norms = 2 * h
+    norms = 2 * h / (tp if sequence_parallel else 1)
     masks = 2 * h if shape.dropout > 0 else 0  # attention-output and MLP-output dropout (1 byte each)
     per_token = values * elem + norms * (norm_elem or elem) + masks
     scores = 0.0
@@ -266,11 +268,14 @@ def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_h
     elem = element_bytes(setup.precision)
     norm_elem = 4 if setup.autocast_16bit else elem
     s, b = setup.seq_len, setup.micro_batch_size
+    tp, sp = setup.tensor_parallel_size, setup.sequence_parallel and setup.tensor_parallel_size > 1
     layer = layer_activation_bytes(
-        shape, micro_batch_size=b, seq_len=s, elem=elem, norm_elem=norm_elem, tp=setup.tensor_parallel_size
+        shape, micro_batch_size=b, seq_len=s, elem=elem, norm_elem=norm_elem, tp=tp, sequence_parallel=sp
     )
-    # the final norm's input, the head's input, the fp32 log-softmax of the logits
-    head = s * b * (shape.hidden_size * (norm_elem + elem) + shape.vocab_size * 4) if with_head else 0.0
+    # the final norm's input (split by sequence under sequence parallelism), the head's input, the fp32
+    # log-softmax of the logits
+    final_norm = shape.hidden_size * norm_elem / (tp if sp else 1)
+    head = s * b * (final_norm + shape.hidden_size * elem + shape.vocab_size * 4) if with_head else 0.0
     if setup.activation_checkpointing:
         # each micro-batch keeps its layer inputs; one layer at a time is recomputed in full
         return in_flight * (num_layers * s * b * shape.hidden_size * elem + head) + layer

@@ -77,6 +77,8 @@ class Setup:
     plugin: str = "ddp"
     # strategy=fsdp_tp: ranks per tensor-parallel group
     tp: int = 2
+    # strategy=tp: Megatron's sequence parallelism
+    sequence_parallel: bool = False
     # pipelines: stages (None = one per rank); world / pp replicas, each stage replicated or FSDP-sharded
     pp: Optional[int] = None
     dp_mode: str = "replicate"
@@ -199,6 +201,7 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         reshard_after_forward=bool(strategy.get("reshard_after_forward", True)),
         plugin=str(strategy.get("plugin") or "ddp"),
         tp=int(strategy.get("tp") or 2),
+        sequence_parallel=bool(strategy.get("sequence_parallel", False)),
         pp=int(strategy["pp"]) if strategy.get("pp") is not None else None,
         dp_mode=str(strategy.get("dp_mode") or "replicate"),
         **_zero3_fields(strategy),

@@ -12,7 +12,15 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dist_train.model import transformer_blocks
@@ -81,8 +89,12 @@ class FusedColwiseConv1D(nn.Module):
         _distribute(self, "bias", mesh, _StridedShard(0, split_factor=parts), src_data_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Identity in forward; in backward the partial input gradients of the ranks are all-reduced.
-        x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        # Identity in forward; in backward the ranks' partial input gradients are summed: all-reduced, or,
+        # when the input is a gathered DTensor (sequence parallelism), reduce-scattered back to the sequence
+        # shards by that gather's backward.
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        x = x.to_local(grad_placements=[Partial()])
         weight, bias = self.weight.to_local(), self.bias.to_local()  # type: ignore[attr-defined]
         out = torch.addmm(bias, x.reshape(-1, x.size(-1)), weight)
         return out.view(*x.shape[:-1], weight.size(1))
@@ -114,22 +126,59 @@ class Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, partition, inputs, outputs)
 
 
-def tp_plan(arch: str) -> dict[str, ParallelStyle]:
-    """Per transformer block: which projection is split how (paths relative to the block)."""
+def tp_plan(arch: str, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """Per transformer block: which projection is split how (paths relative to the block).
+
+    With sequence parallelism the residual stream between the projections is split by sequence: the
+    norms run on each rank's tokens (torch's `SequenceParallel`), attention's and the MLP's input is
+    all-gathered on entry, and the row-parallel outputs are reduce-scattered instead of all-reduced."""
+    row = {"output_layouts": Shard(1)} if sequence_parallel else {}
     if arch == "llama":
-        return {
+        plan: dict[str, ParallelStyle] = {
             "self_attn.q_proj": Colwise(), "self_attn.k_proj": Colwise(), "self_attn.v_proj": Colwise(),
-            "self_attn.o_proj": Rowwise(),
-            "mlp.gate_proj": Colwise(), "mlp.up_proj": Colwise(), "mlp.down_proj": Rowwise(),
+            "self_attn.o_proj": Rowwise(**row),
+            "mlp.gate_proj": Colwise(), "mlp.up_proj": Colwise(), "mlp.down_proj": Rowwise(**row),
         }
+        if sequence_parallel:
+            plan |= {
+                "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+                # HF's Llama passes attention its input by keyword
+                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                "mlp": _gather_input(),
+            }
+        return plan
     # GPT-2: attn.c_attn is fused and handled by FusedColwiseConv1D.
-    return {"attn.c_proj": Rowwise(), "mlp.c_fc": Colwise(), "mlp.c_proj": Rowwise()}
+    plan = {"attn.c_proj": Rowwise(**row), "mlp.c_fc": Colwise(), "mlp.c_proj": Rowwise(**row)}
+    if sequence_parallel:
+        plan |= {"ln_1": SequenceParallel(), "ln_2": SequenceParallel(), "attn": _gather_input(), "mlp": _gather_input()}
+    return plan
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, arch: str) -> nn.Module:
-    """Shard each block's projections over `mesh` (1-D) and replicate the rest, in place."""
+def _gather_input() -> ParallelStyle:
+    """The module's first argument arrives split by sequence and is used whole (an all-gather)."""
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
+
+def _split_sequence(mesh: DeviceMesh) -> Any:
+    """A forward pre-hook: the module's first argument, whole on every rank, becomes this rank's slice of
+    the sequence (no communication; its gradient is all-gathered in backward)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        whole = DTensor.from_local(args[0], mesh, [Replicate()], run_check=False)
+        return (whole.redistribute(mesh, [Shard(1)]).to_local(), *args[1:])
+
+    return hook
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, arch: str, sequence_parallel: bool = False) -> nn.Module:
+    """Shard each block's projections over `mesh` (1-D) and replicate the rest, in place.
+
+    Sequence parallelism: the first block takes its rank's slice of the sequence, the final norm runs on
+    it too, and its output is gathered whole for the head (and for GPT-2's reshape before it)."""
     tp = mesh.size()
-    for block in transformer_blocks(model):
+    blocks = transformer_blocks(model)
+    for block in blocks:
         inner = _resolved(block)
         if arch == "gpt2":
             attn = inner.attn
@@ -139,7 +188,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, arch: str) -> nn.Module:
             attn.num_heads //= tp
             attn.embed_dim //= tp
         # Every rank built the same weights from the seed: nothing to broadcast.
-        parallelize_module(inner, mesh, tp_plan(arch), src_data_rank=None)
+        parallelize_module(inner, mesh, tp_plan(arch, sequence_parallel=sequence_parallel), src_data_rank=None)
+    if sequence_parallel:
+        _resolved(blocks[0]).register_forward_pre_hook(_split_sequence(mesh))
+        norm = model.transformer.ln_f if arch == "gpt2" else model.model.norm
+        parallelize_module(norm, mesh, SequenceParallel(), src_data_rank=None)
+        parallelize_module(norm, mesh, PrepareModuleOutput(
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
     for module in list(model.modules()):
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             parallelize_module(module, mesh, Replicated(), src_data_rank=None)

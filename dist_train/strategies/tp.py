@@ -39,6 +39,9 @@ class TPConfig(StrategyConfig):
     """Tensor parallelism across all processes (TP degree = world size, data-parallel size 1)."""
 
     name: str = "tp"
+    # Megatron's sequence parallelism: norms on each rank's share of the sequence; all-gather before and
+    # reduce-scatter after each attention and MLP instead of one all-reduce.
+    sequence_parallel: bool = False
 
     def data_parallel_size(self, world_size: int) -> int:
         return 1
@@ -60,7 +63,8 @@ class TPWrapper:
 
         rt = self.ctx.runtime
         self.mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",))
-        return parallelize(model.to(rt.device), self.mesh, arch=model.config.model_type)
+        return parallelize(model.to(rt.device), self.mesh, arch=model.config.model_type,
+                           sequence_parallel=self.cfg.sequence_parallel)
 
     def mesh_groups(self) -> dict[str, list[int]]:
         return {"tp": list(range(self.ctx.runtime.world_size))}
