@@ -7,23 +7,25 @@ For ddp (all_reduce) and fsdp (all_gather, reduce_scatter), a training run repor
 bus bandwidth per step (summary.json, per rank, warm-up left out); the microbenchmark then runs that op alone
 at the run's mean message size (bytes / count). Target: within 10%.
 
-The tracker is also checked against torch's own records of the same steps (bench/profile_collectives.py:
-torch.profiler's gloo events). Where the two agree but training is slower than the microbenchmark, the
-collective really is slower in training (its peers arrive at different moments; it shares two cores with the
-computation), and the timer is telling the truth about it.
+Training's bus bandwidth counts the transfer only: a rank's time before the group's last member issued the
+same collective, or before its previous collective on that group finished, is reported apart as
+`comm/<op>/wait_s` (nccl-tests time after a barrier, one collective at a time). The tracker's whole time
+is also checked against torch's own records of the same steps (bench/profile_collectives.py: torch.profiler's
+gloo events).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import TORCHRUN, last_json, md_table, run, write_section  # noqa: E402
+from common import TORCHRUN, last_json, md_table, run, spread, write_section  # noqa: E402
 from overhead import dist_train_cmd  # noqa: E402
 
 OPS = {"ddp": ("all_reduce",), "fsdp": ("all_gather", "reduce_scatter")}
@@ -60,31 +62,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--iterations", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating training / microbenchmark pairs")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="dist_train_timers_"))
-    rows, checks = [], []
-    for strategy, ops in OPS.items():
-        ours = measured(strategy, args.steps, scratch / strategy)
-        cases = [f"{op}:{int(ours[op]['message_bytes'])}" for op in ops]
-        proc, _ = run([*TORCHRUN, "--nproc_per_node=2", "bench/collectives.py", *cases,
-                       f"--iterations={args.iterations}"])
-        micro = last_json(proc.stdout)
-        for op in ops:
-            a, b = ours[op]["busbw_gbps"], micro[op]["busbw_gbps"]
-            rows.append([strategy, op, f"{ours[op]['message_bytes'] / 2**20:.2f} MiB", f"{ours[op]['count']:.0f}",
-                         f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}"])
-        print(md_table(["strategy", "op", "message", "per step", "training GB/s", "alone GB/s", "ratio"], rows))
-        checks += against_profiler(strategy, ops)
+    pairs: dict[tuple[str, str], list[tuple[dict[str, float], float]]] = {}
+    for repeat in range(args.repeats):  # alternate, so that the machine's drift lands on both sides
+        for strategy, ops in OPS.items():
+            ours = measured(strategy, args.steps, scratch / f"{strategy}-{repeat}")
+            cases = [f"{op}:{int(ours[op]['message_bytes'])}" for op in ops]
+            proc, _ = run([*TORCHRUN, "--nproc_per_node=2", "bench/collectives.py", *cases,
+                           f"--iterations={args.iterations}"])
+            micro = last_json(proc.stdout)
+            for op in ops:
+                pairs.setdefault((strategy, op), []).append((ours[op], micro[op]["busbw_gbps"]))
+    rows = []
+    for (strategy, op), runs in pairs.items():
+        ratios = [o["busbw_gbps"] / alone for o, alone in runs]
+        first = runs[0][0]
+        rows.append([strategy, op, f"{first['message_bytes'] / 2**20:.2f} MiB", f"{first['count']:.0f}",
+                     f"{statistics.median(o['busbw_gbps'] for o, _ in runs):.3f}",
+                     f"{statistics.median(a for _, a in runs):.3f}",
+                     spread(ratios)])
+    print(md_table(["strategy", "op", "message", "per step", "training GB/s", "alone GB/s", "ratio"], rows))
+    checks = [row for strategy, ops in OPS.items() for row in against_profiler(strategy, ops)]
     body = "\n\n".join([
         md_table(["strategy", "op", "mean message", "calls/step", "busbw in training (GB/s)", "busbw alone (GB/s)",
-                  "training / alone"], rows),
+                  "training / alone, median [min, max]"], rows),
+        f"Medians of {args.repeats} alternating pairs (a training run, then the microbenchmark at its mean message "
+        "size). Bus bandwidth in training counts only the transfer: the time before the group's last member issued "
+        "the collective, or before this rank's previous collective on the group finished, is `comm/<op>/wait_s`.",
         "The tracker against torch.profiler's records of the same training steps (time per step):",
         md_table(["strategy", "op", "tracker ms/step", "torch.profiler ms/step", "tracker / profiler"], checks),
         "gloo runs a reduce-scatter as an all-reduce of the whole buffer: the profiler's `gloo:all_reduce` events stand "
         "for FSDP's reduce-scatters there (plus the gradient norm's one-element all-reduce, which the tracker counts but "
         "does not time).",
     ])
-    cmd = f"python bench/timer_truth.py --steps {args.steps} --iterations {args.iterations}"
+    cmd = f"python bench/timer_truth.py --steps {args.steps} --iterations {args.iterations} --repeats {args.repeats}"
     write_section("timers", "Timer truth: collective bandwidth in training against a microbenchmark", body, command=cmd)
 
 
