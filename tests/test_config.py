@@ -47,7 +47,9 @@ def test_defaults_validate_for_one_and_two_processes():
         (["model.num_heads=5"], 1, "model.hidden_size=64 must be divisible by model.num_heads=5"),
         (["strategy=tp"], 3, "strategy=tp splits model.num_heads=4 3 ways"),
         (["strategy=tp", "model.arch=llama", "model.num_kv_heads=1"], 2, "model.num_kv_heads=1 2 ways"),
-        (["strategy=accelerate", "strategy.plugin=deepspeed"], 2, "strategy.plugin='deepspeed' is not supported"),
+        (["strategy=accelerate", "strategy.plugin=zero"], 2, "strategy.plugin='zero' is not supported; allowed: ddp"),
+        (["strategy=accelerate", "strategy.plugin=deepspeed", "strategy.zero_stage=4"], 2, "ZeRO stage 4 is not 1, 2 or 3"),
+        (["strategy=accelerate", "strategy.plugin=deepspeed", "precision=fp16"], 2, "precision=fp16 needs a GPU"),
     ],
 )
 def test_bad_values_are_one_clear_line(overrides, world, needle):

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from dist_train.config import PrecisionConfig, TrainConfig
-from dist_train.strategies.zero import ZeroConfig, deep_merge, deepspeed_config
+from dist_train.strategies._deepspeed import deep_merge, deepspeed_config
+from dist_train.strategies.zero import ZeroConfig
 from tests.helpers import FAST, ROOT, TRAIN, assert_same_losses, env, last_step, summary, train_ok
 
 N_RANKS = 2
@@ -260,7 +261,7 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_run():
     run hung in start-up until torchrun was killed. The call runs in a child process with a generous bound
     (it may compile the op, about a minute on 2 cores, if no earlier test has); a hang is the failure."""
     code = (
-        "import torch; from dist_train.strategies.zero import SHM_COMM_OP, build_comm_op, use_extensions_cache\n"
+        "import torch; from dist_train.strategies._deepspeed import SHM_COMM_OP, build_comm_op, use_extensions_cache\n"
         "cache = use_extensions_cache(); lock = cache / SHM_COMM_OP / 'lock'\n"
         "lock.parent.mkdir(parents=True, exist_ok=True); lock.touch()\n"
         "build_comm_op(cache, torch.device('cpu'))\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from dist_train.config import PrecisionConfig
@@ -161,10 +162,27 @@ def family_of(name: str, strategy: Optional[Mapping[str, Any]] = None) -> tuple[
     if "bucket_cap_mb" in s:
         return "ddp", 0, ""
     if "plugin" in s:
-        return "accelerate", 0, ""
+        stage = _accelerate_deepspeed_stage(s)
+        return ("zero", stage, "") if stage else ("accelerate", 0, "")
     if name in KNOWN_STRATEGIES:
         return KNOWN_STRATEGIES[name]
     raise ValueError(f"strategy {name!r}: cannot tell its family; known: {', '.join(KNOWN_STRATEGIES)}")
+
+
+def _accelerate_deepspeed_stage(strategy: Mapping[str, Any]) -> int:
+    """strategy=accelerate driving DeepSpeed (by strategy.plugin, or by its accelerate config file): its ZeRO
+    stage, whose memory and traffic are zero<N>'s; 0 for DDP or FSDP."""
+    plugin, path = strategy.get("plugin"), strategy.get("config_file")
+    settings: Mapping[str, Any] = {}
+    if path and Path(str(path)).is_file():
+        import yaml
+
+        settings = yaml.safe_load(Path(str(path)).read_text()) or {}
+    if plugin is None and str(settings.get("distributed_type", "")).upper() == "DEEPSPEED":
+        plugin = "deepspeed"
+    if plugin != "deepspeed":
+        return 0
+    return int((settings.get("deepspeed_config") or {}).get("zero_stage") or strategy.get("zero_stage") or 2)
 
 
 _ZERO3_KEYS = {

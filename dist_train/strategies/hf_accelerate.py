@@ -1,15 +1,20 @@
 """Hugging Face Accelerate: the model prepared by `accelerate.Accelerator`, as a user's own Accelerate setup would.
 
-Accelerate decides the wrapping (DDP, or FSDP2 with its auto-wrap policy), places the model on its device,
-applies its mixed-precision autocast and silences gradient sync during accumulation (`accelerator.no_sync`).
-Which of these it does comes from, in order: `strategy.plugin` (ddp | fsdp), the accelerate config file in
-`strategy.config_file` (read with accelerate's own launcher code, exactly as `accelerate launch
---config_file` would), the environment `accelerate launch` set, else plain DDP.
+Accelerate decides the wrapping (DDP, FSDP2 with its auto-wrap policy, or DeepSpeed's engine), places the
+model on its device, applies its mixed-precision autocast and silences gradient sync during accumulation
+(`accelerator.no_sync`, `accelerator.accumulate`). Which of these it does comes from, in order:
+`strategy.plugin` (ddp | fsdp | deepspeed), the accelerate config file in `strategy.config_file` (read with
+accelerate's own launcher code, exactly as `accelerate launch --config_file` would), the environment
+`accelerate launch` set, else plain DDP.
 
-The optimizer, its clipping and the LR schedule are the ones every strategy uses (built before `prepare`,
-which re-points them at the prepared parameters), so the training is the same as `strategy=single`'s and the
-rows of a comparison differ only by what Accelerate does. DeepSpeed through Accelerate is not supported:
-its engine owns the optimizer step; strategy=zero1|zero2|zero3 drive DeepSpeed directly.
+DDP and FSDP: the optimizer, its clipping and the LR schedule are the ones every strategy uses (built before
+`prepare`, which re-points them at the prepared parameters), so the training is the same as
+`strategy=single`'s and the rows of a comparison differ only by what Accelerate does.
+
+DeepSpeed: Accelerate builds the engine (`DeepSpeedPlugin` over the same DeepSpeed config strategy=zero<N>
+derives from the run, ZeRO stage from `strategy.zero_stage` or the config file's `deepspeed_config`), and
+each micro-batch goes through `accelerator.accumulate` and `accelerator.backward`, which step the engine at
+the accumulation boundary. Telemetry, checkpoints and the estimator treat it as zero<N>.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from dist_train.contracts import StrategyFamily
 from dist_train.model import transformer_blocks
 from dist_train.strategies.base import LocalOptimizer, StrategyContext
 from dist_train.strategies.torch_strategy import TorchStrategy
+from dist_train.strategies._deepspeed import DeepSpeedSettings, ZeroStrategy, check_run_settings, check_settings
 
 log = logging.getLogger("dist_train")
 
-PLUGINS = ("ddp", "fsdp")
+PLUGINS = ("ddp", "fsdp", "deepspeed")
 # accelerate's mixed_precision names for this project's precisions
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -41,10 +47,16 @@ class AccelerateConfig(StrategyConfig):
     """The model prepared by accelerate.Accelerator (DDP or FSDP2), the loop and optimizer shared."""
 
     name: str = "accelerate"
-    # ddp | fsdp; None: from config_file, else from `accelerate launch`'s environment, else ddp.
+    # ddp | fsdp | deepspeed; None: from config_file, else from `accelerate launch`'s environment, else ddp.
     plugin: Optional[str] = None
     # An accelerate config YAML (what `accelerate config` writes); applied as `accelerate launch` would.
     config_file: Optional[str] = None
+    # DeepSpeed's ZeRO stage when the plugin is deepspeed and neither the config file nor accelerate launch says
+    zero_stage: int = 2
+
+    @property
+    def checkpoint_format(self) -> str:
+        return "deepspeed" if self.requested_plugin() == "deepspeed" else "dcp"
 
     def check(self, world_size: int) -> None:
         require(importable("accelerate"), "strategy=accelerate needs the accelerate package (pip install accelerate)")
@@ -52,17 +64,11 @@ class AccelerateConfig(StrategyConfig):
             choice("strategy.plugin", self.plugin, PLUGINS)
         if self.config_file is not None:
             require(Path(self.config_file).is_file(), f"strategy.config_file={self.config_file}: no such file")
-            kind = _file_settings(self.config_file).get("distributed_type", "NO")
-            require(
-                str(kind).upper() != "DEEPSPEED",
-                f"strategy.config_file={self.config_file} asks for DeepSpeed; strategy=accelerate drives DDP and "
-                "FSDP, use strategy=zero1|zero2|zero3 for DeepSpeed",
-            )
-        require(
-            os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true",
-            "accelerate launch was configured for DeepSpeed; strategy=accelerate drives DDP and FSDP, use "
-            "strategy=zero1|zero2|zero3 for DeepSpeed",
-        )
+        if self.requested_plugin() == "deepspeed":
+            require(importable("deepspeed"), "strategy=accelerate with DeepSpeed needs the deepspeed package")
+            stage = self.deepspeed_stage()
+            require(stage in (1, 2, 3), f"strategy=accelerate with DeepSpeed: ZeRO stage {stage} is not 1, 2 or 3")
+            check_settings(self.as_zero(), world_size)
         import torch
 
         require(
@@ -72,16 +78,34 @@ class AccelerateConfig(StrategyConfig):
         )
 
     def requested_plugin(self) -> str:
-        """ddp or fsdp: strategy.plugin, else the config file's distributed_type, else accelerate launch's
-        environment, else ddp."""
+        """ddp, fsdp or deepspeed: strategy.plugin, else the config file's distributed_type, else accelerate
+        launch's environment, else ddp."""
         if self.plugin is not None:
             return self.plugin
         if self.config_file is not None:
-            return "fsdp" if str(_file_settings(self.config_file).get("distributed_type", "")).upper() == "FSDP" else "ddp"
+            kind = str(_file_settings(self.config_file).get("distributed_type", "")).upper()
+            return {"FSDP": "fsdp", "DEEPSPEED": "deepspeed"}.get(kind, "ddp")
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            return "deepspeed"
         return "fsdp" if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" else "ddp"
+
+    def deepspeed_stage(self) -> int:
+        """The ZeRO stage: the config file's deepspeed_config.zero_stage, else accelerate launch's, else
+        strategy.zero_stage."""
+        if self.config_file is not None:
+            stage = (_file_settings(self.config_file).get("deepspeed_config") or {}).get("zero_stage")
+            if stage is not None:
+                return int(stage)
+        return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", self.zero_stage))
+
+    def as_zero(self) -> DeepSpeedSettings:
+        """The DeepSpeed settings as strategy=zero<N> has them (the same derived DeepSpeed config)."""
+        return DeepSpeedSettings(name=self.name, stage=self.deepspeed_stage())
 
     def check_run(self, run: RunConfig, world_size: int) -> None:
         super().check_run(run, world_size)
+        if self.requested_plugin() == "deepspeed":
+            check_run_settings(self.as_zero(), run)
         if self.config_file is None:
             return
         wanted = str(_file_settings(self.config_file).get("mixed_precision", "no"))
@@ -180,7 +204,44 @@ class AccelerateStrategy(TorchStrategy):
         log.info("accelerate prepared the model as %s on %s", self.wrapper.kind, self.wrapper.devices()[0])
 
 
-def build(cfg: AccelerateConfig, ctx: StrategyContext) -> TorchStrategy:
+class AccelerateZeroStrategy(ZeroStrategy):
+    """DeepSpeed's engine as Accelerate builds and steps it; what ZeRO holds is measured as for zero<N>."""
+
+    def __init__(self, cfg: AccelerateConfig, ctx: StrategyContext) -> None:
+        super().__init__(cfg.as_zero(), ctx)
+        self.accelerator: Any = None
+
+    def _initialize(self, model: nn.Module, optimizer: Any, scheduler: Any, config: dict[str, Any]) -> Any:
+        from accelerate import Accelerator
+        from accelerate.utils import DeepSpeedPlugin
+
+        self.accelerator = Accelerator(
+            deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
+            mixed_precision=MIXED_PRECISION[self.ctx.precision.name],
+            gradient_accumulation_steps=config["gradient_accumulation_steps"],
+        )
+        engine, _, _ = self.accelerator.prepare(model, optimizer, scheduler)
+        backward = engine.backward
+
+        def counted_backward(*args: Any, **kwargs: Any) -> Any:  # accelerator.backward calls it, then step
+            out = backward(*args, **kwargs)
+            self._count_grads()
+            return out
+
+        engine.backward = counted_backward
+        log.info("accelerate prepared the model as deepspeed (ZeRO stage %d) on %s", self.cfg.stage,
+                 self.accelerator.device)
+        return engine
+
+    def _backward_and_step(self, loss: torch.Tensor) -> None:
+        # Accelerate's accumulation: it counts micro-batches and steps the engine at the boundary.
+        with self.accelerator.accumulate(self.engine):
+            self.accelerator.backward(loss)
+
+
+def build(cfg: AccelerateConfig, ctx: StrategyContext) -> Any:
+    if cfg.requested_plugin() == "deepspeed":
+        return AccelerateZeroStrategy(cfg, ctx)
     return AccelerateStrategy(cfg.name, ctx, AccelerateWrapper(cfg, ctx))
 
 

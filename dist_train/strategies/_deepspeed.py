@@ -1,0 +1,466 @@
+"""DeepSpeed's engine behind the strategy interface, shared by strategy=zero<N> and strategy=accelerate with
+DeepSpeed (Accelerate builds the same engine through its DeepSpeedPlugin).
+
+The DeepSpeed config is derived from the run's own config (:func:`deepspeed_config`), so one Hydra
+config trains the same way under every strategy; `extra` is deep-merged over it. DeepSpeed's engine owns
+backward (loss scaling by 1/accumulation), gradient reduction, clipping and the optimizer step; the
+optimizer and LR schedule are ours (`OptimizerFactory`), handed to DeepSpeed.
+
+Nothing here imports DeepSpeed at module level: the registry imports strategy modules in every run.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dist_train.config import PrecisionConfig, RunConfig, TrainConfig, importable, require
+from dist_train.contracts import Batch, ModelState, StepOutput, tensor_bytes
+from dist_train.model import forward_loss
+from dist_train.strategies.base import StrategyContext, detached_clone
+from dist_train.telemetry.memory import optimizer_state_tensors
+
+log = logging.getLogger("dist_train")
+
+DEFAULT_EXTENSIONS_DIR = Path.home() / ".cache" / "dist_train" / "torch_extensions"
+
+
+@dataclass
+class DeepSpeedSettings:
+    """What the engine is built from: the ZeRO stage and offloads (strategy=zero<N>'s schema has the same fields)."""
+
+    name: str
+    stage: int
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size
+
+
+def check_settings(s: Any, world_size: int) -> None:
+    """Checks before any process group: the stage, the offloads, DeepSpeed itself."""
+    require(s.stage in (1, 2, 3), f"strategy.stage={s.stage} is not a ZeRO stage; allowed: 1, 2, 3")
+    require(
+        not s.offload_params or s.stage == 3,
+        f"strategy.offload_params=true needs strategy.stage=3 (got {s.stage})",
+    )
+    require(
+        importable("deepspeed"),
+        f"strategy={s.name} needs DeepSpeed, which is not importable in this environment; "
+        "`pip install deepspeed` or pick strategy=ddp|fsdp",
+    )
+    if s.offload_optimizer or s.offload_params:
+        what = "optimizer and parameters" if s.offload_params else "optimizer"
+        require(
+            torch.cuda.is_available(),
+            f"strategy={s.name} offloads the {what} from GPU to CPU memory, but no CUDA GPU is visible; "
+            f"on CPU use strategy=zero{s.stage} (no offload)",
+        )
+
+
+def check_run_settings(s: Any, run: RunConfig) -> None:
+    """Checks that need the run's values."""
+    if run.precision.loss_scaling:
+        require(
+            torch.cuda.is_available(),
+            f"strategy={s.name} with precision=fp16 needs a GPU: DeepSpeed's CPU accelerator runs fp32 and "
+            "bf16 only; use precision=bf16 on CPU",
+        )
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `extra` merged in; nested dicts merge key by key, anything else in `extra` wins."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def deepspeed_config(
+    *, zero: Any, train: TrainConfig, precision: PrecisionConfig, data_parallel_size: int
+) -> dict[str, Any]:
+    """The DeepSpeed config that trains like every other strategy under the same run config."""
+    accumulation = train.global_batch_size // (train.micro_batch_size * data_parallel_size)
+    zero_opt: dict[str, Any] = {"stage": zero.stage}
+    if zero.stage == 3:
+        # DeepSpeed keeps parameters under 1e5 elements gathered on every rank by default (not worth
+        # a collective each). Here every parameter is partitioned, as the ZeRO paper and FSDP do, so
+        # stage 3 shards what it says; raise it through strategy.extra for speed on large models.
+        zero_opt["stage3_param_persistence_threshold"] = 0
+    if zero.offload_optimizer:
+        zero_opt["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if zero.offload_params:
+        zero_opt["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config: dict[str, Any] = {
+        "train_batch_size": train.global_batch_size,
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        # DeepSpeed clips at 1.0 unless told otherwise; 0 disables, as train.grad_clip does.
+        "gradient_clipping": float(train.grad_clip),
+        "fp16": {"enabled": precision.loss_scaling},
+        "bf16": {"enabled": precision.mixed and not precision.loss_scaling},
+        "zero_optimization": zero_opt,
+        # The optimizer is our torch optimizer (same math as every strategy), not a DeepSpeed op:
+        # ZeRO accepts it only with this flag, and offload only with the second one (DeepSpeedCPUAdam
+        # would be faster on the CPU side, but it is another optimizer and another compiled op).
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        # Our telemetry reports progress, memory and collectives; DeepSpeed's own printing stays off.
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return deep_merge(config, zero.extra)
+
+
+# --------------------------------------------------------------------------------------------------
+# Start-up: the comm op's build cache, DeepSpeed's comm backend over our process group.
+# --------------------------------------------------------------------------------------------------
+
+
+# DeepSpeed's CPU accelerator JIT-compiles this op in `init_distributed` (tens of seconds on 2 cores).
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def use_extensions_cache() -> Path:
+    """Build DeepSpeed's ops once per machine, whatever the entry point: one cache, one ninja.
+
+    The cache is TORCH_EXTENSIONS_DIR if the user set it, else ~/.cache/dist_train/torch_extensions. The
+    build tool is the `ninja` installed with this project (beside the Python that runs it), put first on
+    PATH: torch's JIT build takes whichever `ninja` PATH finds first, and two ninja versions (Debian's 1.11
+    for a non-activated `make test`, pip's 1.13 in an activated shell) read each other's build log as
+    foreign and rebuild everything, which looked like a 30-60 s hang.
+    """
+    path = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR)))
+    path.mkdir(parents=True, exist_ok=True)
+    ours = Path(sys.executable).parent
+    search = os.environ.get("PATH", "").split(os.pathsep)
+    if (ours / "ninja").is_file() and search[:1] != [str(ours)]:
+        os.environ["PATH"] = os.pathsep.join([str(ours), *search])
+    return path
+
+
+def build_comm_op(cache: Path, device: torch.device) -> None:
+    """Compile DeepSpeed's CPU shared-memory comm op into `cache` if needed, one process at a time.
+
+    torch's JIT build guards a build with a `lock` file that a killed build leaves behind (Ctrl-C or a
+    scancel during the first run's compile), and every later run then waits for it forever, silently.
+    Here the build runs under an OS lock (fcntl), which dies with its process: whoever holds it knows that no
+    other dist_train process is building, so a `lock` file it finds is stale and is removed. Ranks take turns;
+    the first compiles, the others find the op built. No collective runs under the lock.
+    """
+    if device.type != "cpu":
+        return
+    import fcntl
+
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    op_dir = cache / SHM_COMM_OP
+    with open(cache / ".dist_train_build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            stale = op_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by an interrupted build", stale)
+                stale.unlink()
+            builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+            if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+                return  # DeepSpeed will not use it either (deepspeed.comm.torch.build_shm_op)
+            if not (op_dir / f"{SHM_COMM_OP}.so").is_file():
+                log.info("compiling DeepSpeed's shared-memory comm op into %s (about a minute on 2 cores; once "
+                         "per machine)", op_dir)
+            builder.load(verbose=False)
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
+def init_deepspeed_comm(backend: str | None) -> None:
+    """Wrap the process group the runtime already started in `deepspeed.comm`.
+
+    DeepSpeed's torch backend binds `dist.all_gather_into_tensor` / `dist.reduce_scatter_tensor` when it
+    is built; rebinding them to late lookups means every collective goes through whatever
+    `torch.distributed` exposes at call time (telemetry's wrappers, installed before or after).
+    """
+    import deepspeed
+    import deepspeed.comm.comm as ds_comm
+    import torch.distributed as dist
+
+    # DeepSpeed calls these torch names, not the user: their deprecation notice is noise in every run.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning,
+    )
+    deepspeed.init_distributed(dist_backend=backend, dist_init_required=False, verbose=False)
+    cdb = ds_comm.cdb
+    if cdb is not None and hasattr(cdb, "all_gather_function"):
+        cdb.all_gather_function = lambda *a, **kw: dist.all_gather_into_tensor(*a, **kw)
+        cdb.reduce_scatter_function = lambda *a, **kw: dist.reduce_scatter_tensor(*a, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# The strategy.
+# --------------------------------------------------------------------------------------------------
+
+
+class ZeroModelState(ModelState):
+    """ModelState whose gradient bytes were counted during the step, after each backward.
+
+    DeepSpeed frees its gradient buffers (stage 1/2) inside the optimizer step, so at logging time there
+    is nothing left to count; holding references until then would keep them alive and change the memory
+    being measured. The bytes are counted with the same function, the largest after any backward.
+    """
+
+    def __init__(self, *, params: list[torch.Tensor], optimizer: list[torch.Tensor], grads_bytes: int) -> None:
+        super().__init__(params=params, grads=[], optimizer=optimizer)
+        self.grads_bytes = grads_bytes
+
+    def bytes(self) -> dict[str, int]:
+        out = super().bytes()
+        out["memory/grads_bytes"] = self.grads_bytes
+        return out
+
+
+class TransientPeaks:
+    """Peaks of what ZeRO holds only for a moment, per logging window (`extra_metrics` drains them).
+
+    - gathered parameters (stage 3): DeepSpeed's own count of parameter elements gathered or in flight
+      (its parameter coordinator's `__n_available_params`), read at every module's forward and backward;
+    - the fp32 gradient partition the optimizer step consumes: its gradients' bytes when the step begins,
+      leaving out storage already counted as gradients (stage 3 in fp32 steps on a view of its buffer).
+    """
+
+    def __init__(self) -> None:
+        self.gathered_bytes = 0
+        self.step_grads_bytes = 0
+
+    def drain(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.gathered_bytes:
+            out["memory/gathered_params_bytes"] = self.gathered_bytes
+        if self.step_grads_bytes:
+            out["memory/step_grads_bytes"] = self.step_grads_bytes
+        self.gathered_bytes = self.step_grads_bytes = 0
+        return out
+
+
+class ZeroStrategy:
+    def __init__(self, cfg: Any, ctx: StrategyContext) -> None:
+        self.name, self.cfg, self.ctx = cfg.name, cfg, ctx
+        self.engine: Any = None
+        self._grads_bytes = 0  # peak gradient bytes of the last step, counted at the boundary
+        self._grads_seen = 0  # the same, during the step
+        self.peaks = TransientPeaks()
+
+    def setup(self, model: nn.Module) -> None:
+        cache = use_extensions_cache()
+        rt = self.ctx.runtime
+        build_comm_op(cache, rt.device)
+        # DeepSpeed insists on LOCAL_RANK, which a plain `python launch/train.py` run does not set.
+        os.environ.setdefault("LOCAL_RANK", str(rt.local_rank))
+        init_deepspeed_comm(rt.backend)
+        config = deepspeed_config(
+            zero=self.cfg, train=self.ctx.train, precision=self.ctx.precision,
+            data_parallel_size=self.cfg.data_parallel_size(rt.world_size),
+        )
+        optimizer = self.ctx.optimizer.build(model.parameters())
+        self.engine = self._initialize(model, optimizer, self.ctx.optimizer.scheduler(optimizer), config)
+        self._watch_transients()
+
+    def _initialize(self, model: nn.Module, optimizer: Any, scheduler: Any, config: dict[str, Any]) -> Any:
+        """DeepSpeed's engine over our model, optimizer and schedule."""
+        import deepspeed
+
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False
+        )
+        return engine
+
+    def _backward_and_step(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)  # scales by 1/accumulation: the gradient of the mean micro-batch loss
+        self._count_grads()
+        self.engine.step()  # an optimizer step only at the accumulation boundary
+
+    def _count_grads(self) -> None:
+        """After a backward, before its step: the gradient bytes this rank holds (peak over the micro-batches)."""
+        self._grads_seen = max(self._grads_seen, tensor_bytes(self._gradient_tensors()))
+
+    def _watch_transients(self) -> None:
+        opt = self.engine.optimizer
+
+        def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            counted = {t.untyped_storage().data_ptr() for t in self._gradient_tensors(with_fp32=False) if t is not None}
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            fresh = tensor_bytes(g for g in grads if g.untyped_storage().data_ptr() not in counted)
+            self.peaks.step_grads_bytes = max(self.peaks.step_grads_bytes, fresh)
+
+        opt.optimizer.register_step_pre_hook(before_step)
+        if self.cfg.stage != 3:
+            return
+        coordinator = opt.parameter_offload.get_param_coordinator()
+        params = list(self.engine.module.parameters())
+        elem = params[0].element_size() if params else 4
+
+        def sample(*_: Any) -> None:
+            gathered = getattr(coordinator, "_PartitionedParameterCoordinator__n_available_params", 0)
+            self.peaks.gathered_bytes = max(self.peaks.gathered_bytes, int(gathered) * elem)
+
+        for module in self.engine.module.modules():  # after DeepSpeed's own hooks (it fetches in them) ...
+            module.register_forward_pre_hook(sample)
+            module.register_forward_hook(sample, prepend=True)  # ... and before its release after forward
+            module.register_full_backward_pre_hook(sample)
+
+    def train_step(self, batch: Batch) -> StepOutput:
+        engine = self.engine
+        assert engine is not None, "setup() first"
+        micro = batch.to(self.ctx.runtime.device).split(self.ctx.train.micro_batch_size)
+        # DeepSpeed's step applies the update after exactly gradient_accumulation_steps backwards.
+        assert len(micro) == engine.gradient_accumulation_steps(), (len(micro), engine.gradient_accumulation_steps())
+        loss_sum = torch.zeros((), device=self.ctx.runtime.device)
+        self._grads_seen = 0
+        for mb in micro:
+            loss = forward_loss(engine, mb.input_ids, mb.labels)
+            self._backward_and_step(loss)
+            loss_sum += loss.detach().float()
+        self._grads_bytes = self._grads_seen
+        norm = engine.get_global_grad_norm()  # before clipping; a float or a tensor depending on the stage
+        grad_norm = None if norm is None else torch.as_tensor(norm, dtype=torch.float32).detach()
+        return StepOutput(loss_sum=loss_sum, num_microbatches=len(micro), grad_norm=grad_norm)
+
+    # ---------------------------------------------------------------- what this rank holds
+    def _params(self) -> list[nn.Parameter]:
+        return list(self.engine.module.parameters())
+
+    def _master_partitions(self) -> list[torch.Tensor]:
+        """DeepSpeed's fp32 master copy of this rank's partition (the tensors the optimizer updates)."""
+        opt = self.engine.optimizer
+        name = "fp32_partitioned_groups_flat" if self.cfg.stage == 3 else "single_partition_of_fp32_groups"
+        return list(getattr(opt, name))
+
+    def _gradient_tensors(self, *, with_fp32: bool = True) -> list[torch.Tensor | None]:
+        """Gradient storage this rank holds right after a backward (counted then: see ZeroModelState).
+
+        with_fp32=False leaves out the fp32 partitions' own gradients (offload keeps them; otherwise they exist
+        only inside the optimizer step, where TransientPeaks counts them).
+
+        Stage 1 accumulates full gradients in `.grad` until the boundary, then keeps only its reduced
+        partition (`averaged_gradients`); stage 2 reduces every micro-batch into its partition
+        (`all_grad_tensors` while accumulating, `averaged_gradients` at the boundary); stage 3 keeps one
+        persistent flat partition buffer. DeepSpeed's reduction bucket (`reduce_bucket_size` elements,
+        5e8 by default) is a communication staging buffer and is not counted, as FSDP's are not.
+        """
+        opt = self.engine.optimizer
+        # With optimizer offload the fp32 gradient partition lives on the CPU beside the master copy.
+        offloaded = [getattr(t, "grad", None) for t in self._master_partitions()] if with_fp32 else []
+        if self.cfg.stage == 3:
+            # averaged_gradients are views into this buffer; pass the buffer alone so nothing counts twice
+            return [getattr(opt, "grad_partitions_flat_buffer", None), *offloaded, *(p.grad for p in self._params())]
+        out: list[torch.Tensor | None] = [p.grad for p in self._params()] + offloaded
+        for holder in (getattr(opt, "averaged_gradients", None), getattr(opt, "all_grad_tensors", None)):
+            for value in (holder or {}).values():
+                out.extend(value if isinstance(value, (list, tuple)) else [value])
+        return [t for t in out if isinstance(t, torch.Tensor)]
+
+    def model_state(self) -> ModelState:
+        assert self.engine is not None, "setup() first"
+        opt = self.engine.optimizer
+        if self.cfg.stage == 3:
+            # Each parameter's local partition (`ds_tensor`), plus the full tensor of any parameter that
+            # is gathered right now (persistent small ones if the threshold was raised through `extra`).
+            params = [p.ds_tensor for p in self._params()] + [p.data for p in self._params() if p.data.numel() > 0]
+        else:
+            params = list(opt.bit16_groups_flat)  # the flat buffer the module's parameters are views of
+        # DeepSpeed's fp32 master copy of this rank's partition is optimizer state: it exists only for
+        # the optimizer (even in fp32 training, where it duplicates the partition of the parameters).
+        return ZeroModelState(
+            params=params,
+            optimizer=optimizer_state_tensors(opt.optimizer) + self._master_partitions(),
+            grads_bytes=self._grads_bytes,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"model": the full state dict (stage 3 gathers it), "optimizer": this rank's ZeRO partition}.
+
+        The optimizer entry is DeepSpeed's own per-rank layout (fp32 master partition and its Adam
+        state): it reloads on the same world size and stage only.
+        """
+        assert self.engine is not None, "setup() first"
+        model = self.engine.module
+        if self.cfg.stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+                model_sd = detached_clone(model.state_dict())
+        else:
+            model_sd = detached_clone(model.state_dict())
+        # DeepSpeed's state dict holds the live fp32 partitions and moments: copy, or training mutates it.
+        return {"model": model_sd, "optimizer": detached_clone(self.engine.optimizer.state_dict())}
+
+    def checkpoint_io(self) -> "DeepSpeedIO":
+        assert self.engine is not None, "setup() first"
+        return DeepSpeedIO(self.engine)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # The optimizer's state carries the fp32 master partition, from which every rank's parameters
+        # are rewritten (and all-gathered); the model entry is for consumers outside DeepSpeed.
+        # DeepSpeed indexes the list by data-parallel rank; each rank holds (and reads) only its own entry.
+        assert self.engine is not None, "setup() first"
+        dp_size = self.cfg.data_parallel_size(self.ctx.runtime.world_size)
+        self.engine.optimizer.load_state_dict([state["optimizer"]] * dp_size, load_from_fp32_weights=True)
+        if self.cfg.stage < 3:
+            # Stage 1/2 restore only the fp32 partitions; copy them into the parameters and all-gather
+            # (stage 3 does this itself), or the next forward would run on the old weights.
+            self.engine.optimizer.update_lp_params()
+
+    @property
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return [self.ctx.runtime.device]
+
+    def extra_metrics(self) -> dict[str, float]:
+        return self.peaks.drain()
+
+
+class DeepSpeedIO:
+    """DeepSpeed's own checkpoint: each rank writes its ZeRO partition (fp32 master weights, Adam moments),
+    data-parallel rank 0 the module state (every rank under stage 3), plus the LR schedule and step counters.
+
+    It reloads on the same ZeRO stage and world size; `python launch/export.py` consolidates it into one
+    set of weights (DeepSpeed's zero_to_fp32) for any other use.
+    """
+
+    format = "deepspeed"
+    SUBDIR = "deepspeed"
+    TAG = "state"
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def save(self, directory: Path, *, background: bool, group: Any = None) -> None:
+        # Synchronous whatever `background` says: DeepSpeed's engine saves in the caller's thread.
+        self.engine.save_checkpoint(str(directory / self.SUBDIR), tag=self.TAG, save_latest=False)
+        return None
+
+    def load(self, directory: Path) -> None:
+        path, _ = self.engine.load_checkpoint(
+            str(directory / self.SUBDIR), tag=self.TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {directory / self.SUBDIR}")
