@@ -1,14 +1,14 @@
 """The whole pre-flight check of a run, before any process group starts: one ConfigError line, or nothing.
 
 config.validate_fields judges the values on their own; here they meet what lies outside the config: the
-checkpoint that checkpoint.resume names, the number of processes, and the strategy's own checks (asked of
-the registry).
+checkpoint that checkpoint.resume names, the number of processes, the strategy's own checks (asked of
+the registry), and whether the optimizer can work under that strategy.
 """
 
 from __future__ import annotations
 
 from dist_train.checkpoint.layout import resolve_resume
-from dist_train.config import ConfigError, RunConfig, require, validate_fields
+from dist_train.config import WHOLE_TENSOR_OPTIMIZERS, ConfigError, RunConfig, importable, require, validate_fields
 from dist_train.strategies.registry import check_strategy
 
 
@@ -18,6 +18,51 @@ def validate(run: RunConfig, world_size: int) -> None:
     _check_resume(run.checkpoint.resume)
     require(world_size >= 1, f"WORLD_SIZE={world_size} must be >= 1")
     check_strategy(run, world_size)
+    check_optimizer(run, world_size)
+
+
+# optimizer.name -> the package it comes from, where that is not torch
+_PACKAGES = {"lion": ("lion_pytorch", "lion-pytorch"), "adam8bit": ("bitsandbytes", "bitsandbytes")}
+
+
+def check_optimizer(run: RunConfig, world_size: int) -> None:
+    """The optimizer against the strategy: what it needs installed, whole tensors, or (LOMO) one process."""
+    name, strategy, t = run.optimizer.name, run.strategy, run.train
+    if name in _PACKAGES:
+        module, package = _PACKAGES[name]
+        require(importable(module), f"optimizer={name} needs the {package} package (pip install {package})")
+    if name in WHOLE_TENSOR_OPTIMIZERS:
+        why = "factors each matrix's second moment by rows and columns" if name == "adafactor" else \
+            "quantizes its state in blocks of 256 elements"
+        require(
+            strategy.optimizer_sees_whole_tensors,
+            f"optimizer={name} {why}; strategy={strategy.name} hands the optimizer shards, so it would not train as "
+            "one process does; use it with single, dp, ddp, gpipe, 1f1b or accelerate (ddp), or pick "
+            "optimizer=adamw|lion|sgd",
+        )
+    if name == "lomo":
+        require(
+            strategy.updates_in_backward,
+            f"optimizer=lomo updates each parameter inside backward, before a gradient could be reduced across "
+            f"ranks or devices; it runs with strategy=single only (got strategy={strategy.name})",
+        )
+        accumulation = strategy.microbatches_per_step(t, world_size)
+        require(
+            accumulation == 1,
+            f"optimizer=lomo applies each backward's update at once, so it cannot accumulate {accumulation} "
+            f"micro-batches: set train.global_batch_size equal to train.micro_batch_size (now {t.global_batch_size} "
+            f"and {t.micro_batch_size})",
+        )
+        require(
+            t.grad_clip == 0,
+            f"optimizer=lomo updates each parameter before the global gradient norm is known, so it cannot clip: "
+            f"set train.grad_clip=0 (now {t.grad_clip})",
+        )
+        require(
+            not run.precision.loss_scaling,
+            "optimizer=lomo with precision=fp16: the loss scaler must see every gradient before any update; "
+            "use precision=bf16 or fp32",
+        )
 
 
 def _check_resume(resume: str) -> None:

@@ -57,6 +57,18 @@ class StrategyConfig:
         """The checkpoint format this strategy writes and reads (torch.distributed.checkpoint by default)."""
         return "dcp"
 
+    @property
+    def optimizer_sees_whole_tensors(self) -> bool:
+        """Whether the optimizer updates whole parameter tensors (False: shards or DTensors, as FSDP, ZeRO and
+        tensor parallelism hand it); optimizers in WHOLE_TENSOR_OPTIMIZERS need True."""
+        return True
+
+    @property
+    def updates_in_backward(self) -> bool:
+        """Whether an optimizer may update each parameter inside backward (LOMO): one process, one replica,
+        no gradient to reduce first."""
+        return False
+
     def data_parallel_size(self, world_size: int) -> int:
         return world_size
 
@@ -140,6 +152,15 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     momentum: float = 0.0
+
+
+# optimizer.name: torch's AdamW, Adam, SGD and Adafactor; Lion (lion-pytorch); 8-bit AdamW (bitsandbytes);
+# LOMO (SGD fused into backward, dist_train.optim.LOMO).
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion", "adam8bit", "lomo")
+# Optimizers whose update of a tensor depends on more than its elements one by one (Adafactor factors a
+# matrix's second moment by rows and columns, 8-bit Adam quantizes blocks of 256): on a strategy that hands
+# the optimizer shards instead of whole tensors they would train differently from one process.
+WHOLE_TENSOR_OPTIMIZERS = ("adafactor", "adam8bit")
 
 
 # precision.name -> (torch dtype name, bytes per element): the project's one dtype table.
@@ -286,7 +307,7 @@ def validate_fields(run: RunConfig) -> None:
     )
 
     _validate_data(run)
-    choice("optimizer.name", run.optimizer.name, ("adamw", "adam", "sgd"))
+    choice("optimizer.name", run.optimizer.name, OPTIMIZERS)
     require(len(run.optimizer.betas) == 2, f"optimizer.betas={run.optimizer.betas} needs two values")
     choice("precision.name", run.precision.name, tuple(PRECISIONS))
     choice("logger.name", run.logger.name, ("wandb", "none"))

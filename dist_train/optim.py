@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,6 +29,19 @@ class OptimizerFactory:
             return cls(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         if o.name == "sgd":
             return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        if o.name == "adafactor":
+            # torch's own (Shazeer & Stern 2018, with its relative step off: train.lr is the step size)
+            return torch.optim.Adafactor(params, lr=lr, weight_decay=o.weight_decay)
+        if o.name == "lion":
+            from lion_pytorch import Lion
+
+            return Lion(params, lr=lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        if o.name == "adam8bit":
+            import bitsandbytes as bnb
+
+            return bnb.optim.AdamW8bit(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        if o.name == "lomo":
+            return LOMO(params, lr=lr, weight_decay=o.weight_decay)
         raise AssertionError(f"unvalidated optimizer {o.name!r}")
 
     def scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
@@ -35,6 +49,42 @@ class OptimizerFactory:
         # A plain function, not the object: LambdaLR's state dict (which DeepSpeed checkpoints) would pickle
         # an object's fields, and loading it would bring back the saved config over the current one.
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda step: schedule(step))
+
+
+class LOMO(torch.optim.Optimizer):
+    """LOMO (Lv et al. 2023, "Full Parameter Fine-tuning for Large Language Models with Limited Resources"):
+    SGD fused into backward. As soon as a parameter's gradient is complete, the parameter takes its step and
+    the gradient is freed, so at most one parameter's gradient exists at a time and there is no optimizer
+    state. The price: no accumulation and no clipping by the global norm (it is known only after every
+    update), and one process (no gradient to reduce first); dist_train.checks refuses the rest.
+
+    `step()` does nothing; `take_grad_norm()` gives the global norm of the step's gradients, summed as they
+    went by (the figure other optimizers clip by)."""
+
+    updates_in_backward = True
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float = 0.0) -> None:
+        super().__init__(list(params), {"lr": lr, "weight_decay": weight_decay})
+        self._squares: list[torch.Tensor] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.register_post_accumulate_grad_hook(lambda param, group=group: self._update(param, group))
+
+    @torch.no_grad()
+    def _update(self, p: torch.nn.Parameter, group: dict) -> None:
+        grad = p.grad
+        self._squares.append(grad.float().pow(2).sum())
+        if group["weight_decay"]:
+            grad = grad.add(p, alpha=group["weight_decay"])  # as torch's SGD applies it
+        p.add_(grad, alpha=-group["lr"])
+        p.grad = None
+
+    def step(self, closure: Any = None) -> None:  # the updates happened in backward
+        return None
+
+    def take_grad_norm(self) -> torch.Tensor:
+        squares, self._squares = self._squares, []
+        return torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
 
 
 @dataclass(frozen=True)

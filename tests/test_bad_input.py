@@ -42,7 +42,7 @@ CASES = [
     (TRAIN, "DIST_TRAIN_FAULT=boom", "DIST_TRAIN_FAULT='boom' is not <kind>@<step>[:rank<r>]"),
     (TRAIN, "runtime.timeout_s=0", "runtime.timeout_s=0.0 must be > 0"),
     (TRAIN, "strategy=zero2 precision=fp16", "strategy=zero2 with precision=fp16 needs a GPU"),
-    (ESTIMATE, "optimizer=adam", "optimizer=adam is not an option (no conf/optimizer/adam.yaml); available: adamw, sgd"),
+    (ESTIMATE, "optimizer=adam", "optimizer=adam is not an option (no conf/optimizer/adam.yaml); available: adafactor, adam8bit, adamw"),
     (ESTIMATE, "world_size=x", "world_size: Value 'x' of type 'str' could not be converted to Integer"),
     (ESTIMATE, "model.hidden_size=-1", "model.hidden_size=-1 must be >= 1"),
     (COMPARE, "compare.nproc=x", "compare.nproc: Value 'x' of type 'str' could not be converted to Integer"),

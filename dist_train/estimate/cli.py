@@ -21,7 +21,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dist_train.estimate.comm import bus_factor, predict_comm, ring_bytes, ring_volume_psi
 from dist_train.estimate.fit import DEFAULT_FIT_GPUS, DEFAULT_FIT_STRATEGIES, FitModel, fit_table
-from dist_train.estimate.memory import RankMemory, element_bytes, kv_cache_bytes, predict_memory, shards, state_bytes
+from dist_train.estimate.memory import (
+    RankMemory,
+    element_bytes,
+    kv_cache_bytes,
+    predict_memory,
+    setup_state_bytes,
+    shards,
+    with_model,
+)
 from dist_train.estimate.render import human_bytes, human_count, text_table
 from dist_train.estimate.setup import Setup, setup_from_config
 from dist_train.estimate.shapes import PRESETS, ModelShape
@@ -124,8 +132,7 @@ def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> dict[
         "model": {**asdict(shape), "num_params": shape.num_params},
         "setup": {**asdict(setup), "resolved_regime": setup.resolved_regime,
                   "data_parallel_size": setup.data_parallel_size, "microbatches_per_step": setup.microbatches_per_step},
-        "bytes_per_param": asdict(state_bytes(precision=setup.precision, optimizer=setup.optimizer,
-                                              momentum=setup.momentum, regime=setup.resolved_regime)),
+        "bytes_per_param": asdict(setup_state_bytes(with_model(shape, setup))),
         "sharded_over": asdict(shards(setup)),
         "memory_per_rank": [_rank_json(r) for r in predict_memory(shape, setup)],
         "activations_with_the_other_checkpointing": [r.activations for r in other],
@@ -169,8 +176,7 @@ def header(shape: ModelShape, setup: Setup, *, unlisted: bool) -> str:
 def memory_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> str:
     ranks = predict_memory(shape, setup)
     ckpt = predict_memory(shape, replace(setup, activation_checkpointing=not setup.activation_checkpointing))
-    b = state_bytes(precision=setup.precision, optimizer=setup.optimizer, momentum=setup.momentum,
-                    regime=setup.resolved_regime)
+    b = setup_state_bytes(with_model(shape, setup))
     sh = shards(setup)
     show = list(range(len(ranks))) if len(set(ranks)) > 1 and len(ranks) <= 8 else [0]
     cols = [f"rank {r}" for r in show] if len(show) > 1 else ["per rank"]

@@ -82,8 +82,9 @@ def _data_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
     n, m = setup.data_parallel_size, setup.microbatches_per_step
     if n == 1 or setup.family in ("single", "dp"):
         return []
-    b = state_bytes(
-        precision=setup.precision, optimizer=setup.optimizer, momentum=setup.momentum, regime=setup.resolved_regime
+    b = state_bytes(  # weights and gradients are what travel; the optimizer's state stays put
+        precision=setup.precision, optimizer=setup.optimizer, momentum=setup.momentum, regime=setup.resolved_regime,
+        optimizer_per_param=0.0,
     )
     if setup.kind == "ddp":
         return [Collective("all_reduce", num_params * b.grads, "gradients, once per step (no_sync while accumulating)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from dist_train.estimate.memory import RankMemory, model_state_bytes, predict_memory
+from dist_train.estimate.memory import SHAPED_OPTIMIZERS, RankMemory, model_state_bytes, predict_memory
 from dist_train.estimate.setup import Setup, family_of
 from dist_train.estimate.shapes import ModelShape
 
@@ -57,6 +57,8 @@ def fit_cell(model: FitModel, *, base: Setup, strategy: str, world_size: int, gp
         peak = worst_rank(predict_memory(model.shape, setup)).total
         note = ""
     else:
+        if setup.optimizer in SHAPED_OPTIMIZERS:
+            return FitCell(model.name, strategy, world_size, None, False, f"optimizer={setup.optimizer} needs a model shape")
         share = model.num_params / setup.num_stages  # no shape: an even pipeline split
         peak = model_state_bytes(share, setup).model_state
         note = "model state only"

@@ -35,7 +35,8 @@ gathered parameters and gradients) and the optimizer step's (the fp32 gradient p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from dist_train.config import PRECISIONS
 from dist_train.estimate.setup import Setup
@@ -61,28 +62,86 @@ class StateBytes:
         return self.weights + self.grads + self.master + self.optimizer
 
 
-def optimizer_state_count(optimizer: str, *, momentum: float = 0.0) -> int:
-    """State tensors per parameter: Adam/AdamW two moments, SGD one momentum buffer (none without)."""
+# Optimizers whose state is not a fixed number of tensors per parameter: it depends on the tensors' shapes.
+SHAPED_OPTIMIZERS = ("adafactor", "adam8bit")
+# bitsandbytes' 8-bit optimizers: tensors under this many elements keep fp32 state; the rest are quantized in
+# blocks of 256 with one fp32 scale (absmax) each; one 256-entry fp32 code book per moment is shared.
+BNB_MIN_8BIT_SIZE, BNB_BLOCK = 4096, 256
+
+
+def optimizer_state_count(optimizer: str, *, momentum: float = 0.0) -> int | None:
+    """State tensors per parameter: Adam/AdamW two moments, SGD one momentum buffer (none without), Lion one,
+    LOMO none; None where the state depends on the tensors' shapes (Adafactor, 8-bit Adam)."""
     if optimizer in ("adam", "adamw"):
         return 2
     if optimizer == "sgd":
         return 1 if momentum else 0
-    raise ValueError(f"optimizer={optimizer!r} unknown; allowed: adam, adamw, sgd")
+    if optimizer == "lion":
+        return 1
+    if optimizer == "lomo":
+        return 0
+    if optimizer in SHAPED_OPTIMIZERS:
+        return None
+    raise ValueError(f"optimizer={optimizer!r} unknown; allowed: adam, adamw, sgd, lion, lomo, adafactor, adam8bit")
 
 
-def state_bytes(*, precision: str, optimizer: str, momentum: float = 0.0, regime: str) -> StateBytes:
-    """Bytes per parameter for `regime` (see setup.REGIMES; `auto` must be resolved first)."""
+def shaped_optimizer_bytes(shape: ModelShape, optimizer: str) -> float:
+    """Optimizer state bytes of a whole replica, tensor by tensor (fp32 state; step counters left out).
+
+    adafactor (torch): a matrix (m x n) keeps a row and a column vector, m + n floats; a vector its full
+    second moment. adam8bit (bitsandbytes): two 1-byte moments plus a 4-byte scale per block of 256 for
+    tensors of at least 4096 elements, two fp32 moments below that, and the shared code books once."""
+    total = 0.0
+    for dims in shape.param_shapes():
+        n = math.prod(dims)
+        if optimizer == "adafactor":
+            total += 4 * (sum(dims) if len(dims) >= 2 else n)
+        elif n >= BNB_MIN_8BIT_SIZE:
+            total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
+        else:
+            total += 2 * 4 * n
+    if optimizer == "adam8bit":
+        total += 4 * BNB_BLOCK * 2
+    return total
+
+
+def with_model(shape: ModelShape, setup: Setup) -> Setup:
+    """`setup` with the optimizer's bytes per parameter filled in where they depend on the model's shapes."""
+    if setup.optimizer not in SHAPED_OPTIMIZERS or setup.optimizer_bytes_per_param is not None:
+        return setup
+    return replace(setup, optimizer_bytes_per_param=shaped_optimizer_bytes(shape, setup.optimizer) / shape.num_params)
+
+
+def state_bytes(*, precision: str, optimizer: str, momentum: float = 0.0, regime: str,
+                optimizer_per_param: float | None = None) -> StateBytes:
+    """Bytes per parameter for `regime` (see setup.REGIMES; `auto` must be resolved first).
+
+    `optimizer_per_param`: the optimizer state's bytes per parameter where a count of tensors cannot say it
+    (see `with_model`)."""
     p = element_bytes(precision)
     states = optimizer_state_count(optimizer, momentum=momentum)
+    if states is None and optimizer_per_param is None:
+        raise ValueError(f"optimizer={optimizer}: its state depends on the model's tensor shapes (give a model)")
+
+    def moments(elem: int) -> float:
+        return optimizer_per_param if optimizer_per_param is not None else elem * states
+
     if regime == "autocast":
-        return StateBytes(weights=4, grads=4, master=0, optimizer=4 * states)
+        return StateBytes(weights=4, grads=4, master=0, optimizer=moments(4))
     if regime == "mixed":
-        return StateBytes(weights=p, grads=p, master=4 if p < 4 else 0, optimizer=4 * states)
+        return StateBytes(weights=p, grads=p, master=4 if p < 4 else 0, optimizer=moments(4))
     if regime == "deepspeed":
-        return StateBytes(weights=p, grads=p, master=4, optimizer=4 * states)
+        return StateBytes(weights=p, grads=p, master=4, optimizer=moments(4))
     if regime == "pure":
-        return StateBytes(weights=p, grads=p, master=0, optimizer=p * states)
+        return StateBytes(weights=p, grads=p, master=0, optimizer=moments(p))
     raise ValueError(f"regime={regime!r} cannot be used here; resolve `auto` with Setup.resolved_regime")
+
+
+def setup_state_bytes(setup: Setup) -> StateBytes:
+    """`state_bytes` for a Setup (LOMO keeps no gradient beyond the one being applied: 0 at rest)."""
+    b = state_bytes(precision=setup.precision, optimizer=setup.optimizer, momentum=setup.momentum,
+                    regime=setup.resolved_regime, optimizer_per_param=setup.optimizer_bytes_per_param)
+    return replace(b, grads=0) if setup.optimizer == "lomo" else b
 
 
 @dataclass(frozen=True)
@@ -137,9 +196,7 @@ def model_state_bytes(num_params: float, setup: Setup, *, persistent: float = 0.
     """Model state of `num_params` parameters on one rank (all of them, or a pipeline stage's).
 
     `persistent`: ZeRO-3 parameters under the persistence threshold, whose weights every rank keeps whole."""
-    b = state_bytes(
-        precision=setup.precision, optimizer=setup.optimizer, momentum=setup.momentum, regime=setup.resolved_regime
-    )
+    b = setup_state_bytes(setup)
     sh = shards(setup)
     return RankMemory(
         params=(num_params - persistent) * b.weights / sh.weights + persistent * b.weights,
@@ -151,6 +208,7 @@ def model_state_bytes(num_params: float, setup: Setup, *, persistent: float = 0.
 
 def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
     """One entry per rank: model state, activations of the micro-batches alive at the peak, transient buffers."""
+    setup = with_model(shape, setup)
     if setup.family != "pipeline":
         gathered, persistent = zero3_gathered(shape, setup)
         state = model_state_bytes(tp_rank_params(shape, setup), setup, persistent=persistent)

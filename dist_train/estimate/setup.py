@@ -80,6 +80,9 @@ class Setup:
     tp: int = 2
     # strategy=tp: Megatron's sequence parallelism
     sequence_parallel: bool = False
+    # Optimizer state bytes per parameter where they depend on the tensors' shapes (Adafactor, 8-bit Adam):
+    # set from the model by memory.with_model; None for the others, whose state is so many bytes per element.
+    optimizer_bytes_per_param: Optional[float] = None
     # pipelines: stages (None = one per rank); world / pp replicas, each stage replicated or FSDP-sharded
     pp: Optional[int] = None
     dp_mode: str = "replicate"

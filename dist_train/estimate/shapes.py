@@ -108,6 +108,20 @@ class ModelShape:
         """The LM head's weight (a matrix product whether or not it is tied to the embedding)."""
         return self.vocab_size * self.hidden_size
 
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        """Every parameter tensor's shape (transformers' GPT-2 Conv1D stores in x out), in forward order."""
+        h, f, kv, v = self.hidden_size, self.ffn, self.kv_dim, self.vocab_size
+        if self.arch == "gpt2":
+            first = [(v, h), (self.max_seq_len, h)]
+            layer = [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, f), (f,), (f, h), (h,)]
+            last = [(h,), (h,)]
+        else:
+            first = [(v, h)]
+            layer = [(h,), (h, h), (kv, h), (kv, h), (h, h), (h,), (f, h), (f, h), (h, f)]
+            last = [(h,)]
+        head = [] if self.tie_embeddings else [(v, h)]
+        return [*first, *layer * self.num_layers, *last, *head]
+
     def module_params(self) -> list[tuple[int, ...]]:
         """Each module's own parameter tensors (their sizes), in forward order: the unit ZeRO-3 gathers."""
         h, f, kv, v = self.hidden_size, self.ffn, self.kv_dim, self.vocab_size

@@ -95,6 +95,9 @@ class LocalOptimizer:
 
     def step(self, *, total_norm: torch.Tensor | None = None) -> torch.Tensor:
         """Clip (by `total_norm` if given, else the norm of these parameters), step, advance the schedule."""
+        if getattr(self.optimizer, "updates_in_backward", False):  # LOMO: already updated, nothing to clip
+            self.scheduler.step()
+            return self.optimizer.take_grad_norm()
         if self.scaler is not None:
             # A norm computed before unscaling would be in scaled units.
             assert total_norm is None, "a precomputed norm cannot be combined with fp16 loss scaling"

@@ -29,6 +29,10 @@ class FSDPConfig(StrategyConfig):
     # False: keep them from forward to backward (ZeRO-2-like: more memory, one all-gather fewer).
     reshard_after_forward: bool = True
 
+    @property
+    def optimizer_sees_whole_tensors(self) -> bool:
+        return False  # FSDP2 shards (DTensors)
+
 
 class FSDPWrapper:
     # torch.distributed.fsdp (in _fsdp.py) is imported when a model is wrapped: importing it (with DTensor and

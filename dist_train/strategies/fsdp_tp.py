@@ -31,6 +31,10 @@ class FSDPTPConfig(StrategyConfig):
     tp: int = 2
     reshard_after_forward: bool = True
 
+    @property
+    def optimizer_sees_whole_tensors(self) -> bool:
+        return False  # DTensor shards
+
     def data_parallel_size(self, world_size: int) -> int:
         return max(world_size // self.tp, 1)
 

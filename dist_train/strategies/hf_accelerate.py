@@ -58,6 +58,10 @@ class AccelerateConfig(StrategyConfig):
     def checkpoint_format(self) -> str:
         return "deepspeed" if self.requested_plugin() == "deepspeed" else "dcp"
 
+    @property
+    def optimizer_sees_whole_tensors(self) -> bool:
+        return self.requested_plugin() == "ddp"
+
     def check(self, world_size: int) -> None:
         require(importable("accelerate"), "strategy=accelerate needs the accelerate package (pip install accelerate)")
         if self.plugin is not None:

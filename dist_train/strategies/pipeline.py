@@ -98,6 +98,10 @@ class PipelineConfig(StrategyConfig):
     pp: Optional[int] = None
     dp_mode: str = "replicate"
 
+    @property
+    def optimizer_sees_whole_tensors(self) -> bool:
+        return self.pp is None  # replicated or sharded stages (pp_dp) hold DTensors
+
     def num_stages(self, world_size: int) -> int:
         return self.pp if self.pp is not None else world_size
 

@@ -26,6 +26,10 @@ class SingleConfig(StrategyConfig):
     def data_parallel_size(self, world_size: int) -> int:
         return 1
 
+    @property
+    def updates_in_backward(self) -> bool:
+        return True
+
     def check(self, world_size: int) -> None:
         require(
             world_size == 1,

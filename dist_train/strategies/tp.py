@@ -43,6 +43,10 @@ class TPConfig(StrategyConfig):
     # reduce-scatter after each attention and MLP instead of one all-reduce.
     sequence_parallel: bool = False
 
+    @property
+    def optimizer_sees_whole_tensors(self) -> bool:
+        return False  # DTensor shards and replicas
+
     def data_parallel_size(self, world_size: int) -> int:
         return 1
 

@@ -39,6 +39,10 @@ class ZeroConfig(StrategyConfig):
     def checkpoint_format(self) -> str:
         return "deepspeed"
 
+    @property
+    def optimizer_sees_whole_tensors(self) -> bool:
+        return False  # DeepSpeed's flat partitions
+
     def check(self, world_size: int) -> None:
         check_settings(self, world_size)
 
