@@ -9,8 +9,10 @@ string where an int belongs) and :func:`validate` rejects combinations no single
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import MISSING
@@ -141,6 +143,8 @@ class TrainConfig:
 class DataConfig:
     name: str = "synthetic"
     path: Optional[str] = None
+    # data=tokens: uint16 | uint32; None = the dtype in the file's JSON beside it, else uint16 (nanoGPT's)
+    dtype: Optional[str] = None
     # synthetic: probability that a token of a learnable sequence is replaced by a random one.
     noise: float = 0.1
 
@@ -318,6 +322,38 @@ def validate_fields(run: RunConfig) -> None:
     _validate_checkpoint(run.checkpoint)
 
 
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def token_file_meta(path: str) -> dict[str, Any]:
+    """The JSON beside a token file (`x.bin` -> `x.json`: dtype, vocab_size, tokenizer, ...), or {} (nanoGPT's)."""
+    meta = Path(path).with_suffix(".json")
+    return json.loads(meta.read_text()) if meta.is_file() else {}
+
+
+def _validate_token_file(run: RunConfig) -> None:
+    d = run.data
+    require(bool(d.path), "data=tokens needs data.path=/path/to/tokens.bin (launch/prepare_tokens.py writes one)")
+    require(os.path.isfile(d.path), f"data.path={d.path!r} is not a readable file")
+    meta = token_file_meta(d.path)
+    dtype = d.dtype or meta.get("dtype", "uint16")
+    choice("data.dtype", dtype, TOKEN_DTYPES)
+    itemsize = 2 if dtype == "uint16" else 4
+    size = os.path.getsize(d.path)
+    require(size % itemsize == 0, f"data.path={d.path!r} has {size} bytes, not a whole number of {dtype} tokens")
+    need = run.train.seq_len + 1
+    require(
+        size // itemsize >= need,
+        f"data.path={d.path!r} holds {size // itemsize} tokens; train.seq_len={run.train.seq_len} needs >= {need}",
+    )
+    vocab = meta.get("vocab_size")
+    require(
+        vocab is None or vocab <= run.model.vocab_size,
+        f"data.path={d.path!r} was tokenized with {meta.get('tokenizer')!r} ({vocab} tokens) but model.vocab_size="
+        f"{run.model.vocab_size}; set model.vocab_size>={vocab}",
+    )
+
+
 def _validate_checkpoint(c: CheckpointConfig) -> None:
     """The values alone; whether checkpoint.resume names a checkpoint is checked by dist_train.checks."""
     require(c.every_steps >= 0, f"checkpoint.every_steps={c.every_steps} must be >= 0 (0 = never save)")
@@ -327,9 +363,12 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
 
 def _validate_data(run: RunConfig) -> None:
     d = run.data
-    choice("data.name", d.name, ("synthetic", "textfile"))
+    choice("data.name", d.name, ("synthetic", "textfile", "tokens"))
     if d.name == "synthetic":
         require(0 <= d.noise <= 1, f"data.noise={d.noise} must be in [0, 1]")
+        return
+    if d.name == "tokens":
+        _validate_token_file(run)
         return
     require(bool(d.path), "data=textfile needs data.path=/path/to/file.txt (a local text file)")
     require(os.path.isfile(d.path), f"data.path={d.path!r} is not a readable file")

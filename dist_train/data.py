@@ -3,7 +3,8 @@
 Every rank builds the same global batch and takes its data-parallel slice of it, so one config and seed
 trains on the same samples in the same order whatever the strategy or world size. Synthetic batches are
 drawn in one go per global batch (one generator seeded by the step: a few tensor ops, whatever the batch
-size); a text file's windows are cut from a per-epoch shuffle.
+size); a text file's (bytes) or a token file's (nanoGPT's .bin, memory-mapped) windows are cut from a
+per-epoch shuffle.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from dist_train.config import DataConfig
+from dist_train.config import DataConfig, token_file_meta
 from dist_train.contracts import Batch
 
 
@@ -39,13 +41,13 @@ class SyntheticDataset:
         return torch.where(flip, random, tokens).long()
 
 
-class TextFileDataset:
-    """Byte-level tokens of a local file, cut into windows of seq_len + 1; shuffled per epoch by the seed."""
+class WindowDataset:
+    """Windows of seq_len + 1 tokens cut from one token sequence (a numpy array, possibly memory-mapped: only
+    the windows a batch needs are read); their order shuffled per epoch by the seed."""
 
-    def __init__(self, *, path: str, seq_len: int, seed: int) -> None:
-        data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8).long()
-        self.tokens, self.seq_len, self.seed = data, seq_len, seed
-        self.num_windows = (data.numel() - 1) // seq_len
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, seed: int) -> None:
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.num_windows = (len(tokens) - 1) // seq_len
         self._orders: dict[int, torch.Tensor] = {}
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -57,16 +59,36 @@ class TextFileDataset:
     def sample(self, index: int) -> torch.Tensor:
         epoch, pos = divmod(index, self.num_windows)
         start = int(self._order(epoch)[pos]) * self.seq_len
-        return self.tokens[start : start + self.seq_len + 1]
+        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
 
     def batch(self, step: int, size: int) -> torch.Tensor:
         return torch.stack([self.sample(step * size + i) for i in range(size)])
+
+
+class TextFileDataset(WindowDataset):
+    """Byte-level tokens of a local text file (vocabulary 256)."""
+
+    def __init__(self, *, path: str, seq_len: int, seed: int) -> None:
+        super().__init__(np.frombuffer(Path(path).read_bytes(), dtype=np.uint8), seq_len=seq_len, seed=seed)
+
+
+class TokenFileDataset(WindowDataset):
+    """A token file as nanoGPT writes it (`launch/prepare_tokens.py` too): raw uint16 or uint32 token ids,
+    memory-mapped, so a file larger than memory costs only the windows each batch reads."""
+
+    def __init__(self, *, path: str, dtype: str, seq_len: int, seed: int) -> None:
+        super().__init__(np.memmap(path, dtype=np.dtype(dtype), mode="r"), seq_len=seq_len, seed=seed)
+
 
 
 def build_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int) -> Dataset:
     if cfg.name == "textfile":
         assert cfg.path is not None  # validated before start-up
         return TextFileDataset(path=cfg.path, seq_len=seq_len, seed=seed)
+    if cfg.name == "tokens":
+        assert cfg.path is not None
+        dtype = cfg.dtype or token_file_meta(cfg.path).get("dtype", "uint16")
+        return TokenFileDataset(path=cfg.path, dtype=dtype, seq_len=seq_len, seed=seed)
     return SyntheticDataset(vocab_size=vocab_size, seq_len=seq_len, seed=seed, noise=cfg.noise)
 
 

@@ -88,12 +88,25 @@ def test_ddp_runs_without_torchrun_as_one_process(single_run, tmp_path):
     assert s["losses"] == pytest.approx(single["losses"], rel=1e-5)
 
 
-def test_textfile_data_trains_and_ranks_agree(tmp_path):
+def test_text_and_token_files_train_on_the_same_windows_and_ranks_agree(tmp_path):
+    """data=textfile (bytes) on one process against data=tokens (the same text prepared with the byte tokenizer,
+    memory-mapped) under fsdp on two: the same samples in the same order, so the same losses."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, env
+
     text = tmp_path / "corpus.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
-    common = ["data=textfile", f"data.path={text}", "logger=none", *FAST]
-    one = train_ok(["strategy=single", *common], run_dir=tmp_path / "single")
-    two = train_ok(["strategy=fsdp", *common], run_dir=tmp_path / "fsdp", nproc=2)
+    tokens = tmp_path / "corpus.bin"
+    proc = subprocess.run([sys.executable, "launch/prepare_tokens.py", str(text), str(tokens)], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert tokens.stat().st_size == 2 * text.stat().st_size  # one uint16 per byte
+    one = train_ok(["strategy=single", "data=textfile", f"data.path={text}", "logger=none", *FAST],
+                   run_dir=tmp_path / "single")
+    two = train_ok(["strategy=fsdp", "data=tokens", f"data.path={tokens}", "logger=none", *FAST],
+                   run_dir=tmp_path / "fsdp", nproc=2)
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert one["losses"][-1] < one["losses"][0]  # repetitive English is learnable in 5 steps
 

@@ -1,0 +1,96 @@
+"""Tokenize a local text file into a token file for `data=tokens` (nanoGPT's .bin: raw uint16/uint32 ids).
+
+    python launch/prepare_tokens.py TEXT OUT.bin [--tokenizer byte|NAME|DIR] [--append-eos]
+
+TEXT is a local text file. The tokenizer is `byte` (the bytes themselves, vocabulary 256: what data=textfile
+trains on), a local directory holding a Hugging Face tokenizer (`save_pretrained`'s files), or the name of
+one already in the local Hugging Face cache. Nothing is downloaded: a tokenizer that is not available
+offline is one error line. OUT.json beside OUT.bin records the dtype, the vocabulary size, the tokenizer and
+the token count; training checks the model's vocabulary against it.
+
+Then: `python launch/train.py data=tokens data.path=OUT.bin model.vocab_size=<at least the vocabulary>`.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from dist_train.entry import report_config_error  # noqa: E402
+
+USAGE = "python launch/prepare_tokens.py TEXT OUT.bin [--tokenizer byte|NAME|DIR] [--append-eos]"
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse prints usage + error; one line is enough
+        sys.exit(report_config_error(f"{message} (usage: {USAGE})"))
+
+
+def load_tokenizer(name: str):  # type: ignore[no-untyped-def]
+    """A Hugging Face tokenizer from a local directory or the local cache; ValueError if neither has it."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network, even to check for updates
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"--tokenizer={name}: not available offline (no such local directory, and not in the local Hugging Face "
+            f"cache); give a directory with the tokenizer's files, or --tokenizer=byte ({type(exc).__name__})"
+        ) from exc
+
+
+def tokenize(text: str, tokenizer_name: str, *, append_eos: bool) -> tuple[list[int] | bytes, int, str]:
+    """(token ids, vocabulary size, what tokenized them)."""
+    if tokenizer_name == "byte":
+        return text.encode("utf-8"), 256, "byte"
+    tok = load_tokenizer(tokenizer_name)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if append_eos and tok.eos_token_id is not None:
+        ids.append(tok.eos_token_id)
+    return ids, len(tok), getattr(tok, "name_or_path", tokenizer_name)
+
+
+def write(ids: list[int] | bytes, out: Path, *, vocab_size: int, tokenizer: str, source: str) -> dict:
+    dtype = "uint16" if vocab_size <= 2**16 else "uint32"
+    array = np.frombuffer(ids, dtype=np.uint8).astype(dtype) if isinstance(ids, bytes) else np.asarray(ids, dtype=dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".bin.tmp")
+    array.tofile(tmp)
+    tmp.replace(out)  # a reader never sees half a file
+    meta = {"dtype": dtype, "vocab_size": vocab_size, "tokenizer": tokenizer, "num_tokens": int(array.size),
+            "source": source}
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def main() -> int:
+    parser = _OneLineParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("text", type=Path, help="a local text file")
+    parser.add_argument("out", type=Path, help="the token file to write (OUT.bin; OUT.json beside it)")
+    parser.add_argument("--tokenizer", default="byte", help="byte, a local tokenizer directory, or a cached name")
+    parser.add_argument("--append-eos", action="store_true", help="end the text with the tokenizer's EOS token")
+    args = parser.parse_args()
+    if not args.text.is_file():
+        return report_config_error(f"text={args.text}: no such file")
+    if args.out.suffix != ".bin":
+        return report_config_error(f"out={args.out}: name the token file *.bin (its metadata goes to *.json)")
+    try:
+        ids, vocab, name = tokenize(args.text.read_text(encoding="utf-8", errors="replace"), args.tokenizer,
+                                    append_eos=args.append_eos)
+    except ValueError as exc:
+        return report_config_error(str(exc))
+    meta = write(ids, args.out, vocab_size=vocab, tokenizer=name, source=str(args.text))
+    print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, vocabulary {vocab:,}, tokenizer {name}) to "
+          f"{args.out}; train with: data=tokens data.path={args.out} model.vocab_size>={vocab}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

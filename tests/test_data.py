@@ -1,0 +1,86 @@
+"""Real data: launch/prepare_tokens.py with a tokenizer available offline, and the checks of data=tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dist_train.checks import validate
+from dist_train.config import ConfigError
+from dist_train.data import TokenFileDataset
+from tests.helpers import ROOT, env
+from tests.test_config import run_config
+
+TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 40
+
+
+def _prepare(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "launch/prepare_tokens.py", *args], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def _local_tokenizer(directory) -> str:
+    """A small BPE tokenizer trained here and saved as transformers saves one: a local tokenizer, no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"]))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", eos_token="<eos>").save_pretrained(directory)
+    return str(directory)
+
+
+def test_a_local_tokenizer_writes_ids_and_metadata_that_training_reads(tmp_path):
+    text, out = tmp_path / "t.txt", tmp_path / "t.bin"
+    text.write_text(TEXT)
+    proc = _prepare(str(text), str(out), f"--tokenizer={_local_tokenizer(tmp_path / 'tok')}", "--append-eos")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads(out.with_suffix(".json").read_text())
+    ids = np.fromfile(out, dtype=meta["dtype"])
+    assert meta["dtype"] == "uint16" and meta["num_tokens"] == ids.size and 2 < meta["vocab_size"] <= 300
+    assert ids.size < len(TEXT) / 2 and ids.max() < meta["vocab_size"]  # merges: far fewer tokens than bytes
+    assert ids[-1] == 1  # <eos>
+    # the dataset reads the same ids, in windows of seq_len + 1
+    windows = TokenFileDataset(path=str(out), dtype=meta["dtype"], seq_len=16, seed=0).batch(0, 4)
+    assert windows.shape == (4, 17) and int(windows.max()) < meta["vocab_size"]
+    # a model whose vocabulary is too small for that tokenizer is refused before anything starts
+    _, run = run_config("data=tokens", f"data.path={out}", "model.vocab_size=2", "train.seq_len=16")
+    with pytest.raises(ConfigError, match=f"set model.vocab_size>={meta['vocab_size']}"):
+        validate(run, 1)
+    _, run = run_config("data=tokens", f"data.path={out}", "model.vocab_size=300", "train.seq_len=16")
+    validate(run, 1)
+
+
+def test_a_tokenizer_not_available_offline_is_one_line(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    proc = _prepare(str(text), str(tmp_path / "t.bin"), "--tokenizer=no-such-org/no-such-tokenizer")
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "not available offline" in lines[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "t.bin").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "overrides", "needle"),
+    [
+        (None, [], "data=tokens needs data.path="),
+        (b"\x00" * 7, ["data.dtype=uint16"], "not a whole number of uint16 tokens"),
+        (b"\x00" * 8, ["data.dtype=uint16"], "holds 4 tokens; train.seq_len=64 needs >= 65"),
+        (b"\x00" * 8, ["data.dtype=int8"], "data.dtype='int8' is not supported"),
+    ],
+)
+def test_bad_token_files_are_one_line(tmp_path, content, overrides, needle):
+    path = tmp_path / "x.bin"
+    if content is not None:
+        path.write_bytes(content)
+        overrides = [f"data.path={path}", *overrides]
+    _, run = run_config("data=tokens", *overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(run, 1)
+    assert needle in str(err.value) and "\n" not in str(err.value)
