@@ -19,6 +19,11 @@ def validate(run: RunConfig, world_size: int) -> None:
     require(world_size >= 1, f"WORLD_SIZE={world_size} must be >= 1")
     check_strategy(run, world_size)
     check_optimizer(run, world_size)
+    require(
+        run.peft.name == "none" or run.strategy.supports_lora,
+        f"peft={run.peft.name} puts adapters on whole projections; strategy={run.strategy.name} splits them by tensor "
+        "parallelism: use ddp, fsdp, zero1-3, a pipeline or single",
+    )
 
 
 # optimizer.name -> the package it comes from, where that is not torch

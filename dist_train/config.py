@@ -66,6 +66,11 @@ class StrategyConfig:
         return True
 
     @property
+    def supports_lora(self) -> bool:
+        """Whether LoRA adapters can sit on the layers this strategy wraps (not on tensor-parallel shards)."""
+        return True
+
+    @property
     def updates_in_backward(self) -> bool:
         """Whether an optimizer may update each parameter inside backward (LOMO): one process, one replica,
         no gradient to reduce first."""
@@ -147,6 +152,18 @@ class DataConfig:
     dtype: Optional[str] = None
     # synthetic: probability that a token of a learnable sequence is replaced by a random one.
     noise: float = 0.1
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning: `lora` freezes the model and trains low-rank adapters (peft)."""
+
+    name: str = "none"  # none | lora
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # module names to adapt; None: every attention and MLP projection of the architecture
+    target_modules: Optional[list[str]] = None
 
 
 @dataclass
@@ -252,6 +269,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
@@ -312,6 +330,7 @@ def validate_fields(run: RunConfig) -> None:
 
     _validate_data(run)
     choice("optimizer.name", run.optimizer.name, OPTIMIZERS)
+    _validate_peft(run.peft)
     require(len(run.optimizer.betas) == 2, f"optimizer.betas={run.optimizer.betas} needs two values")
     choice("precision.name", run.precision.name, tuple(PRECISIONS))
     choice("logger.name", run.logger.name, ("wandb", "none"))
@@ -320,6 +339,16 @@ def validate_fields(run: RunConfig) -> None:
     require(run.telemetry.warmup_steps >= 0, f"telemetry.warmup_steps={run.telemetry.warmup_steps} must be >= 0")
     require(run.runtime.timeout_s > 0, f"runtime.timeout_s={run.runtime.timeout_s} must be > 0")
     _validate_checkpoint(run.checkpoint)
+
+
+def _validate_peft(p: PeftConfig) -> None:
+    choice("peft.name", p.name, ("none", "lora"))
+    if p.name == "none":
+        return
+    require(importable("peft"), "peft=lora needs the peft package (pip install peft)")
+    require(p.rank >= 1, f"peft.rank={p.rank} must be >= 1")
+    require(p.alpha > 0, f"peft.alpha={p.alpha} must be > 0")
+    require(0 <= p.dropout < 1, f"peft.dropout={p.dropout} must be in [0, 1)")
 
 
 TOKEN_DTYPES = ("uint16", "uint32")

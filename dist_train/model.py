@@ -5,6 +5,8 @@ This module knows nothing of distribution: strategies wrap, shard or split what 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -89,9 +91,35 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def count_params(model: nn.Module) -> int:
-    """Distinct parameters (a tied weight counts once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:
+    """Distinct parameters (a tied weight counts once); only those that train, if asked."""
+    distinct = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() for p in distinct if p.requires_grad or not trainable_only)
+
+
+# Every attention and MLP projection, by architecture (GPT-2's `c_proj` names both attention's and the MLP's).
+LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
+                "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def apply_lora(model: nn.Module, peft: Any, *, seed: int) -> None:
+    """LoRA adapters (Hu et al. 2021, through peft) on the target projections, in place; everything else frozen.
+
+    `inject_adapter_in_model` keeps the transformers model itself (no PeftModel around it), so every strategy
+    wraps, splits and checkpoints it as it does without adapters. The adapters' random init is seeded: every
+    rank and every strategy starts from the same A (B starts at zero: the model is unchanged at step 0)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    arch = model.config.model_type
+    config = LoraConfig(
+        r=peft.rank, lora_alpha=peft.alpha, lora_dropout=peft.dropout,
+        target_modules=list(peft.target_modules or LORA_TARGETS[arch]),
+        fan_in_fan_out=arch == "gpt2",  # transformers' Conv1D stores its weight as in x out
+    )
+    torch.manual_seed(seed)
+    inject_adapter_in_model(config, model)
+    for name, p in model.named_parameters():
+        p.requires_grad = "lora_" in name
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

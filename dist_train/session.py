@@ -32,6 +32,7 @@ class Session:
     telemetry: Any
     checkpointer: Any
     num_params: int
+    num_trainable_params: int
     flops_per_token: float
     fault: Any = None
     wandb: Any = None  # rank 0's W&B sink, if any: its run id goes into checkpoints
@@ -67,7 +68,7 @@ def build_session(
     tracker = None
     if run.telemetry.comm:
         tracker = CommTracker(cuda_events=runtime.device.type == "cuda", nodes=runtime.nodes).install()
-    strategy, num_params, fpt = _strategy(run, runtime, tracker)
+    strategy, num_params, num_trainable, fpt = _strategy(run, runtime, tracker)
     checkpointer = Checkpointer.build(
         run.checkpoint, root=checkpoint_root(run, run_dir), runtime=runtime, io=strategy.checkpoint_io(),
         total_steps=t.steps, tracker=tracker,
@@ -83,7 +84,8 @@ def build_session(
     )
     session = Session(
         run=run, cfg=cfg, runtime=runtime, run_dir=run_dir, strategy=strategy, batches=batches, telemetry=None,
-        checkpointer=checkpointer, num_params=num_params, flops_per_token=fpt, fault=fault,
+        checkpointer=checkpointer, num_params=num_params, num_trainable_params=num_trainable, flops_per_token=fpt,
+        fault=fault,
         start_step=saved.get("step", 0), resumed_from=resume,
     )
     device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
@@ -96,10 +98,10 @@ def build_session(
     return session
 
 
-def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, float]:
+def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int, float]:
     """The model (built identically on every rank), transformed, then set up by the strategy; its size and
     FLOPs per token are read before any wrapping shards it."""
-    from dist_train.model import apply_activation_checkpointing, build_model, count_params
+    from dist_train.model import apply_activation_checkpointing, apply_lora, build_model, count_params
     from dist_train.optim import OptimizerFactory
     from dist_train.strategies.base import StrategyContext
     from dist_train.strategies.registry import build_strategy
@@ -107,9 +109,13 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, flo
 
     t = run.train
     model = build_model(run.model, seed=t.seed)
+    if run.peft.name == "lora":
+        apply_lora(model, run.peft, seed=t.seed)  # a model transform, like checkpointing: before any wrapping
+        log.info("peft=lora: %s trainable parameters of %s", f"{count_params(model, trainable_only=True):,}",
+                 f"{count_params(model):,}")
     if t.activation_checkpointing:
         apply_activation_checkpointing(model)  # a model transform: before any strategy wraps the model
-    num_params = count_params(model)
+    num_params, num_trainable = count_params(model), count_params(model, trainable_only=True)
     fpt = flops_per_token(
         num_params=num_params, num_embedding_params=embedding_params(model),
         num_layers=run.model.num_layers, hidden_size=run.model.hidden_size, seq_len=t.seq_len,
@@ -122,7 +128,7 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, flo
     strategy.setup(model)
     if tracker is not None:  # collectives also counted per device-mesh dimension (tp, dp) where there is a mesh
         tracker.name_groups(getattr(strategy, "mesh_groups", dict)())
-    return strategy, num_params, fpt
+    return strategy, num_params, num_trainable, fpt
 
 
 def _telemetry(session: Session, tracker: Any, *, saved: dict[str, Any], device_name: str) -> Any:

@@ -218,6 +218,7 @@ def _summary(session: Session) -> dict[str, Any]:
         "model": run.model.name,
         "precision": run.precision.name,
         "num_params": session.num_params,
+        "num_trainable_params": session.num_trainable_params,
         "steps": t.steps,
         "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.global_batch_size // (dp * accumulation),

@@ -40,6 +40,11 @@ def add_prediction(row: dict[str, Any], *, memory_rtol: float) -> None:
     if row["status"] != "ok":
         return
     cfg = OmegaConf.to_container(OmegaConf.load(Path(row["run_dir"]) / "config.yaml"), resolve=True)
+    if (cfg.get("peft") or {}).get("name", "none") != "none":  # type: ignore[union-attr]
+        # Measured, not predicted: a row of made-up figures would be worse than none.
+        row["model_state_ok"] = row["prediction_ok"] = None
+        row["pred_note"] = "not predicted: the estimator does not model LoRA adapters yet"
+        return
     setup = setup_from_config(cfg, world_size=row["world_size"])  # type: ignore[arg-type]
     shape = ModelShape.from_config(cfg["model"])  # type: ignore[index]
     ranks = predict_memory(shape, setup)

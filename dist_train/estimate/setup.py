@@ -205,6 +205,9 @@ def _zero3_fields(strategy: Mapping[str, Any]) -> dict[str, int]:
 def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: Any) -> Setup:
     """A Setup from a resolved run config (a dict with strategy/train/precision/optimizer groups)."""
     strategy = dict(cfg.get("strategy") or {})
+    peft = str((cfg.get("peft") or {}).get("name", "none"))
+    if peft != "none":
+        raise ValueError(f"peft={peft}: the estimator does not model LoRA adapters yet (it would predict full training)")
     name = str(overrides.pop("strategy", None) or strategy.get("name"))
     if name != strategy.get("name"):
         strategy = {}  # a different strategy than the config's: judge by name only

@@ -383,7 +383,9 @@ class ZeroStrategy:
             # is gathered right now (persistent small ones if the threshold was raised through `extra`).
             params = [p.ds_tensor for p in self._params()] + [p.data for p in self._params() if p.data.numel() > 0]
         else:
-            params = list(opt.bit16_groups_flat)  # the flat buffer the module's parameters are views of
+            params = list(opt.bit16_groups_flat)  # the flat buffer the trained parameters are views of
+            # frozen parameters (LoRA's base model) are in no optimizer group: each rank holds them whole
+            params += [p.data for p in self._params() if not p.requires_grad]
         # DeepSpeed's fp32 master copy of this rank's partition is optimizer state: it exists only for
         # the optimizer (even in fp32 training, where it duplicates the partition of the parameters).
         return ZeroModelState(

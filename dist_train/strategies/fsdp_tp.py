@@ -32,6 +32,10 @@ class FSDPTPConfig(StrategyConfig):
     reshard_after_forward: bool = True
 
     @property
+    def supports_lora(self) -> bool:
+        return False  # peft's LoRA layers wrap nn.Linear / Conv1D, not DTensor-sharded projections
+
+    @property
     def optimizer_sees_whole_tensors(self) -> bool:
         return False  # DTensor shards
 

@@ -44,6 +44,10 @@ class TPConfig(StrategyConfig):
     sequence_parallel: bool = False
 
     @property
+    def supports_lora(self) -> bool:
+        return False  # peft's LoRA layers wrap nn.Linear / Conv1D, not DTensor-sharded projections
+
+    @property
     def optimizer_sees_whole_tensors(self) -> bool:
         return False  # DTensor shards and replicas
 
