@@ -142,6 +142,9 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     # Recompute each transformer block in backward instead of keeping its activations.
     activation_checkpointing: bool = False
+    # NEFTune (Jain et al. 2023): uniform noise of scale alpha / sqrt(seq_len * hidden) on the token embeddings
+    # in training, none in evaluation; 0 = off (the paper uses 5-15).
+    neftune_alpha: float = 0.0
 
 
 @dataclass
@@ -305,6 +308,7 @@ def validate_fields(run: RunConfig) -> None:
         require(value >= 1, f"train.{key}={value} must be >= 1")
     require(t.lr > 0, f"train.lr={t.lr} must be > 0")
     require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    require(t.neftune_alpha >= 0, f"train.neftune_alpha={t.neftune_alpha} must be >= 0 (0 = off)")
     choice("train.lr_schedule", t.lr_schedule, ("constant", "cosine"))
     require(t.lr_warmup_steps >= 0, f"train.lr_warmup_steps={t.lr_warmup_steps} must be >= 0")
     require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")

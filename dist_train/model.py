@@ -5,6 +5,7 @@ This module knows nothing of distribution: strategies wrap, shard or split what 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -95,6 +96,56 @@ def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:
     """Distinct parameters (a tied weight counts once); only those that train, if asked."""
     distinct = {id(p): p for p in model.parameters()}.values()
     return sum(p.numel() for p in distinct if p.requires_grad or not trainable_only)
+
+
+class NEFTune:
+    """NEFTune (Jain et al. 2023): noise on the token embeddings while training, as a forward hook on the
+    embedding module (so it survives any wrapping, and a pipeline's first stage keeps it).
+
+    Each sample's noise is drawn from a generator seeded by the run's seed, the step (`begin_step`, set by
+    the loop) and the sample's tokens, so a sample gets the same noise whichever rank, micro-batch or
+    pipeline stage embeds it: every strategy still trains the same way. In eval mode the output is untouched."""
+
+    def __init__(self, *, alpha: float, seed: int) -> None:
+        self.alpha, self.seed, self.step = alpha, seed, 0
+        self._weights: dict[int, torch.Tensor] = {}  # sequence length -> the weights that hash a row's tokens
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    def _sample_seed(self, tokens: torch.Tensor) -> int:
+        n = tokens.numel()
+        if n not in self._weights:
+            self._weights[n] = torch.randint(1, 2**31 - 1, (n,), generator=torch.Generator().manual_seed(self.seed))
+        content = int((tokens.cpu().long() * self._weights[n]).sum())
+        return (self.seed * 1_000_003 + self.step * 7_919 + content) % (2**63 - 1)
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+        if not module.training or self.alpha == 0:
+            return output
+        ids = args[0]
+        ids = ids.to_local() if hasattr(ids, "to_local") else ids  # a replicated DTensor under tensor parallelism
+        seq_len, hidden = output.shape[-2], output.shape[-1]
+        scale = self.alpha / math.sqrt(seq_len * hidden)
+        noise = torch.stack([
+            torch.rand(seq_len, hidden, generator=torch.Generator().manual_seed(self._sample_seed(row))) * 2 - 1
+            for row in ids.reshape(-1, seq_len)
+        ]).reshape(output.shape)
+        return output + (scale * noise).to(device=output.device, dtype=output.dtype)
+
+
+def apply_neftune(model: nn.Module, *, alpha: float, seed: int) -> NEFTune:
+    """Register NEFTune's noise on the model's token embeddings, if this process holds them (a pipeline's later
+    stages do not); returns the hook (the loop sets its step). Registered after the strategy wrapped the
+    model, so it sees the embedding's output as the model computes with it (a local tensor under TP)."""
+    hook = NEFTune(alpha=alpha, seed=seed)
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embeddings = None
+    if isinstance(embeddings, nn.Module):
+        embeddings.register_forward_hook(hook)
+    return hook
 
 
 # Every attention and MLP projection, by architecture (GPT-2's `c_proj` names both attention's and the MLP's).

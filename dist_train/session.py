@@ -35,6 +35,7 @@ class Session:
     num_trainable_params: int
     flops_per_token: float
     fault: Any = None
+    neftune: Any = None  # NEFTune's hook (train.neftune_alpha > 0): told each step by the loop
     wandb: Any = None  # rank 0's W&B sink, if any: its run id goes into checkpoints
     start_step: int = 0  # steps done before this process started (resumed from a checkpoint)
     resumed_from: Path | None = None
@@ -68,7 +69,7 @@ def build_session(
     tracker = None
     if run.telemetry.comm:
         tracker = CommTracker(cuda_events=runtime.device.type == "cuda", nodes=runtime.nodes).install()
-    strategy, num_params, num_trainable, fpt = _strategy(run, runtime, tracker)
+    strategy, num_params, num_trainable, fpt, neftune = _strategy(run, runtime, tracker)
     checkpointer = Checkpointer.build(
         run.checkpoint, root=checkpoint_root(run, run_dir), runtime=runtime, io=strategy.checkpoint_io(),
         total_steps=t.steps, tracker=tracker,
@@ -85,7 +86,7 @@ def build_session(
     session = Session(
         run=run, cfg=cfg, runtime=runtime, run_dir=run_dir, strategy=strategy, batches=batches, telemetry=None,
         checkpointer=checkpointer, num_params=num_params, num_trainable_params=num_trainable, flops_per_token=fpt,
-        fault=fault,
+        fault=fault, neftune=neftune,
         start_step=saved.get("step", 0), resumed_from=resume,
     )
     device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
@@ -98,10 +99,10 @@ def build_session(
     return session
 
 
-def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int, float]:
+def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int, float, Any]:
     """The model (built identically on every rank), transformed, then set up by the strategy; its size and
     FLOPs per token are read before any wrapping shards it."""
-    from dist_train.model import apply_activation_checkpointing, apply_lora, build_model, count_params
+    from dist_train.model import apply_activation_checkpointing, apply_lora, apply_neftune, build_model, count_params
     from dist_train.optim import OptimizerFactory
     from dist_train.strategies.base import StrategyContext
     from dist_train.strategies.registry import build_strategy
@@ -128,7 +129,8 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     strategy.setup(model)
     if tracker is not None:  # collectives also counted per device-mesh dimension (tp, dp) where there is a mesh
         tracker.name_groups(getattr(strategy, "mesh_groups", dict)())
-    return strategy, num_params, num_trainable, fpt
+    neftune = apply_neftune(model, alpha=t.neftune_alpha, seed=t.seed) if t.neftune_alpha > 0 else None
+    return strategy, num_params, num_trainable, fpt, neftune
 
 
 def _telemetry(session: Session, tracker: Any, *, saved: dict[str, Any], device_name: str) -> Any:

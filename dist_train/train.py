@@ -160,6 +160,8 @@ def train_one_step(session: Session, step: int) -> None:
     if session.fault is not None:
         session.fault.inject(step=step, rank=session.runtime.rank, strategy=session.strategy)
     batch = session.batches.local_batch(step - 1)
+    if session.neftune is not None:
+        session.neftune.begin_step(step)
     with telemetry.measuring():
         out = session.strategy.train_step(batch)
     telemetry.step_end(step, out)
