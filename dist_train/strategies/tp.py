@@ -16,6 +16,11 @@ Every rank sees the whole batch (data-parallel size 1): the ranks of a TP group 
   columns r of q, r of k and r of v), so the full tensor keeps transformers' layout. That projection runs on
   the local shard, with DTensor doing its backward all-reduce.
 
+With `sequence_parallel` (Megatron's sequence parallelism) the residual stream between the projections is
+split by sequence: the norms run on each rank's tokens, attention and the MLP all-gather their input, and the
+row-parallel projections reduce-scatter their output instead of all-reducing it; the gathered input stays a
+DTensor into the column-parallel projections, whose input gradients are summed locally and reduce-scattered.
+
 The machinery lives in `_tensor_parallel.py`, imported only by a tp run (DTensor is slow to import).
 """
 
