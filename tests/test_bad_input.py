@@ -123,19 +123,20 @@ def _entry_name(entry: str) -> str:
 
 
 @pytest.mark.multiproc
-def test_config_error_shows_exactly_once_in_20_torchrun_launches(tmp_path):
+def test_config_error_shows_exactly_once_in_10_torchrun_launches(tmp_path):
     """Whichever rank exits first: one line, every time, and compare's failure reason is that line.
 
-    Three launches at a time: the machine is loaded as it is in a busy CI, which makes the order in which the
-    ranks exit vary more (and the 20 launches take about half the time of one at a time)."""
+    Two launches at a time: the machine is loaded as it is in a busy CI, which makes the order in which the
+    ranks exit vary more. (Three at a time on 2 cores took longer than two, measured; 20 launches, as before,
+    cost the suite 80 s it no longer has.)"""
     spec = StrategySpec.parse("ddp")
 
     def launch(attempt: int):
         return run_strategy(spec, training=["train.lr=-1", "logger=none"], nproc=2, out_dir=tmp_path / str(attempt),
                             group="bad", timeout_s=120)
 
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(launch, range(20)))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(launch, range(10)))
     for attempt, result in enumerate(results):
         log = result.log_path.read_text()
         lines = [line for line in log.splitlines() if line.startswith("config error:")]
@@ -156,7 +157,8 @@ def _hydra_error(*overrides: str) -> BaseException:
 @pytest.mark.parametrize(
     ("overrides", "line"),
     [
-        (["optimizer=adam"], "optimizer=adam is not an option (no conf/optimizer/adam.yaml); available: adamw, sgd"),
+        (["optimizer=adam"], "optimizer=adam is not an option (no conf/optimizer/adam.yaml); available: adafactor, "
+                             "adam8bit, adamw, lion, lomo, sgd"),
         (["train.lr=abc"],
          "Error merging override train.lr=abc; Value 'abc' of type 'str' could not be converted to Float"),
         (["strategy.stage=5"], "Could not override 'strategy.stage'; Key 'stage' not in 'DDPConfig'"),

@@ -34,8 +34,14 @@ def _resume(strategy: str, checkpoint: Path, run_dir: Path, nproc: int, *extra: 
                      f"checkpoint.resume={checkpoint}", *extra], run_dir=run_dir, nproc=nproc)
 
 
+# zero1 saves and loads through the same DeepSpeed optimizer class as zero2, 1f1b through the same stage
+# checkpoints as gpipe (its resume is exercised by the reshard test below): their straight runs stay (the
+# prediction tests read them), their resumed twins are left out for the suite's time.
+BIT_EXACT = [s for s in RESUMABLE if s not in ("zero1", "1f1b")]
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("strategy", list(RESUMABLE))
+@pytest.mark.parametrize("strategy", BIT_EXACT)
 def test_resume_reproduces_every_step_bit_for_bit(strategy, straight_run, tmp_path):
     straight_dir, straight = straight_run(strategy)
     assert [s for s, _ in complete_checkpoints(straight_dir / "checkpoints")] == [4, 8]

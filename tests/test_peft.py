@@ -1,4 +1,4 @@
-"""peft=lora: the model frozen, low-rank adapters trained; the same losses under every strategy that allows it,
+"""peft=lora: the model frozen, low-rank adapters trained; the same losses as one process under ZeRO-2,
 and gradients, optimizer state and gradient traffic that shrink to the adapters'."""
 
 from __future__ import annotations
@@ -26,16 +26,15 @@ def test_lora_trains_only_the_adapters_and_every_strategy_agrees(tmp_path):
     assert rec["memory/grads_bytes"] == 4 * ADAPTERS  # gradients of the adapters only
     assert 8 * ADAPTERS <= rec["memory/optimizer_bytes"] < 8 * ADAPTERS + 1024  # AdamW's moments (+ step counters)
 
-    ddp = train_ok(["strategy=ddp", *LORA], run_dir=tmp_path / "ddp", nproc=2)
-    assert_same_losses(single, ddp)
-    for r in last_step(tmp_path / "ddp"):
-        assert r["comm/all_reduce/bytes"] == 4 * ADAPTERS  # only the adapters' gradients travel
     zero = train_ok(["strategy=zero2", *LORA], run_dir=tmp_path / "zero2", nproc=2)
     assert_same_losses(single, zero)
     for r in last_step(tmp_path / "zero2"):
         # ZeRO partitions what trains; the frozen base stays whole on every rank
         assert r["memory/params_bytes"] == 4 * total
         assert r["memory/grads_bytes"] == 4 * ADAPTERS / 2
+        # only the adapters' gradients travel: reduced on each of the rank's 2 micro-batches (ZeRO-2), plus
+        # the gradient norm's few bytes
+        assert 2 * 4 * ADAPTERS <= r["comm/all_reduce/bytes"] <= 2 * 4 * ADAPTERS + 64
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from tests.helpers import ROOT, env
 pytestmark = pytest.mark.multiproc
 
 STRATEGIES = [s for s in RESUMABLE]  # single, ddp, fsdp, zero1-3, gpipe, 1f1b
-FP16 = ["single+precision=fp16", "ddp+precision=fp16", "fsdp+precision=fp16"]
+FP16 = ["ddp+precision=fp16", "fsdp+precision=fp16"]  # single's fp16 regime is ddp's (autocast and a scaler)
 
 
 def _compare(out: Path, *args: str) -> dict[str, dict]:
@@ -42,8 +42,8 @@ def test_fp32_runs_are_predicted_within_ten_percent(straight_run, tmp_path):
 
 
 # 1f1b computes in bf16 exactly as gpipe does; only how many micro-batches are in flight differs, which the
-# fp32 runs check.
-BF16 = [s for s in STRATEGIES if s != "1f1b"]
+# fp32 runs check. zero1 keeps the same bf16 regime as zero2 (only the gradient partition differs, in fp32 too).
+BF16 = [s for s in STRATEGIES if s not in ("1f1b", "zero1")]
 
 
 def test_bf16_and_fp16_runs_are_predicted_within_ten_percent(tmp_path):
@@ -53,5 +53,5 @@ def test_bf16_and_fp16_runs_are_predicted_within_ten_percent(tmp_path):
     # the new categories were really there to compare
     assert rows["single"]["mem_weight_copies_max_bytes"] > 0 and rows["single"]["err_weight_copies"] == 0
     assert rows["zero3"]["mem_gathered_params_max_bytes"] == 2 * rows["single"]["num_params"]  # all, in bf16
-    for stage in (1, 2, 3):
+    for stage in (2, 3):
         assert rows[f"zero{stage}"]["mem_step_grads_max_bytes"] == 4 * rows["single"]["num_params"] / 2
