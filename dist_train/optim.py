@@ -26,7 +26,8 @@ class OptimizerFactory:
         params = [p for p in params if p.requires_grad]
         if o.name in ("adamw", "adam"):
             cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-            return cls(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+            return cls(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                       fused=fused_on_device(params) or None)
         if o.name == "sgd":
             return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay)
         if o.name == "adafactor":
@@ -49,6 +50,13 @@ class OptimizerFactory:
         # A plain function, not the object: LambdaLR's state dict (which DeepSpeed checkpoints) would pickle
         # an object's fields, and loading it would bring back the saved config over the current one.
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda step: schedule(step))
+
+
+def fused_on_device(params: list[torch.Tensor]) -> bool:
+    """Whether Adam(W) takes its fused kernel: one launch per step for every tensor, where torch's default
+    (foreach) issues several per group. Only when every parameter is a floating-point CUDA tensor (a DTensor
+    shard included); on the CPU the default stays, so that CPU runs are the same arithmetic everywhere."""
+    return bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
 
 
 class LOMO(torch.optim.Optimizer):

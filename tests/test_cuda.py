@@ -35,3 +35,12 @@ def test_dp_reports_every_gpu(tmp_path):
 def test_offload_configs_run(strategy, single_run, tmp_path):
     summary = train_ok([f"strategy={strategy}", "logger=none", *FAST], run_dir=tmp_path, nproc=1)
     assert summary["losses"] == pytest.approx(single_run[1]["losses"], rel=1e-3)  # GPU vs CPU arithmetic
+
+
+def test_adamw_takes_the_fused_kernel_on_cuda_and_the_default_on_cpu():
+    from dist_train.config import OptimizerConfig, TrainConfig
+    from dist_train.optim import OptimizerFactory
+
+    factory = OptimizerFactory(OptimizerConfig(), TrainConfig())
+    assert factory.build([torch.nn.Parameter(torch.zeros(4, device="cuda"))]).defaults["fused"] is True
+    assert not factory.build([torch.nn.Parameter(torch.zeros(4))]).defaults["fused"]
