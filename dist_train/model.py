@@ -85,11 +85,15 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     Applied before any strategy wraps the model (then FSDP shards, DeepSpeed or a pipeline stage holds the
     wrapped blocks), as torchtitan does. Non-reentrant checkpointing: works with DDP, FSDP2 and no_sync.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from dist_train.telemetry.activations import metered_checkpoint
 
     blocks = transformer_blocks(model)
     for i, block in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        # torch's non-reentrant checkpoint, through a function that lets the activation meter see the
+        # recomputation (telemetry/activations.py); the wrapper keeps the state dict's keys unchanged.
+        blocks[i] = checkpoint_wrapper(block, checkpoint_fn=metered_checkpoint)
 
 
 def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:

@@ -109,7 +109,7 @@ def test_korthikanti_activations_per_layer():
     assert layer_activation_bytes(no_drop, micro_batch_size=b, seq_len=s, elem=4) == s * b * h * (16 + 12) * 4
 
 
-def test_checkpointing_keeps_layer_inputs_plus_one_layer():
+def test_checkpointing_keeps_layer_inputs_plus_the_larger_of_one_layer_and_the_head():
     shape = PRESETS["7b"]
     base = _setup("ddp", "ddp", world_size=8, precision="bf16", micro_batch_size=1, seq_len=4096)
     full = predict_memory(shape, base)[0].activations
@@ -118,7 +118,9 @@ def test_checkpointing_keeps_layer_inputs_plus_one_layer():
     layer = layer_activation_bytes(shape, micro_batch_size=1, seq_len=4096, elem=2, norm_elem=4)
     head = 4096 * (4096 * (4 + 2) + 32000 * 4)
     assert full == 32 * layer + head
-    assert ckpt == 32 * 4096 * 4096 * 2 + layer + head
+    # the layers' inputs (the residual stream, fp32 under autocast), then the larger of the head's tensors (at
+    # the end of forward) and one layer recomputed in backward (by then the head's are released)
+    assert ckpt == 32 * 4096 * 4096 * 4 + max(layer, head)
 
 
 def test_autocast_keeps_fp32_norm_inputs_and_16bit_weight_copies():

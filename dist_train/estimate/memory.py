@@ -280,8 +280,11 @@ def weight_copy_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_
     if not setup.autocast_16bit:
         return 0.0
     layer = shape.layer_matmul_weights() / setup.tensor_parallel_size
-    weights = num_layers * layer + (shape.head_matmul_weights() if with_head else 0)
-    return float(in_flight * weights * element_bytes(setup.precision))
+    head = shape.head_matmul_weights() if with_head else 0
+    if setup.activation_checkpointing:
+        # the blocks' copies exist only while one block is recomputed, after its micro-batch's head is released
+        return float(((in_flight - 1) * head + max(head, layer)) * element_bytes(setup.precision))
+    return float(in_flight * (num_layers * layer + head) * element_bytes(setup.precision))
 
 
 def pipeline_in_flight(setup: Setup, *, stage: int) -> int:
@@ -335,8 +338,11 @@ def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_h
     final_norm = shape.hidden_size * norm_elem / (tp if sp else 1)
     head = s * b * (final_norm + shape.hidden_size * elem + shape.vocab_size * 4) if with_head else 0.0
     if setup.activation_checkpointing:
-        # each micro-batch keeps its layer inputs; one layer at a time is recomputed in full
-        return in_flight * (num_layers * s * b * shape.hidden_size * elem + head) + layer
+        # Each micro-batch in flight keeps its layers' inputs (the residual stream: fp32 under autocast). The
+        # peak is either the end of the last forward (its head's tensors alive) or the first recomputation in
+        # backward, by when that micro-batch's head has been released: one layer is then held in full.
+        inputs = in_flight * num_layers * s * b * shape.hidden_size * norm_elem
+        return inputs + (in_flight - 1) * head + max(head, layer)
     return in_flight * (num_layers * layer + head)
 
 

@@ -220,6 +220,7 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         optimizer=str(optimizer.get("name", "adamw")), momentum=float(optimizer.get("momentum", 0.0) or 0.0),
         micro_batch_size=int(train.get("micro_batch_size", 1)), seq_len=int(train.get("seq_len", 2048)),
         global_batch_size=train.get("global_batch_size"),
+        activation_checkpointing=bool(train.get("activation_checkpointing", False)),
         num_microbatches=strategy.get("num_microbatches"),
         split_points=tuple(split) if split else None,
         reshard_after_forward=bool(strategy.get("reshard_after_forward", True)),

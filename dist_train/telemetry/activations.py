@@ -10,7 +10,13 @@ grow with the parameters, not with the tokens, so they are counted apart (`weigh
 tensor is a weight copy when its autograd history is a cast (`ToCopyBackward0`, possibly seen through a view)
 of a parameter. This is what
 micro-batching, pipeline schedules (GPipe keeps every micro-batch's activations until backward, 1F1B at
-most K) and activation checkpointing change. It works on CPU and GPU alike; it does not see memory that
+most K) and activation checkpointing change.
+
+Under activation checkpointing (non-reentrant, dist_train.model.apply_activation_checkpointing) a block's
+forward saves nothing the meter sees but its input; in backward, the block is recomputed under torch's own
+saved-tensors hooks, which hide the recomputed tensors from an outer hook. `metered_checkpoint` chains the
+meter in front of those hooks during the recomputation, so the one block recomputed in full is counted
+(released once the recomputation's graph is dropped: the peak is the point, and it is reached right then). It works on CPU and GPU alike; it does not see memory that
 autograd does not save (temporaries freed inside forward), and it only sees the thread that runs the
 step (nn.DataParallel's replica threads are not seen).
 """
@@ -31,7 +37,7 @@ from dist_train.contracts import local_tensor
 class _Saved:
     __slots__ = ("tensor", "key", "meter")
 
-    def __init__(self, tensor: torch.Tensor, key: int, meter: "ActivationMeter") -> None:
+    def __init__(self, tensor: torch.Tensor | None, key: int, meter: "ActivationMeter") -> None:
         self.tensor, self.key, self.meter = tensor, key, meter
 
     def __del__(self) -> None:
@@ -65,6 +71,9 @@ def is_weight_copy(t: torch.Tensor) -> bool:
     return False
 
 
+_ACTIVE: "ActivationMeter | None" = None  # the meter of the step being measured (one training loop per process)
+
+
 class ActivationMeter:
     def __init__(self) -> None:
         self._live: dict[int, list[int]] = {}  # storage ptr -> [handles alive, storage bytes, is a weight copy]
@@ -76,7 +85,33 @@ class ActivationMeter:
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        global _ACTIVE
+        _ACTIVE = self  # a global, not thread-local: backward may run on the autograd engine's device threads
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            _ACTIVE = None
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """Count what is saved here while passing it on to the hooks already in place (a checkpoint's
+        recomputation stores its tensors through them)."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:
+            with self.measuring():
+                yield
+            return
+        inner_pack, inner_unpack = top
+
+        def pack(t: torch.Tensor) -> Any:
+            key = self._track(t)  # a handle without the tensor: holding it would tie it to its own graph
+            return (None if key is None else _Saved(None, key, self)), inner_pack(t)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return inner_unpack(packed[1])
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
 
     def reset_peak(self) -> None:
@@ -84,8 +119,13 @@ class ActivationMeter:
         self.weights_peak_bytes = self.weights_live_bytes
 
     def _pack(self, t: torch.Tensor) -> Any:
+        key = self._track(t)
+        return t if key is None else _Saved(t, key, self)
+
+    def _track(self, t: torch.Tensor) -> int | None:
+        """Count `t`'s storage as alive; its key, or None when it is not an activation."""
         if _is_parameter(t) or t.device.type == "meta":
-            return t
+            return None
         if hasattr(t, "to_local"):  # a DTensor (tensor parallelism) holds its bytes in its local tensor
             with torch.no_grad():
                 storage = local_tensor(t).untyped_storage()
@@ -93,7 +133,7 @@ class ActivationMeter:
             storage = t.untyped_storage()
         key, nbytes = storage.data_ptr(), storage.nbytes()
         if nbytes == 0:
-            return t
+            return None
         with self._lock:
             entry = self._live.get(key)
             if entry is None:
@@ -107,7 +147,7 @@ class ActivationMeter:
                     self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             else:
                 entry[0] += 1
-        return _Saved(t, key, self)
+        return key
 
     @staticmethod
     def _unpack(saved: Any) -> torch.Tensor:
@@ -125,3 +165,28 @@ class ActivationMeter:
                 else:
                     self.live_bytes -= entry[1]
                 del self._live[key]
+
+
+class _Recomputed:
+    """A checkpointed function whose recomputation (every call after the first) the active meter counts."""
+
+    __slots__ = ("fn", "calls")
+
+    def __init__(self, fn: Any) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        meter = _ACTIVE
+        if self.calls == 1 or meter is None:
+            return self.fn(*args, **kwargs)
+        with meter.recomputing():
+            return self.fn(*args, **kwargs)
+
+
+def metered_checkpoint(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch.utils.checkpoint (non-reentrant) whose recomputation the activation meter sees; the
+    `checkpoint_fn` that dist_train.model hands to torch's checkpoint_wrapper."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(_Recomputed(fn), *args, use_reentrant=False, **kwargs)
