@@ -2,11 +2,13 @@
 
 A PATH is a run directory (it holds config.yaml, and summary.json once the run finished) or a directory of
 them, e.g. a Hydra multirun sweep whose jobs ran as separate Slurm jobs, or an earlier comparison's output.
-Each run becomes a row labelled by its strategy; a run without summary.json is a failed row.
+Each run becomes a row labelled by its strategy (a comparison's runs keep their rows' labels and order); a run
+without summary.json is a failed row.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ def run_dirs(paths: list[str]) -> list[Path]:
         if _is_run(path):
             found.append(path)
             continue
-        runs = sorted((p for p in path.iterdir() if p.is_dir() and _is_run(p)), key=_natural)
+        runs = sorted((p for p in path.iterdir() if p.is_dir() and _is_run(p)), key=_order(path))
         if not runs:
             raise ValueError(f"compare.from: {text} holds no run directory (one with config.yaml)")
         found.extend(runs)
@@ -38,8 +40,25 @@ def _is_run(path: Path) -> bool:
     return (path / "config.yaml").is_file()
 
 
-def _natural(path: Path) -> tuple[int, str]:
-    return (int(path.name), "") if path.name.isdigit() else (1 << 30, path.name)
+def _compared(parent: Path) -> dict[str, tuple[int, str]]:
+    """{run directory name: (row position, row label)} when `parent` is a comparison's output (table.json)."""
+    table = parent / "table.json"
+    rows = json.loads(table.read_text()) if table.is_file() else []
+    return {Path(r["run_dir"]).name: (i, r["strategy"]) for i, r in enumerate(rows)
+            if isinstance(r, dict) and "run_dir" in r and "strategy" in r}
+
+
+def _order(parent: Path) -> Any:
+    """A comparison's output keeps its rows' order (its table.json); other runs: numbered ones (a multirun's
+    jobs) by number, then by name."""
+    position = {name: i for name, (i, _) in _compared(parent).items()}
+
+    def key(path: Path) -> tuple[int, int, str]:
+        if path.name in position:
+            return (0, position[path.name], "")
+        return (1, int(path.name), "") if path.name.isdigit() else (2, 0, path.name)
+
+    return key
 
 
 def collect(paths: list[str]) -> tuple[list[RunResult], dict[str, Any]]:
@@ -49,7 +68,9 @@ def collect(paths: list[str]) -> tuple[list[RunResult], dict[str, Any]]:
     names = [str(c["strategy"]["name"]) for c in configs]  # type: ignore[index]
     results = []
     for run_dir, name in zip(dirs, names):
-        label = name if names.count(name) == 1 else f"{name}@{run_dir.name}"
+        label = _compared(run_dir.parent).get(run_dir.name, (0, None))[1]  # a comparison's own row label
+        if label is None:
+            label = name if names.count(name) == 1 else f"{name}@{run_dir.name}"
         finished = (run_dir / "summary.json").is_file()
         reason = "" if finished else f"no summary.json: the run did not finish (see {run_dir / 'logs'})"
         results.append(RunResult(StrategySpec(label, name), run_dir, command=[], returncode=0 if finished else 1,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dist_train.compare.report import comm_table, md_table, prediction_table, runs_table, summary_table
+from dist_train.compare.report import comm_table, effects_table, md_table, prediction_table, runs_table, summary_table
 from dist_train.compare.settings import CompareConfig
 from dist_train.estimate.render import human_bytes, human_count
 
@@ -25,8 +25,15 @@ CAVEATS = """\
   SDPA attention keeps no s² scores, fp32 log-softmax of the logits); they are shown, not judged."""
 
 
+EFFECTS_INTRO = """\
+Each line pairs two runs of the same strategy that differ in one knob only (the knobs are the training settings
+that differ between the runs; compare.sweep sets them): the relative change of the step time and of each memory
+category's worst rank, measured, with the size after the change and the estimator's predicted change."""
+
+
 def render(*, rows: list[dict[str, Any]], cfg: CompareConfig, out_dir: Path, group: str, command: str,
-           training: list[str], base: dict[str, Any], plots: dict[str, Path], fit: str) -> str:
+           training: list[str], base: dict[str, Any], plots: dict[str, Path], fit: str,
+           effects: list[dict[str, Any]]) -> str:
     model, train = base["model"], base["train"]
     num_params = next((r["num_params"] for r in rows if "num_params" in r), None)
     parts = [
@@ -47,6 +54,7 @@ def render(*, rows: list[dict[str, Any]], cfg: CompareConfig, out_dir: Path, gro
         comm_table(rows),
         "## Predicted vs measured model state (worst rank's error)",
         prediction_table(rows, memory_rtol=cfg.memory_rtol),
+        *(["## What each knob changes", EFFECTS_INTRO, effects_table(effects)] if effects else []),
         "## Pictures",
         "\n\n".join(f"![{name}]({path.name})" for name, path in plots.items()),
         "## Would it fit?",

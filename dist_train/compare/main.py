@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from dist_train.compare.settings import CompareConfig, StrategySpec, parse, resolve_out_dir, split_argv
+from dist_train.compare.settings import CompareConfig, parse, resolve_out_dir, split_argv
 
 
 @dataclass
@@ -25,6 +25,7 @@ def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = ""
     from dist_train.compare.plots import make_plots
     from dist_train.compare.report import write_tables
     from dist_train.compare.runner import run_strategy
+    from dist_train.compare.sweep import add_knobs, expand, knob_effects
     from dist_train.compare.table import build_row
     from dist_train.compare.verdict import add_verdicts
     from dist_train.estimate.compose import compose_training_config
@@ -40,7 +41,7 @@ def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = ""
         rows = [build_row(r) for r in results]
     else:
         base = compose_training_config(training)  # a bad training override fails here, before any run
-        specs = [StrategySpec.parse(s) for s in cfg.strategies]
+        specs = expand(cfg.strategies, cfg.sweep)
         rows = []
         for spec in specs:
             print(f"[compare] {spec.label}: running ...", file=sys.stderr, flush=True)
@@ -52,6 +53,8 @@ def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = ""
     add_verdicts(rows, rtol=cfg.loss_rtol)
     for row in rows:
         _predict_safely(row, memory_rtol=cfg.memory_rtol)
+    effects = knob_effects(rows, add_knobs(rows))
+    (out_dir / "effects.json").write_text(json.dumps(effects, indent=2, default=str))
     plots = make_plots(rows, out_dir)
     write_tables(rows, out_dir)
     (out_dir / "compare.json").write_text(json.dumps({"compare": asdict(cfg), "training_overrides": training,
@@ -59,7 +62,7 @@ def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = ""
     fit = fit_section(base, cfg, strategies=[s.name for s in specs])
     report = out_dir / "report.md"
     report.write_text(render(rows=rows, cfg=cfg, out_dir=out_dir, group=group, command=command,
-                             training=training, base=base, plots=plots, fit=fit))
+                             training=training, base=base, plots=plots, fit=fit, effects=effects))
     wandb_dir = None
     if _wants_wandb(cfg, base):
         from dist_train.compare.wandb_log import log_comparison

@@ -12,6 +12,7 @@ matplotlib.use("Agg")  # files only: no display on a cluster node
 import matplotlib.pyplot as plt  # noqa: E402
 
 from dist_train.compare.table import COMM_OPS, MEMORY_CATEGORIES  # noqa: E402
+from dist_train.compare.verdict import is_baseline  # noqa: E402
 
 MIB = 2**20
 
@@ -83,7 +84,7 @@ def loss_curves(rows: list[dict[str, Any]], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in ok_rows(rows):
         steps = list(range(1, len(r["losses"]) + 1))
-        style = {"linewidth": 3, "alpha": 0.4} if r["strategy"] == "single" else {"linewidth": 1.2, "marker": "."}
+        style = {"linewidth": 3, "alpha": 0.4} if is_baseline(r) else {"linewidth": 1.2, "marker": "."}
         ax.plot(steps, r["losses"], label=r["strategy"], **style)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (global batch)")

@@ -7,12 +7,14 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from dist_train.compare.settings import override_value
+from dist_train.compare.sweep import EFFECT_CATEGORIES
 from dist_train.compare.table import COMM_OPS, MEMORY_CATEGORIES, TRANSIENT_CATEGORIES
 from dist_train.estimate.render import human_bytes
 
 # Scalar columns of table.csv, in order (a column absent from every row is left out).
 CSV_COLUMNS = [
-    "strategy", "status", "reason", "verdict", "agrees", "world_size", "nodes", "data_parallel_size", "num_params",
+    "strategy", "knobs", "status", "reason", "verdict", "agrees", "world_size", "nodes", "data_parallel_size", "num_params",
     "steps",
     "step_s", "compute_s", "comm_s", "tokens_per_s",
     *(f"comm_{op}_s" for op in COMM_OPS),
@@ -37,9 +39,15 @@ def write_tables(rows: list[dict[str, Any]], out_dir: Path) -> tuple[Path, Path]
         writer = csv.writer(f)
         writer.writerow(columns)
         for r in rows:
-            writer.writerow(["" if r.get(_csv_key(c)) is None else r.get(_csv_key(c)) for c in columns])
+            writer.writerow([_csv_cell(r.get(_csv_key(c))) for c in columns])
     json_path.write_text(json.dumps(rows, indent=2, default=str))
     return csv_path, json_path
+
+
+def _csv_cell(value: Any) -> Any:
+    if isinstance(value, dict):  # knobs: as the overrides that set them
+        return " ".join(f"{k}={override_value(v)}" for k, v in value.items())
+    return "" if value is None else value
 
 
 # ------------------------------------------------------------------ Markdown pieces
@@ -140,3 +148,23 @@ def _rel(path: str, out_dir: Path) -> str:
         return str(Path(path).relative_to(out_dir))
     except ValueError:
         return path
+
+
+def effects_table(effects: list[dict[str, Any]]) -> str:
+    cats = [c for c in EFFECT_CATEGORIES if any(c in e for e in effects)]
+    body = []
+    for e in effects:
+        others = " ".join(f"{k}={override_value(v)}" for k, v in e["others"].items()) or "-"
+        cells = []
+        for cat in cats:
+            c = e.get(cat)
+            if c is None:
+                cells.append("-")
+                continue
+            after = human_bytes(c["bytes"][0])
+            pred = "" if c["predicted"] is None else f", pred {pct(c['predicted'])}"
+            cells.append(f"{pct(c['measured'])} ({after}{pred})")
+        body.append([f"`{e['knob']}`: {override_value(e['from'])} → {override_value(e['to'])}", e["strategy"], others,
+                     pct(e["step_s"]), *cells])
+    return md_table(["change", "strategy", "other knobs", "step time", *(f"{c.replace('_', ' ')} measured "
+                                                                           "(after; pred)" for c in cats)], body)

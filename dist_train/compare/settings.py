@@ -6,7 +6,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
@@ -18,6 +18,9 @@ class CompareConfig:
     # Strategy names (conf/strategy/<name>.yaml). `name+key=value+...` adds overrides for that row only,
     # e.g. fsdp+strategy.reshard_after_forward=false.
     strategies: list[str] = field(default_factory=lambda: list(DEFAULT_STRATEGIES))
+    # Knobs to sweep besides the strategy, {key: [values]}: every strategy runs once per combination, e.g.
+    # compare.sweep='{precision:[fp32,bf16],train.activation_checkpointing:[false,true]}' (see sweep.py).
+    sweep: dict[str, Any] = field(default_factory=dict)
     # Processes per multi-process strategy (single and dp always run one process); with launcher=slurm, per node.
     nproc: int = 2
     # local: launch here (torchrun --standalone); slurm: each strategy a job step of the Slurm job this runs in.
@@ -47,8 +50,43 @@ class CompareConfig:
             raise ValueError(f"compare.nproc={self.nproc} must be >= 1")
         if not self.strategies:
             raise ValueError("compare.strategies is empty; e.g. compare.strategies=[single,ddp,fsdp]")
+        self.sweep = flatten_sweep(self.sweep)
         if self.launcher not in ("local", "slurm"):
             raise ValueError(f"compare.launcher={self.launcher!r} is not supported; allowed: local, slurm")
+
+
+# Settings that say how a run is run and watched, not what it trains (session.config_hash leaves out the same).
+NOT_KNOBS = ("strategy", "logger", "telemetry", "checkpoint", "runtime")
+
+
+def override_value(value: Any) -> str:
+    """A value as a Hydra override writes it (booleans lower case, None as null)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
+
+
+def flatten_sweep(sweep: dict[str, Any], prefix: str = "") -> dict[str, list[Any]]:
+    """{dotted key: values}: accepts `{train.activation_checkpointing: [...]}` and the nested form that
+    `compare.sweep.train.activation_checkpointing=[...]` gives. A bad entry is a ValueError naming it."""
+    out: dict[str, list[Any]] = {}
+    for key, values in sweep.items():
+        name = f"{prefix}{key}"
+        if isinstance(values, dict):
+            out.update(flatten_sweep(values, prefix=f"{name}."))
+            continue
+        if not isinstance(values, (list, tuple)) or not values:
+            raise ValueError(f"compare.sweep: {name!r} needs a non-empty list of values, e.g. "
+                             "compare.sweep='{precision:[fp32,bf16]}'")
+        if name.split(".")[0] in NOT_KNOBS:
+            raise ValueError(f"compare.sweep: {name!r} is not a training knob (the strategies come from "
+                             f"compare.strategies; {', '.join(NOT_KNOBS[1:])} do not change what is trained)")
+        bad = [v for v in values if "+" in override_value(v) or isinstance(v, (dict, list))]
+        if bad:
+            raise ValueError(f"compare.sweep: {name!r} has values {bad} that cannot be one override (no '+', "
+                             "lists or mappings)")
+        out[name] = list(values)
+    return out
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def base_row(result: RunResult) -> dict[str, Any]:
     return {
         "strategy": result.spec.label,
+        "strategy_name": result.spec.name,
         "status": "ok" if result.ok else ("timeout" if result.returncode is None else "failed"),
         "reason": result.reason,
         "run_dir": str(result.run_dir),

@@ -7,10 +7,15 @@ from typing import Any, Optional
 BASELINE = "single"
 
 
+def is_baseline(row: dict[str, Any]) -> bool:
+    """A single run, whatever its row's overrides (`single+precision=bf16` is the bf16 rows' baseline)."""
+    return row.get("strategy_name", row["strategy"]) == BASELINE
+
+
 def baseline_row(rows: list[dict[str, Any]], *, like: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
     """The single run to judge `like` against: one that trained the same config (the same config hash)."""
     for r in rows:
-        if r["strategy"] == BASELINE and r["status"] == "ok":
+        if is_baseline(r) and r["status"] == "ok":
             if like is None or r.get("config_hash") == like.get("config_hash"):
                 return r
     return None
@@ -25,7 +30,7 @@ def add_verdicts(rows: list[dict[str, Any]], *, rtol: float) -> None:
 def judge(row: dict[str, Any], base: Optional[dict[str, Any]], *, rtol: float) -> tuple[Optional[bool], str]:
     if row["status"] != "ok":
         return None, f"{row['status']}: {row['reason']}"
-    if row["strategy"] == BASELINE:
+    if is_baseline(row):
         return True, f"baseline (one process), final loss {row['final_loss']:.6f}"
     if base is None:
         return None, "no single baseline with the same training config to compare with (single failed, was not run, " \
