@@ -83,9 +83,9 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen: dict[tuple[int, int], int] = {}
+def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[tuple[int, int], tuple[int, torch.dtype]]:
+    """The distinct storages behind `tensors` (views of one buffer count once): bytes and dtype of each."""
+    seen: dict[tuple[int, int], tuple[int, torch.dtype]] = {}
     for t in tensors:
         if t is None:
             continue
@@ -97,8 +97,26 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
             key = (t.untyped_storage().data_ptr(), t.storage_offset())
         except (RuntimeError, NotImplementedError):
             key = (id(t), 0)
-        seen[key] = max(seen.get(key, 0), nbytes)
-    return sum(seen.values())
+        if nbytes >= seen.get(key, (0, t.dtype))[0]:
+            seen[key] = (nbytes, t.dtype)
+    return seen
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    return sum(n for n, _ in _storages(tensors).values())
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_bytes_by_dtype(tensors: Iterable[torch.Tensor | None]) -> dict[str, int]:
+    """tensor_bytes split by dtype ({"float32": ..., "bfloat16": ...})."""
+    out: dict[str, int] = {}
+    for nbytes, dtype in _storages(tensors).values():
+        out[dtype_name(dtype)] = out.get(dtype_name(dtype), 0) + nbytes
+    return out
 
 
 @dataclass
@@ -115,6 +133,15 @@ class ModelState:
             "memory/grads_bytes": tensor_bytes(self.grads),
             "memory/optimizer_bytes": tensor_bytes(self.optimizer),
         }
+
+    def by_dtype(self) -> dict[str, int]:
+        """The same bytes split by dtype, as the study notes count them (fp32 master, bf16 weights, fp32
+        moments): `memory/by_dtype/<category>/<dtype>_bytes`."""
+        out: dict[str, int] = {}
+        for category, tensors in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer)):
+            for dtype, nbytes in tensor_bytes_by_dtype(tensors).items():
+                out[f"memory/by_dtype/{category}/{dtype}_bytes"] = nbytes
+        return out
 
 
 @dataclass

@@ -55,3 +55,15 @@ def test_bf16_and_fp16_runs_are_predicted_within_ten_percent(tmp_path):
     assert rows["zero3"]["mem_gathered_params_max_bytes"] == 2 * rows["single"]["num_params"]  # all, in bf16
     for stage in (2, 3):
         assert rows[f"zero{stage}"]["mem_step_grads_max_bytes"] == 4 * rows["single"]["num_params"] / 2
+    # Memory by dtype, as the study notes count it: autocast trains fp32 weights in 16-bit compute; DeepSpeed's
+    # bf16 mode holds bf16 weights and gradients, and an fp32 master partition with fp32 moments (12 B / 2 ranks).
+    n = rows["single"]["num_params"]
+    by = {name: rows[name]["mem_by_dtype"] for name in ("single", "zero2", "zero3")}
+    assert by["single"]["params"] == {"float32": 4 * n} and set(by["single"]["optimizer"]) == {"float32"}
+    assert by["single"]["activations"]["bfloat16"] > by["single"]["activations"]["float32"] > 0
+    for name, shards in (("zero2", 1), ("zero3", 2)):
+        assert by[name]["params"] == {"bfloat16": 2 * n // shards} and set(by[name]["grads"]) == {"bfloat16"}
+        assert set(by[name]["optimizer"]) == {"float32"}
+        assert by[name]["optimizer"]["float32"] == pytest.approx(12 * n / 2, abs=64)  # + the step counters
+    for cat in ("params", "grads", "optimizer", "activations"):
+        assert sum(by["single"][cat].values()) == rows["single"][f"mem_{cat}_max_bytes"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dist_train.compare.report import comm_table, effects_table, md_table, prediction_table, runs_table, summary_table
+from dist_train.compare.report import (comm_table, dtype_table, effects_table, md_table, prediction_table, runs_table,
+                                       summary_table)
 from dist_train.compare.settings import CompareConfig
 from dist_train.estimate.render import human_bytes, human_count
 
@@ -50,6 +51,8 @@ def render(*, rows: list[dict[str, Any]], cfg: CompareConfig, out_dir: Path, gro
         "\n".join(f"- **{r['strategy']}**: {r['verdict']}" for r in rows),
         "## Table",
         summary_table(rows),
+        *(["## Memory by dtype (worst rank of each category)", dtype_table(rows)]
+          if any("mem_by_dtype" in r for r in rows) else []),
         "## Where communication goes (per step)",
         comm_table(rows),
         "## Predicted vs measured model state (worst rank's error)",

@@ -136,6 +136,23 @@ def _pred_cell(row: dict[str, Any], cat: str) -> str:
     return f"{human_bytes(row[f'pred_{cat}_bytes'])} / {human_bytes(row.get(f'mem_{cat}_max_bytes'))} ({pct(row[f'err_{cat}'])})"
 
 
+_SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def dtype_table(rows: list[dict[str, Any]]) -> str:
+    """Worst rank's bytes per category, split by dtype (the study notes' fp32 master, bf16 weights, ...)."""
+    cats = [c for c in MEMORY_CATEGORIES if any(c in r.get("mem_by_dtype", {}) for r in rows)]
+    body = []
+    for r in rows:
+        split = r.get("mem_by_dtype")
+        if r["status"] != "ok" or not split:
+            continue
+        cells = [", ".join(f"{_SHORT_DTYPES.get(d, d)} {human_bytes(n)}"
+                           for d, n in sorted(split.get(c, {}).items(), key=lambda kv: -kv[1])) or "-" for c in cats]
+        body.append([r["strategy"], *cells])
+    return md_table(["strategy", *cats], body)
+
+
 def runs_table(rows: list[dict[str, Any]], out_dir: Path) -> str:
     body = [[r["strategy"], r["status"], f"`{_rel(r['run_dir'], out_dir)}/`", f"[log]({_rel(r['log'], out_dir)})",
              f"{r['wall_s']:.1f}"] for r in rows]
@@ -163,7 +180,8 @@ def effects_table(effects: list[dict[str, Any]]) -> str:
                 continue
             after = human_bytes(c["bytes"][0])
             pred = "" if c["predicted"] is None else f", pred {pct(c['predicted'])}"
-            cells.append(f"{pct(c['measured'])} ({after}{pred})")
+            change = "from none" if not c["bytes"][1] and c["bytes"][0] else pct(c["measured"])
+            cells.append(f"{change} ({after}{pred})")
         body.append([f"`{e['knob']}`: {override_value(e['from'])} → {override_value(e['to'])}", e["strategy"], others,
                      pct(e["step_s"]), *cells])
     return md_table(["change", "strategy", "other knobs", "step time", *(f"{c.replace('_', ' ')} measured "

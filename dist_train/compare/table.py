@@ -80,6 +80,15 @@ def memory_columns(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"mem_{cat}_spread_bytes"] = max(values) - min(values)
     out["mem_per_rank"] = [{cat: r.get(f"memory/{cat}_bytes", 0) for cat in (*MEMORY_CATEGORIES, *TRANSIENT_CATEGORIES)}
                            for r in ranks]
+    by_dtype = {}
+    for cat in MEMORY_CATEGORIES:  # the split of the rank that holds the most of the category
+        prefix = f"memory/by_dtype/{cat}/"
+        worst = max(ranks, key=lambda r: r.get(f"memory/{cat}_bytes", 0), default=None)
+        split = {k[len(prefix):-len("_bytes")]: v for k, v in (worst or {}).items() if k.startswith(prefix) and v}
+        if split:
+            by_dtype[cat] = split
+    if by_dtype:
+        out["mem_by_dtype"] = by_dtype
     return out
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dist_train.config import PrecisionConfig, RunConfig, TrainConfig, importable, require
-from dist_train.contracts import Batch, ModelState, StepOutput, tensor_bytes
+from dist_train.contracts import Batch, ModelState, StepOutput, dtype_name, tensor_bytes
 from dist_train.model import forward_loss
 from dist_train.strategies.base import StrategyContext, detached_clone
 from dist_train.telemetry.memory import optimizer_state_tensors
@@ -232,6 +232,12 @@ class ZeroModelState(ModelState):
     def bytes(self) -> dict[str, int]:
         out = super().bytes()
         out["memory/grads_bytes"] = self.grads_bytes
+        return out
+
+    def by_dtype(self) -> dict[str, int]:
+        out = super().by_dtype()
+        if self.grads_bytes and self.params:  # DeepSpeed's gradients are in the trained parameters' dtype
+            out[f"memory/by_dtype/grads/{dtype_name(self.params[0].dtype)}_bytes"] = self.grads_bytes
         return out
 
 

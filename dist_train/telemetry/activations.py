@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_train.contracts import local_tensor
+from dist_train.contracts import dtype_name, local_tensor
 
 
 class _Saved:
@@ -76,9 +76,11 @@ _ACTIVE: "ActivationMeter | None" = None  # the meter of the step being measured
 
 class ActivationMeter:
     def __init__(self) -> None:
-        self._live: dict[int, list[int]] = {}  # storage ptr -> [handles alive, storage bytes, is a weight copy]
+        self._live: dict[int, list[Any]] = {}  # storage ptr -> [handles alive, bytes, is a weight copy, dtype]
         self.live_bytes = 0
         self.peak_bytes = 0
+        self._live_by_dtype: dict[str, int] = {}
+        self.peak_by_dtype: dict[str, int] = {}  # what the activations at the peak were made of
         self.weights_live_bytes = 0
         self.weights_peak_bytes = 0
         self._lock = threading.Lock()
@@ -116,6 +118,7 @@ class ActivationMeter:
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
+        self.peak_by_dtype = {k: v for k, v in self._live_by_dtype.items() if v}
         self.weights_peak_bytes = self.weights_live_bytes
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -137,14 +140,17 @@ class ActivationMeter:
         with self._lock:
             entry = self._live.get(key)
             if entry is None:
-                copy = is_weight_copy(t)
-                self._live[key] = [1, nbytes, copy]
+                copy, dtype = is_weight_copy(t), dtype_name(t.dtype)
+                self._live[key] = [1, nbytes, copy, dtype]
                 if copy:
                     self.weights_live_bytes += nbytes
                     self.weights_peak_bytes = max(self.weights_peak_bytes, self.weights_live_bytes)
                 else:
                     self.live_bytes += nbytes
-                    self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+                    self._live_by_dtype[dtype] = self._live_by_dtype.get(dtype, 0) + nbytes
+                    if self.live_bytes > self.peak_bytes:
+                        self.peak_bytes = self.live_bytes
+                        self.peak_by_dtype = {k: v for k, v in self._live_by_dtype.items() if v}
             else:
                 entry[0] += 1
         return key
@@ -164,6 +170,7 @@ class ActivationMeter:
                     self.weights_live_bytes -= entry[1]
                 else:
                     self.live_bytes -= entry[1]
+                    self._live_by_dtype[entry[3]] -= entry[1]
                 del self._live[key]
 
 

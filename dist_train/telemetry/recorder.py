@@ -166,9 +166,13 @@ class Telemetry:
         rec: dict[str, Any] = {
             "step": step, "rank": self.runtime.rank, "node": self.runtime.node, "local_rank": self.runtime.local_rank,
         }
-        rec.update(self.strategy.model_state().bytes())
+        state = self.strategy.model_state()
+        rec.update(state.bytes())
+        rec.update(state.by_dtype())
         if self.activations is not None:
             rec["memory/activations_bytes"] = self.activations.peak_bytes
+            for dtype, nbytes in self.activations.peak_by_dtype.items():
+                rec[f"memory/by_dtype/activations/{dtype}_bytes"] = nbytes
             if self.activations.weights_peak_bytes:
                 rec["memory/weight_copies_bytes"] = self.activations.weights_peak_bytes
         rec.update(cuda_peaks(self.strategy.devices))
