@@ -155,6 +155,8 @@ class DataConfig:
     dtype: Optional[str] = None
     # synthetic: probability that a token of a learnable sequence is replaced by a random one.
     noise: float = 0.1
+    # Build the next step's batch in a background thread (pinned host memory on CUDA); the same samples.
+    prefetch: bool = True
 
 
 @dataclass

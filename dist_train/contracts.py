@@ -34,12 +34,15 @@ class Batch:
     def split(self, size: int) -> list["Batch"]:
         return [Batch(i, l) for i, l in zip(self.input_ids.split(size), self.labels.split(size))]
 
+    def pinned(self) -> "Batch":
+        """In page-locked host memory, from which a copy to the GPU can run asynchronously."""
+        return Batch(self.input_ids.pin_memory(), self.labels.pin_memory())
+
     def to(self, device: torch.device) -> "Batch":
-        if device.type == "cuda":  # pinned host memory lets the copy overlap with compute
-            return Batch(
-                self.input_ids.pin_memory().to(device, non_blocking=True),
-                self.labels.pin_memory().to(device, non_blocking=True),
-            )
+        if device.type == "cuda":  # from pinned host memory (pinned here unless the prefetcher did) the
+            # copy is asynchronous: it overlaps with what the GPU is still computing
+            pinned = self if self.input_ids.is_pinned() else self.pinned()
+            return Batch(pinned.input_ids.to(device, non_blocking=True), pinned.labels.to(device, non_blocking=True))
         return self
 
     @property

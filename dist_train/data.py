@@ -10,7 +10,7 @@ per-epoch shuffle.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -105,3 +105,35 @@ class GlobalBatches:
     def local_batch(self, step: int) -> Batch:
         tokens = self.dataset.batch(step, self.global_batch_size)[self.first : self.first + self.local_batch_size]
         return Batch(input_ids=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous())
+
+
+class Prefetcher:
+    """The next step's batch, built in a background thread while this step trains.
+
+    The batch is sliced (and, for a token file, read from the memory map) off the training thread; on CUDA
+    it is also copied into pinned host memory there, so that `Batch.to` issues a non-blocking copy that
+    overlaps the step. Batches are a pure function of the step, so prefetching changes no sample: a request
+    for another step than the one prefetched (the first step after a resume) is built in place, after any
+    build in flight, so that the dataset is never used from two threads at once."""
+
+    def __init__(self, batches: GlobalBatches, *, pin: bool, last_step: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.batches, self.pin, self.last_step = batches, pin, last_step
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist_train-prefetch")
+        self._pending: tuple[int, Any] | None = None  # (step, Future)
+
+    def local_batch(self, step: int) -> Batch:
+        pending, self._pending = self._pending, None
+        ready = pending[1].result() if pending is not None else None  # re-raises a failed build here
+        batch = ready if pending is not None and pending[0] == step else self._build(step)
+        if step + 1 < self.last_step:  # steps are 0-based here: the loop asks for step - 1
+            self._pending = (step + 1, self._pool.submit(self._build, step + 1))
+        return batch
+
+    def _build(self, step: int) -> Batch:
+        batch = self.batches.local_batch(step)
+        return batch.pinned() if self.pin else batch
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

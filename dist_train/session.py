@@ -51,7 +51,7 @@ def build_session(
     import torch
 
     from dist_train.checkpoint.manager import Checkpointer
-    from dist_train.data import GlobalBatches, build_dataset
+    from dist_train.data import GlobalBatches, Prefetcher, build_dataset
     from dist_train.rundir import agree_on_run_dir
     from dist_train.runtime import agree
     from dist_train.telemetry.comm import CommTracker
@@ -78,11 +78,13 @@ def build_session(
     if resume is not None:
         log.info("resumed from %s: step %d done, training steps %d..%d", resume, saved["step"], saved["step"] + 1, t.steps)
     dp = run.strategy.data_parallel_size(runtime.world_size)
-    batches = GlobalBatches(
+    batches: Any = GlobalBatches(
         build_dataset(run.data, vocab_size=run.model.vocab_size, seq_len=t.seq_len, seed=t.seed),
         global_batch_size=t.global_batch_size,
         dp_rank=run.strategy.data_parallel_rank(runtime.rank, runtime.world_size), dp_size=dp,
     )
+    if run.data.prefetch:
+        batches = Prefetcher(batches, pin=runtime.device.type == "cuda", last_step=t.steps)
     session = Session(
         run=run, cfg=cfg, runtime=runtime, run_dir=run_dir, strategy=strategy, batches=batches, telemetry=None,
         checkpointer=checkpointer, num_params=num_params, num_trainable_params=num_trainable, flops_per_token=fpt,
@@ -202,6 +204,8 @@ def config_hash(config: dict[str, Any]) -> str:
     checkpointing, timeouts): two runs with the same hash train the same model on the same data."""
     ignored = ("strategy", "logger", "telemetry", "checkpoint", "runtime")
     rest = {k: v for k, v in config.items() if k not in ignored}
+    if isinstance(rest.get("data"), dict):  # prefetching changes when a batch is built, not which
+        rest["data"] = {k: v for k, v in rest["data"].items() if k != "prefetch"}
     return hashlib.sha1(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:8]
 
 

@@ -126,6 +126,8 @@ def _run(run: RunConfig, cfg: DictConfig, runtime: Any, *, resume: Path | None, 
     finally:
         if session.telemetry.tracker is not None:
             session.telemetry.tracker.uninstall()
+        if hasattr(session.batches, "close"):  # the prefetch thread
+            session.batches.close()
 
 
 def _fit(session: Session) -> dict[str, Any] | None:

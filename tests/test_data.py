@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import torch
 import pytest
 
 from dist_train.checks import validate
@@ -84,3 +85,28 @@ def test_bad_token_files_are_one_line(tmp_path, content, overrides, needle):
     with pytest.raises(ConfigError) as err:
         validate(run, 1)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_prefetcher_gives_the_same_batches_built_in_its_own_thread(tmp_path):
+    """Every step's batch equals the plain one, whether it was prefetched or asked out of order (a resume)."""
+    import threading
+
+    from dist_train.data import GlobalBatches, Prefetcher, WindowDataset
+
+    tokens = np.arange(5000, dtype=np.uint16)
+
+    def batches() -> GlobalBatches:
+        return GlobalBatches(WindowDataset(tokens, seq_len=16, seed=3), global_batch_size=8, dp_rank=1, dp_size=2)
+
+    builders: list[str] = []
+    prefetcher = Prefetcher(batches(), pin=False, last_step=12)
+    build = prefetcher._build
+    prefetcher._build = lambda step: builders.append(threading.current_thread().name) or build(step)
+    plain = batches()
+    try:
+        for step in [5, 6, 7, 8, 2, 3, 11]:  # a resume at 5, a jump back, the last step
+            got, want = prefetcher.local_batch(step), plain.local_batch(step)
+            assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.labels, want.labels), step
+    finally:
+        prefetcher.close()
+    assert sum(name.startswith("dist_train-prefetch") for name in builders) >= 4  # 6, 7, 8 and 3 came ready
