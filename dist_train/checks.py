@@ -24,6 +24,21 @@ def validate(run: RunConfig, world_size: int) -> None:
         f"peft={run.peft.name} puts adapters on whole projections; strategy={run.strategy.name} splits them by tensor "
         "parallelism: use ddp, fsdp, zero1-3, a pipeline or single",
     )
+    if run.peft.name == "qlora":
+        _check_qlora(run)
+
+
+# QLoRA's packed 4-bit weights stay whole: data parallelism replicates them; a strategy that shards or splits
+# parameters (FSDP, ZeRO, pipelines, tensor parallelism) would cut the packed bytes and their scales apart.
+QLORA_STRATEGIES = ("single", "ddp")
+
+
+def _check_qlora(run: RunConfig) -> None:
+    require(
+        run.strategy.name in QLORA_STRATEGIES,
+        f"peft=qlora: strategy={run.strategy.name} would shard or split the packed 4-bit weights; use "
+        f"{' or '.join(QLORA_STRATEGIES)} (or peft=lora with any strategy but tp)",
+    )
 
 
 # optimizer.name -> the package it comes from, where that is not torch

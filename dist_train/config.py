@@ -163,12 +163,14 @@ class DataConfig:
 class PeftConfig:
     """Parameter-efficient fine-tuning: `lora` freezes the model and trains low-rank adapters (peft)."""
 
-    name: str = "none"  # none | lora
+    name: str = "none"  # none | lora | qlora (LoRA over a 4-bit base model, bitsandbytes, CUDA only)
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     # module names to adapt; None: every attention and MLP projection of the architecture
     target_modules: Optional[list[str]] = None
+    # qlora: how the frozen projections are stored, bitsandbytes' 4-bit NormalFloat or float (nf4 | fp4)
+    quant_type: str = "nf4"
 
 
 @dataclass
@@ -348,10 +350,13 @@ def validate_fields(run: RunConfig) -> None:
 
 
 def _validate_peft(p: PeftConfig) -> None:
-    choice("peft.name", p.name, ("none", "lora"))
+    choice("peft.name", p.name, ("none", "lora", "qlora"))
     if p.name == "none":
         return
-    require(importable("peft"), "peft=lora needs the peft package (pip install peft)")
+    require(importable("peft"), f"peft={p.name} needs the peft package (pip install peft)")
+    if p.name == "qlora":
+        choice("peft.quant_type", p.quant_type, ("nf4", "fp4"))
+        require(importable("bitsandbytes"), "peft=qlora needs the bitsandbytes package (pip install bitsandbytes)")
     require(p.rank >= 1, f"peft.rank={p.rank} must be >= 1")
     require(p.alpha > 0, f"peft.alpha={p.alpha} must be > 0")
     require(0 <= p.dropout < 1, f"peft.dropout={p.dropout} must be in [0, 1)")

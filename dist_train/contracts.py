@@ -13,7 +13,7 @@ it; it imports only torch and the standard library, so no import of it can close
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -89,9 +89,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[tuple[int, int], tuple[int, torch.dtype]]:
     """The distinct storages behind `tensors` (views of one buffer count once): bytes and dtype of each."""
     seen: dict[tuple[int, int], tuple[int, torch.dtype]] = {}
-    for t in tensors:
-        if t is None:
-            continue
+    for t in _with_scales(tensors):
         t = local_tensor(t)
         if t.device.type == "meta":
             continue
@@ -103,6 +101,18 @@ def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[tuple[int, int], t
         if nbytes >= seen.get(key, (0, t.dtype))[0]:
             seen[key] = (nbytes, t.dtype)
     return seen
+
+
+def _with_scales(tensors: Iterable[torch.Tensor | None]) -> Iterator[torch.Tensor]:
+    """The tensors, and with a quantized weight (bitsandbytes' Params4bit, QLoRA) the scales it is unpacked by."""
+    for t in tensors:
+        if t is None:
+            continue
+        yield t
+        state = getattr(t, "quant_state", None)
+        while state is not None:  # with double quantization the scales are quantized again (state2)
+            yield from (v for v in vars(state).values() if isinstance(v, torch.Tensor))
+            state = getattr(state, "state2", None)
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

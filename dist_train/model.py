@@ -157,7 +157,29 @@ LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
                 "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 
 
-def apply_lora(model: nn.Module, peft: Any, *, seed: int) -> None:
+def quantize_base(model: nn.Module, targets: list[str], *, quant_type: str, compute_dtype: torch.dtype) -> None:
+    """QLoRA's base (Dettmers et al. 2023): each target projection becomes a bitsandbytes Linear4bit holding
+    the same weight, packed into 4 bits when the strategy moves the model to the GPU. GPT-2's Conv1D stores
+    its weight as in x out: it is transposed into the Linear layout."""
+    import bitsandbytes as bnb
+    from transformers.pytorch_utils import Conv1D
+
+    for name, module in list(model.named_modules()):
+        if name.rsplit(".", 1)[-1] not in targets or not isinstance(module, (nn.Linear, Conv1D)):
+            continue
+        weight = module.weight.detach()
+        if isinstance(module, Conv1D):
+            weight = weight.t().contiguous()
+        out_features, in_features = weight.shape
+        layer = bnb.nn.Linear4bit(in_features, out_features, bias=module.bias is not None,
+                                  compute_dtype=compute_dtype, quant_type=quant_type, device="cpu")
+        layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type=quant_type)
+        if module.bias is not None:
+            layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=False)
+        model.set_submodule(name, layer)
+
+
+def apply_lora(model: nn.Module, peft: Any, *, seed: int, compute_dtype: torch.dtype = torch.float32) -> None:
     """LoRA adapters (Hu et al. 2021, through peft) on the target projections, in place; everything else frozen.
 
     `inject_adapter_in_model` keeps the transformers model itself (no PeftModel around it), so every strategy
@@ -166,10 +188,13 @@ def apply_lora(model: nn.Module, peft: Any, *, seed: int) -> None:
     from peft import LoraConfig, inject_adapter_in_model
 
     arch = model.config.model_type
+    targets = list(peft.target_modules or LORA_TARGETS[arch])
+    if peft.name == "qlora":
+        quantize_base(model, targets, quant_type=peft.quant_type, compute_dtype=compute_dtype)
     config = LoraConfig(
-        r=peft.rank, lora_alpha=peft.alpha, lora_dropout=peft.dropout,
-        target_modules=list(peft.target_modules or LORA_TARGETS[arch]),
-        fan_in_fan_out=arch == "gpt2",  # transformers' Conv1D stores its weight as in x out
+        r=peft.rank, lora_alpha=peft.alpha, lora_dropout=peft.dropout, target_modules=targets,
+        # transformers' Conv1D stores its weight as in x out (QLoRA's Linear4bit layers do not)
+        fan_in_fan_out=arch == "gpt2" and peft.name == "lora",
     )
     torch.manual_seed(seed)
     inject_adapter_in_model(config, model)

@@ -110,12 +110,17 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     from dist_train.strategies.registry import build_strategy
     from dist_train.telemetry.flops import embedding_params, flops_per_token
 
+    import torch
+
+    from dist_train.config import PRECISIONS
+
     t = run.train
     model = build_model(run.model, seed=t.seed)
-    if run.peft.name == "lora":
-        apply_lora(model, run.peft, seed=t.seed)  # a model transform, like checkpointing: before any wrapping
-        log.info("peft=lora: %s trainable parameters of %s", f"{count_params(model, trainable_only=True):,}",
-                 f"{count_params(model):,}")
+    if run.peft.name != "none":  # a model transform, like checkpointing: before any wrapping
+        compute_dtype = getattr(torch, PRECISIONS[run.precision.name][0])  # QLoRA's 4-bit layers compute in it
+        apply_lora(model, run.peft, seed=t.seed, compute_dtype=compute_dtype)
+        log.info("peft=%s: %s trainable parameters of %s", run.peft.name,
+                 f"{count_params(model, trainable_only=True):,}", f"{count_params(model):,}")
     if t.activation_checkpointing:
         apply_activation_checkpointing(model)  # a model transform: before any strategy wraps the model
     num_params, num_trainable = count_params(model), count_params(model, trainable_only=True)

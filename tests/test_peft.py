@@ -37,11 +37,34 @@ def test_lora_trains_only_the_adapters_and_every_strategy_agrees(tmp_path):
         assert 2 * 4 * ADAPTERS <= r["comm/all_reduce/bytes"] <= 2 * 4 * ADAPTERS + 64
 
 
+# model=tiny's target projections: per block c_attn 64 x 192, c_proj 64 x 64, c_fc 64 x 256, c_proj 256 x 64
+TARGET_WEIGHTS = 4 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64)
+
+
+@pytest.mark.multiproc
+def test_qlora_packs_the_base_into_four_bits_and_ddp_agrees(tmp_path):
+    """bitsandbytes' CPU backend runs its 4-bit layers too, so QLoRA is measured here, not only refused."""
+    qlora = ["peft=qlora", "logger=none", *FAST]
+    single = train_ok(["strategy=single", *qlora], run_dir=tmp_path / "single")
+    assert single["num_trainable_params"] == ADAPTERS
+    ddp = train_ok(["strategy=ddp", *qlora], run_dir=tmp_path / "ddp", nproc=2)
+    assert_same_losses(single, ddp)
+    for r in [*last_step(tmp_path / "single"), *last_step(tmp_path / "ddp")]:
+        packed = r["memory/by_dtype/params/uint8_bytes"]
+        # half a byte per weight, plus the double-quantized block scales (1 byte per block of 64)
+        assert packed == TARGET_WEIGHTS // 2 + TARGET_WEIGHTS // 64
+        # what stays fp32: embeddings, norms, biases, the head, the adapters (and the scales' own scales)
+        assert r["memory/by_dtype/params/float32_bytes"] < 4 * (single["num_params"] - TARGET_WEIGHTS) + 20_000
+        assert r["memory/grads_bytes"] == 4 * ADAPTERS  # the adapters train, nothing else
+
+
 @pytest.mark.parametrize(
     ("overrides", "world", "needle"),
     [
         (["peft=lora", "strategy=tp"], 2, "peft=lora puts adapters on whole projections; strategy=tp splits them"),
         (["peft=lora", "peft.rank=0"], 1, "peft.rank=0 must be >= 1"),
+        (["peft=qlora", "strategy=fsdp"], 2, "peft=qlora: strategy=fsdp would shard or split the packed 4-bit"),
+        (["peft=qlora", "peft.quant_type=int4"], 1, "peft.quant_type"),
     ],
 )
 def test_bad_lora_settings_are_one_line(overrides, world, needle):
