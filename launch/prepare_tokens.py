@@ -1,8 +1,12 @@
-"""Tokenize a local text file into a token file for `data=tokens` (nanoGPT's .bin: raw uint16/uint32 ids).
+"""Tokenize a local text file or dataset into a token file for `data=tokens` (nanoGPT's .bin: raw uint16/uint32 ids).
 
-    python launch/prepare_tokens.py TEXT OUT.bin [--tokenizer byte|NAME|DIR] [--append-eos]
+    python launch/prepare_tokens.py SOURCE OUT.bin [--tokenizer byte|NAME|DIR] [--append-eos]
+                                    [--split train] [--text-column text]
 
-TEXT is a local text file. The tokenizer is `byte` (the bytes themselves, vocabulary 256: what data=textfile
+SOURCE is a local text file, or a local Hugging Face `datasets` dataset: a directory that `save_to_disk`
+wrote (a Dataset, or a DatasetDict whose `--split` is taken). A dataset's `--text-column` holds one document
+per row; the documents are tokenized one by one and concatenated (with --append-eos, each one ended by the
+tokenizer's EOS; with the byte tokenizer, separated by a newline). The tokenizer is `byte` (the bytes themselves, vocabulary 256: what data=textfile
 trains on), a local directory holding a Hugging Face tokenizer (`save_pretrained`'s files), or the name of
 one already in the local Hugging Face cache. Nothing is downloaded: a tokenizer that is not available
 offline is one error line. OUT.json beside OUT.bin records the dtype, the vocabulary size, the tokenizer and
@@ -22,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from dist_train.entry import report_config_error  # noqa: E402
 
-USAGE = "python launch/prepare_tokens.py TEXT OUT.bin [--tokenizer byte|NAME|DIR] [--append-eos]"
+USAGE = "python launch/prepare_tokens.py SOURCE OUT.bin [--tokenizer byte|NAME|DIR] [--append-eos] [--split S] " \
+        "[--text-column C]"
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -46,15 +51,44 @@ def load_tokenizer(name: str):  # type: ignore[no-untyped-def]
         ) from exc
 
 
-def tokenize(text: str, tokenizer_name: str, *, append_eos: bool) -> tuple[list[int] | bytes, int, str]:
-    """(token ids, vocabulary size, what tokenized them)."""
+def tokenize(documents: list[str], tokenizer_name: str, *, append_eos: bool) -> tuple[list[int] | bytes, int, str]:
+    """(token ids of the documents one after the other, vocabulary size, what tokenized them)."""
     if tokenizer_name == "byte":
-        return text.encode("utf-8"), 256, "byte"
+        return "\n".join(documents).encode("utf-8"), 256, "byte"
     tok = load_tokenizer(tokenizer_name)
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    if append_eos and tok.eos_token_id is not None:
-        ids.append(tok.eos_token_id)
+    ids: list[int] = []
+    for doc in documents:
+        ids.extend(tok(doc, add_special_tokens=False)["input_ids"])
+        if append_eos and tok.eos_token_id is not None:
+            ids.append(tok.eos_token_id)
     return ids, len(tok), getattr(tok, "name_or_path", tokenizer_name)
+
+
+def read_documents(source: Path, *, split: str, text_column: str) -> list[str]:
+    """A text file is one document; a `save_to_disk` directory gives its text column's rows. ValueError: why not."""
+    if source.is_file():
+        return [source.read_text(encoding="utf-8", errors="replace")]
+    if not source.is_dir():
+        raise ValueError(f"source={source}: no such file or directory")
+    import os
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a local dataset only: never reach for the Hub
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ValueError(f"source={source} is a directory: reading a Hugging Face dataset needs the datasets "
+                         "package (pip install datasets)") from exc
+    try:
+        data = datasets.load_from_disk(str(source))
+    except (FileNotFoundError, ValueError) as exc:
+        raise ValueError(f"source={source}: not a dataset that datasets' save_to_disk wrote ({type(exc).__name__})") from exc
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise ValueError(f"--split={split}: the dataset has splits {', '.join(data)}")
+        data = data[split]
+    if text_column not in data.column_names:
+        raise ValueError(f"--text-column={text_column}: the dataset's columns are {', '.join(data.column_names)}")
+    return [str(t) for t in data[text_column]]
 
 
 def write(ids: list[int] | bytes, out: Path, *, vocab_size: int, tokenizer: str, source: str) -> dict:
@@ -72,21 +106,21 @@ def write(ids: list[int] | bytes, out: Path, *, vocab_size: int, tokenizer: str,
 
 def main() -> int:
     parser = _OneLineParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("text", type=Path, help="a local text file")
+    parser.add_argument("source", type=Path, help="a local text file, or a directory datasets' save_to_disk wrote")
     parser.add_argument("out", type=Path, help="the token file to write (OUT.bin; OUT.json beside it)")
     parser.add_argument("--tokenizer", default="byte", help="byte, a local tokenizer directory, or a cached name")
-    parser.add_argument("--append-eos", action="store_true", help="end the text with the tokenizer's EOS token")
+    parser.add_argument("--append-eos", action="store_true", help="end each document with the tokenizer's EOS token")
+    parser.add_argument("--split", default="train", help="a dataset's split (a DatasetDict)")
+    parser.add_argument("--text-column", default="text", help="a dataset's column of documents")
     args = parser.parse_args()
-    if not args.text.is_file():
-        return report_config_error(f"text={args.text}: no such file")
     if args.out.suffix != ".bin":
         return report_config_error(f"out={args.out}: name the token file *.bin (its metadata goes to *.json)")
     try:
-        ids, vocab, name = tokenize(args.text.read_text(encoding="utf-8", errors="replace"), args.tokenizer,
-                                    append_eos=args.append_eos)
+        documents = read_documents(args.source, split=args.split, text_column=args.text_column)
+        ids, vocab, name = tokenize(documents, args.tokenizer, append_eos=args.append_eos)
     except ValueError as exc:
         return report_config_error(str(exc))
-    meta = write(ids, args.out, vocab_size=vocab, tokenizer=name, source=str(args.text))
+    meta = write(ids, args.out, vocab_size=vocab, tokenizer=name, source=str(args.source))
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, vocabulary {vocab:,}, tokenizer {name}) to "
           f"{args.out}; train with: data=tokens data.path={args.out} model.vocab_size>={vocab}")
     return 0

@@ -67,6 +67,37 @@ def test_a_tokenizer_not_available_offline_is_one_line(tmp_path):
     assert not (tmp_path / "t.bin").exists()
 
 
+def test_a_local_datasets_dataset_is_tokenized_document_by_document(tmp_path):
+    """A DatasetDict saved with save_to_disk: its split's text column, each document ended by EOS."""
+    import datasets
+
+    docs = ["the first document", "and the second one", "a third"]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": docs, "n": [1, 2, 3]}),
+                          "test": datasets.Dataset.from_dict({"body": ["held out"], "n": [0]})}).save_to_disk(tmp_path / "ds")
+    tok = _local_tokenizer(tmp_path / "tok")
+    out = tmp_path / "ds.bin"
+    proc = _prepare(str(tmp_path / "ds"), str(out), f"--tokenizer={tok}", "--append-eos", "--text-column=body")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = np.fromfile(out, dtype=json.loads(out.with_suffix(".json").read_text())["dtype"]).tolist()
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(tok)
+    want = [i for d in docs for i in [*t(d, add_special_tokens=False)["input_ids"], t.eos_token_id]]
+    assert ids == want  # the train split only, in order, one EOS after each document
+    # what main() answers in one line (exit 2), asked in this process: each launch costs seconds of imports
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_tokens", ROOT / "launch" / "prepare_tokens.py")
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    for source, kw, needle in (("ds", {}, "--text-column=text: the dataset's columns are body, n"),
+                               ("ds", {"split": "validation"}, "--split=validation: the dataset has splits train, test"),
+                               ("tok", {}, "not a dataset that datasets' save_to_disk wrote"),
+                               ("nothing", {}, "no such file or directory")):
+        with pytest.raises(ValueError, match=needle):
+            prepare.read_documents(tmp_path / source, **{"split": "train", "text_column": "text", **kw})
+
+
 @pytest.mark.parametrize(
     ("content", "overrides", "needle"),
     [
