@@ -160,6 +160,7 @@ def test_a_sweep_runs_every_strategy_per_knob_value_and_reports_each_knobs_effec
     for label, row in rows.items():
         assert row["status"] == "ok" and row["knobs"] == {knob: label.endswith("true")}, row
         assert row["prediction_ok"] is True, (label, {k: v for k, v in row.items() if k.startswith("err_")})
+        assert row["pred_regime"] == "fp32 weights, grads and state"
     assert rows[f"ddp+{knob}=true"]["verdict"].startswith("agrees with single")
     # recomputation changes no number of the training
     assert rows[f"single+{knob}=true"]["losses"] == pytest.approx(rows[f"single+{knob}=false"]["losses"], rel=1e-6)

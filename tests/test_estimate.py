@@ -239,3 +239,14 @@ def test_cli_json_gives_the_same_figures_in_bytes(capsys):
     got = out["memory_per_rank"][0]
     assert (got["params"], got["gathered_params"], got["total"]) == (rank.params, rank.gathered_params, rank.total)
     assert {c["strategy"] for c in out["fit"]} >= {"ddp", "zero3"} and out["communication_per_rank"][0]
+
+
+def test_the_regime_is_described_by_what_each_dtype_is():
+    """The report's regime column: an fp32 run must not read "autocast" (the name of the fp32-state regime)."""
+    assert _setup("ddp", "ddp").regime_description == "fp32 weights, grads and state"
+    assert _setup("ddp", "ddp", precision="bf16").regime_description == \
+        "fp32 weights, grads and state; bf16 compute (autocast)"
+    assert _setup("fsdp", "fsdp", precision="bf16").regime_description == \
+        "fp32 weights, grads and state; bf16 compute (mixed-precision policy)"
+    assert _setup("zero2", "zero", zero_stage=2, precision="bf16").regime_description == \
+        "bf16 weights and grads; fp32 master and state (DeepSpeed)"

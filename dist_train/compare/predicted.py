@@ -64,7 +64,7 @@ def add_prediction(row: dict[str, Any], *, memory_rtol: float) -> None:
         all_ok = all_ok and ok
     row["model_state_ok"] = state_ok
     row["prediction_ok"] = all_ok
-    row["pred_regime"] = setup.resolved_regime
+    row["pred_regime"] = setup.regime_description
     add_comm_prediction(row, shape=shape, setup=setup)
 
 

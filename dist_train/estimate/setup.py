@@ -150,6 +150,23 @@ class Setup:
             return self.regime
         return "deepspeed" if self.family == "zero" else "autocast"
 
+    @property
+    def regime_description(self) -> str:
+        """What the regime means for this run's dtypes, in words (the report's column): `autocast` is the name of
+        the fp32-state regime, which an fp32 run has too, without any autocast."""
+        p = self.precision
+        regime = self.resolved_regime
+        if regime == "autocast":
+            if p == "fp32":
+                return "fp32 weights, grads and state"
+            compute = "autocast" if self.autocast_16bit else "mixed-precision policy"
+            return f"fp32 weights, grads and state; {p} compute ({compute})"
+        if regime == "deepspeed":
+            return f"{p} weights and grads; fp32 master and state (DeepSpeed)"
+        if regime == "mixed":
+            return f"{p} weights and grads; fp32 master and state"
+        return f"{p} weights, grads and state"
+
 
 def family_of(name: str, strategy: Optional[Mapping[str, Any]] = None) -> tuple[str, int, str]:
     """(family, ZeRO stage, schedule) from the strategy's config fields, else from its name."""
