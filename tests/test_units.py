@@ -139,3 +139,13 @@ def test_wandb_payload_keys_per_rank_and_max():
     assert p["loss"] == 2.0 and p["lr"] == 0.1
     assert p["memory/params_bytes/rank0"] == 10 and p["memory/params_bytes/rank1"] == 30
     assert p["memory/params_bytes/max"] == 30
+
+
+def test_wandb_payload_has_no_series_for_collectives_never_issued():
+    recs = [{"rank": r, "comm/all_reduce/count": 1.0, "comm/all_reduce/bytes": 8.0, "comm/all_gather/count": 0.0,
+             "comm/all_gather/bytes": 0.0, "comm/send/count": float(r == 0), "comm/send/bytes": 4.0 * (r == 0),
+             "comm/tp/all_gather/count": 0.0, "comm/tp/all_gather/time_s": 0.0} for r in range(2)]
+    p = wandb_payload(recs)
+    assert not any("all_gather" in k for k in p)  # issued by neither rank
+    assert p["comm/all_reduce/bytes/max"] == 8.0
+    assert p["comm/send/bytes/rank0"] == 4.0 and p["comm/send/bytes/rank1"] == 0.0  # one rank's sends: both kept

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from dist_train.contracts import Runtime, StepOutput, Strategy
 from dist_train.telemetry.activations import ActivationMeter
-from dist_train.telemetry.comm import CommTracker, busbw_gbps, peer_wait
+from dist_train.telemetry.comm import COMM_OPS, CommTracker, busbw_gbps, peer_wait
 from dist_train.telemetry.memory import HostPeak, cuda_peaks, reset_cuda_peaks
 from dist_train.telemetry.sinks import Sink
 
@@ -196,6 +196,9 @@ class Telemetry:
                 rec["_comm_calls"], rec["_comm_group_size"] = calls, group_sizes
         rec.update(self.strategy.extra_metrics())
         rec["time/step_s"] = (self.step_end_s[-1] - self._window_start_s) / n
+        if self.tracker is not None:  # collective time (an upper bound of the exposed part) and the rest
+            rec["time/comm_s"] = sum(rec.get(f"comm/{op}/time_s", 0.0) for op in COMM_OPS)
+            rec["time/compute_s"] = max(rec["time/step_s"] - rec["time/comm_s"], 0.0)
         rec["time/checkpoint_s"] = self._checkpoint_s / n
         rec["_losses"] = [
             (float(p.loss_sum.detach().float().cpu()) if p.loss_sum is not None else None, p.num_microbatches)

@@ -28,6 +28,9 @@ from dist_train.telemetry.recorder import GLOBAL_KEYS
 log = logging.getLogger("dist_train")
 
 _NOT_FIGURES = ("step", "rank", "local_rank")
+# What a run's summary keeps of each series (wandb.define_metric): memory its peak, times and rates their mean.
+SUMMARIES = (("memory/*", "max"), ("time/*", "mean"), ("comm/*", "mean"), ("throughput/*", "mean"), ("mfu", "mean"),
+             ("loss", "last"), ("grad_norm", "mean"))
 _REACH_TIMEOUT_S = 5.0
 
 
@@ -65,12 +68,22 @@ def unreachable(base_url: str, timeout_s: float = _REACH_TIMEOUT_S) -> Optional[
         return f"{host}:{port}: {exc.strerror or exc}"
 
 
+def _never_issued(records: list[dict[str, Any]]) -> set[str]:
+    """Collective prefixes (`comm/<op>`, `comm/<dim>/<op>`) that no rank issued in this window: no series for them
+    (metrics.jsonl keeps their zeros)."""
+    prefixes = {k[: -len("/count")] for rec in records for k in rec if k.startswith("comm/") and k.endswith("/count")}
+    return {p for p in prefixes if not any(rec.get(f"{p}/count") for rec in records)}
+
+
 def wandb_payload(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Flatten one window's per-rank records into W&B keys."""
     data: dict[str, Any] = {k: records[0][k] for k in GLOBAL_KEYS if records[0].get(k) is not None}
+    silent = _never_issued(records)
     for rec in records:
         for key, value in rec.items():
             per_rank = key not in GLOBAL_KEYS and key not in _NOT_FIGURES and "/" in key
+            if per_rank and key.startswith("comm/") and key.rsplit("/", 1)[0] in silent:
+                continue
             if per_rank and isinstance(value, (int, float)):
                 data[f"{key}/rank{rec['rank']}"] = value
                 data[f"{key}/max"] = max(data.get(f"{key}/max", value), value)
@@ -120,10 +133,13 @@ class WandbSink:
 
         kwargs = dict(self._init_kwargs)
         timeout_s = kwargs.pop("init_timeout_s")
-        return wandb.init(
+        run = wandb.init(
             mode=mode, **kwargs,
             settings=wandb.Settings(console="off", x_disable_stats=True, silent=True, init_timeout=timeout_s),
         )
+        for pattern, summary in SUMMARIES:
+            run.define_metric(pattern, summary=summary)
+        return run
 
     def _off(self, exc: BaseException) -> None:
         log.warning("W&B: %s; W&B is off for the rest of this run (metrics.jsonl and summary.json go on)",
