@@ -245,4 +245,21 @@ def _summary(session: Session) -> dict[str, Any]:
         "device": str(runtime.device),
         "run_dir": str(session.run_dir),
         "ranks": telemetry.per_rank_summary(run.telemetry.warmup_steps),
+        "predicted_memory_bytes": predicted_memory(session),
     }
+
+
+def predicted_memory(session: Session) -> dict[str, float] | None:
+    """The estimator's worst-rank bytes per memory category for this very run (its config and world size), so
+    that a dashboard puts them beside the measured peaks; None where the estimator does not model the run."""
+    from dist_train.estimate import ModelShape, predict_memory, setup_from_config
+    from dist_train.estimate.memory import MEASURED_CATEGORIES, category_bytes
+
+    config = OmegaConf.to_container(session.cfg, resolve=True)
+    try:
+        ranks = predict_memory(ModelShape.from_config(config["model"]),
+                               setup_from_config(config, world_size=session.runtime.world_size))
+    except (ValueError, KeyError) as exc:
+        log.info("no predicted memory in the summary: %s", exc)
+        return None
+    return {cat: max(category_bytes(r, cat) for r in ranks) for cat in MEASURED_CATEGORIES}

@@ -26,7 +26,7 @@ def comparison(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     out = tmp_path_factory.mktemp("compare")
     cmd = [sys.executable, str(COMPARE), f"compare.strategies={STRATEGIES}", "compare.nproc=2",
            f"compare.out_dir={out}", "compare.wandb=true", "compare.fit_gpus=[8,1024]",
-           "logger=none", "model=tiny", "train.steps=3", "train.log_every=1"]
+           "logger=wandb", "model=tiny", "train.steps=3", "train.log_every=1"]  # W&B offline (tests.helpers.env)
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     rows = {r["strategy"]: r for r in json.loads((out / "table.json").read_text())}
@@ -104,6 +104,49 @@ def test_wandb_comparison_run_written_offline(comparison):
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
     assert "W&B comparison run" in stdout
+
+
+def test_the_dashboard_names_only_keys_the_runs_logged(comparison):
+    """The dashboard of the comparison's group, built against the keys its runs' offline W&B files hold."""
+    from dist_train.dashboard import build_spec, logged_keys, spec_keys
+    from dist_train.telemetry.wandb_sink import wandb_payload
+
+    out, rows, _ = comparison
+    dirs = [Path(rows[s]["run_dir"]) for s in ("single", "ddp", "fsdp")]
+    logged = logged_keys(dirs)
+    # what the files hold is what the sink logged: the payload of the runs' own records
+    from_records = {k for d in dirs for recs in _windows(d) for k in wandb_payload(recs)}
+    assert logged.history == from_records - {"step"}
+    sections = build_spec(logged.history, logged.summary)
+    named = spec_keys(sections)
+    assert named and all(key in (logged.history if kind == "line" else logged.summary) for kind, key in named)
+    titles = [s.title for s in sections]
+    assert titles == ["Loss", "Memory per rank by category (bytes)", "Collectives by op",
+                      "Step time: compute vs communication (s)", "Throughput and MFU",
+                      "Predicted vs measured memory (bytes, worst rank)"]
+    lines = {key for kind, key in named if kind == "line"}
+    assert {"comm/all_reduce/bytes/max", "comm/all_gather/bytes/max", "comm/reduce_scatter/bytes/max"} <= lines
+    assert not any(k.startswith(("comm/broadcast", "comm/send", "comm/recv")) for k in logged.history)  # never issued
+    assert {"memory/params_bytes/rank0", "memory/params_bytes/rank1"} <= lines  # per-rank series
+    assert ("bar", "predicted/memory/params_bytes") in named and ("bar", "peak/memory/params_bytes/spread") in named
+    assert logged.groups == {out.name}  # compare put every run in its group
+
+    proc = subprocess.run([sys.executable, "launch/dashboard.py", str(out)], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrote the dashboard's specification to" in proc.stdout and "wandb sync" in proc.stdout
+    spec = json.loads((out / "dashboard.json").read_text())
+    assert spec["group"] == out.name and [s["title"] for s in spec["sections"]] == titles
+    assert spec["workspace"]["spec"] and spec["report"]  # W&B's own JSON of the view and the report
+
+
+def _windows(run_dir: Path) -> list[list[dict[str, Any]]]:
+    """metrics.jsonl's records, grouped by step: what the sink logged each window."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        by_step.setdefault(rec["step"], []).append(rec)
+    return list(by_step.values())
 
 
 # -------------------------------------------------------------------- pure parts

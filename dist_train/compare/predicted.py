@@ -17,16 +17,10 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from dist_train.estimate import ModelShape, predict_comm, predict_memory, setup_from_config
-from dist_train.estimate.memory import RankMemory
+from dist_train.estimate.memory import category_bytes
 
 STATE_CATEGORIES = ("params", "grads", "optimizer")
 TRANSIENT = ("weight_copies", "gathered_params", "step_grads")
-
-
-def predicted_bytes(rank: RankMemory, category: str) -> float:
-    if category == "optimizer":
-        return rank.optimizer + rank.master
-    return float(getattr(rank, category))
 
 
 def rel_error(predicted: float, measured: float) -> Optional[float]:
@@ -51,7 +45,7 @@ def add_prediction(row: dict[str, Any], *, memory_rtol: float) -> None:
     measured = row["mem_per_rank"]
     state_ok = all_ok = True
     for cat in (*STATE_CATEGORIES, "activations", *TRANSIENT):
-        pred = [predicted_bytes(r, cat) for r in ranks]
+        pred = [category_bytes(r, cat) for r in ranks]
         meas = [m.get(cat, 0) for m in measured]
         if cat in TRANSIENT and not any(pred) and not any(meas):
             continue  # neither held nor predicted by this strategy and precision

@@ -192,6 +192,18 @@ class RankMemory:
         return self.model_state + self.working_set
 
 
+# The telemetry's memory categories (memory/<category>_bytes) that the estimator predicts.
+MEASURED_CATEGORIES = ("params", "grads", "optimizer", "activations", "weight_copies", "gathered_params", "step_grads")
+
+
+def category_bytes(rank: RankMemory, category: str) -> float:
+    """A rank's predicted bytes in one of MEASURED_CATEGORIES; optimizer is state plus master copy, which is
+    where the strategies count DeepSpeed's fp32 master partition."""
+    if category == "optimizer":
+        return rank.optimizer + rank.master
+    return float(getattr(rank, category))
+
+
 def model_state_bytes(num_params: float, setup: Setup, *, persistent: float = 0.0) -> RankMemory:
     """Model state of `num_params` parameters on one rank (all of them, or a pipeline stage's).
 

@@ -183,8 +183,17 @@ class WandbSink:
                 if key not in ("rank", "node", "local_rank"):
                     self.run.summary[f"peak/{key}/rank{row['rank']}"] = value
                     worst[key] = max(worst.get(key, value), value)
+        least: dict[str, Any] = {}
+        for row in summary.get("ranks", []):
+            for key, value in row.items():
+                if key.startswith("memory/"):
+                    least[key] = min(least.get(key, value), value)
         for key, value in worst.items():  # the worst rank: what a group dashboard compares strategies on
             self.run.summary[f"peak/{key}/max"] = value
+            if key in least:  # how unevenly the ranks hold it (a pipeline's stages, dp's master GPU)
+                self.run.summary[f"peak/{key}/spread"] = value - least[key]
+        for category, value in (summary.get("predicted_memory_bytes") or {}).items():
+            self.run.summary[f"predicted/memory/{category}_bytes"] = value
 
 
 def _first_line(exc: BaseException) -> str:
