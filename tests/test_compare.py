@@ -222,8 +222,11 @@ def test_a_sweep_runs_every_strategy_per_knob_value_and_reports_each_knobs_effec
                            "compare.wandb=false"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((again / "effects.json").read_text()) == effects
-    assert [(r["strategy"], r["verdict"]) for r in json.loads((again / "table.json").read_text())] == \
-        [(label, r["verdict"]) for label, r in rows.items()]
+    # the same table and verdicts: the report reads the same from its title and command on
+    assert (again / "table.csv").read_text() == (out / "table.csv").read_text()
+    first, rebuilt = ((d / "report.md").read_text().split("## Verdicts", 1)[1] for d in (out, again))
+    # ... to its list of run directories, which the new report names by absolute paths
+    assert rebuilt.split("## Runs", 1)[0] == first.split("## Runs", 1)[0]
 
 
 def test_sweep_specs_and_bad_sweeps():

@@ -40,18 +40,19 @@ def _is_run(path: Path) -> bool:
     return (path / "config.yaml").is_file()
 
 
-def _compared(parent: Path) -> dict[str, tuple[int, str]]:
-    """{run directory name: (row position, row label)} when `parent` is a comparison's output (table.json)."""
+def _compared(parent: Path) -> dict[str, tuple[int, str, float]]:
+    """{run directory name: (row position, row label, wall seconds)} when `parent` is a comparison's output
+    (its table.json): rebuilt from its runs, the comparison reads as it did."""
     table = parent / "table.json"
     rows = json.loads(table.read_text()) if table.is_file() else []
-    return {Path(r["run_dir"]).name: (i, r["strategy"]) for i, r in enumerate(rows)
+    return {Path(r["run_dir"]).name: (i, r["strategy"], float(r.get("wall_s", 0.0))) for i, r in enumerate(rows)
             if isinstance(r, dict) and "run_dir" in r and "strategy" in r}
 
 
 def _order(parent: Path) -> Any:
     """A comparison's output keeps its rows' order (its table.json); other runs: numbered ones (a multirun's
     jobs) by number, then by name."""
-    position = {name: i for name, (i, _) in _compared(parent).items()}
+    position = {name: i for name, (i, _, _) in _compared(parent).items()}
 
     def key(path: Path) -> tuple[int, int, str]:
         if path.name in position:
@@ -68,13 +69,14 @@ def collect(paths: list[str]) -> tuple[list[RunResult], dict[str, Any]]:
     names = [str(c["strategy"]["name"]) for c in configs]  # type: ignore[index]
     results = []
     for run_dir, name in zip(dirs, names):
-        label = _compared(run_dir.parent).get(run_dir.name, (0, None))[1]  # a comparison's own row label
+        _, label, seconds = _compared(run_dir.parent).get(run_dir.name, (0, None, None))  # a comparison's own row
         if label is None:
             label = name if names.count(name) == 1 else f"{name}@{run_dir.name}"
         finished = (run_dir / "summary.json").is_file()
         reason = "" if finished else f"no summary.json: the run did not finish (see {run_dir / 'logs'})"
         results.append(RunResult(StrategySpec(label, name), run_dir, command=[], returncode=0 if finished else 1,
-                                 seconds=_wall_s(run_dir), reason=reason, log=_log(run_dir)))
+                                 seconds=_wall_s(run_dir) if seconds is None else seconds, reason=reason,
+                                 log=_log(run_dir)))
     return results, configs[0]  # type: ignore[return-value]
 
 
