@@ -104,6 +104,7 @@ def test_wandb_comparison_run_written_offline(comparison):
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
     assert "W&B comparison run" in stdout
+    assert f"W&B runs logged offline: 4; upload with: wandb sync {out}/*/wandb/offline-run-*" in stdout  # 3 + its own
 
 
 def test_the_dashboard_names_only_keys_the_runs_logged(comparison):

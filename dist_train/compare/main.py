@@ -113,4 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"report: {result.report}")
     if result.wandb_dir is not None:
         print(f"W&B comparison run: {result.wandb_dir}")
+    offline = sorted(result.out_dir.glob("*/wandb/offline-run-*")) + sorted(result.out_dir.glob("wandb/offline-run-*"))
+    if offline:  # as training says at its end: nothing reached W&B yet
+        print(f"W&B runs logged offline: {len(offline)}; upload with: wandb sync {result.out_dir}/*/wandb/offline-run-* "
+              f"{result.out_dir}/wandb/offline-run-*")
+        print(f"then a dashboard for the group: python launch/dashboard.py {result.out_dir}")
     return 0

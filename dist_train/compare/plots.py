@@ -10,6 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a cluster node
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from dist_train.compare.table import COMM_OPS, MEMORY_CATEGORIES  # noqa: E402
 from dist_train.compare.verdict import is_baseline  # noqa: E402
@@ -22,8 +23,15 @@ def ok_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _save(fig: Any, path: Path) -> Path:
+    for ax in fig.axes:  # long row labels (a sweep's `ddp+precision=bf16+...`) slant instead of overlapping
+        labels = ax.get_xticklabels()
+        if any(len(t.get_text()) > 12 for t in labels):
+            plt.setp(labels, rotation=30, ha="right", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    for legend in legends:  # out of tight_layout (the axes keep their size), into the saved picture
+        legend.set_in_layout(True)
+    fig.savefig(path, dpi=110, bbox_inches="tight", bbox_extra_artists=legends)
     plt.close(fig)
     return path
 
@@ -43,7 +51,7 @@ def memory_per_rank(rows: list[dict[str, Any]], path: Path) -> Path:
         bottom = [b + v for b, v in zip(bottom, stacks[cat])]
     ax.set_ylabel("MiB per rank (peak of each category)")
     ax.set_title("Memory per rank by category")
-    ax.legend(loc="upper right")
+    _legend_outside(ax)
     ax.tick_params(axis="x", labelsize=8)
     return _save(fig, path)
 
@@ -59,7 +67,7 @@ def step_time(rows: list[dict[str, Any]], path: Path) -> Path:
     ax.bar(names, comm, bottom=compute, label="collectives (upper bound: may overlap compute)")
     ax.set_ylabel("ms per step")
     ax.set_title("Step time: compute vs communication")
-    ax.legend(loc="upper right")
+    _legend_outside(ax)
     return _save(fig, path)
 
 
@@ -75,23 +83,47 @@ def comm_bytes(rows: list[dict[str, Any]], path: Path) -> Path:
             bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_ylabel("MiB per step (buffer size, worst rank)")
     ax.set_title("Bytes per step by collective")
-    if any(bottom):
-        ax.legend(loc="upper right")
+    _legend_outside(ax)
     return _save(fig, path)
 
 
 def loss_curves(rows: list[dict[str, Any]], path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in ok_rows(rows):
+    """Loss per step, and below it each run's difference from its single baseline: strategies that agree draw
+    one line on top, so the lower panel is where they can be told apart."""
+    from dist_train.compare.verdict import baseline_row
+
+    rs = ok_rows(rows)
+    fig, (ax, diff) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for i, r in enumerate(rs):
         steps = list(range(1, len(r["losses"]) + 1))
-        style = {"linewidth": 3, "alpha": 0.4} if is_baseline(r) else {"linewidth": 1.2, "marker": "."}
-        ax.plot(steps, r["losses"], label=r["strategy"], **style)
-    ax.set_xlabel("step")
+        style = {**_LINE_STYLES[i % len(_LINE_STYLES)], "color": f"C{i % 10}"}  # the same look in both panels
+        if is_baseline(r):
+            ax.plot(steps, r["losses"], label=r["strategy"], linewidth=3, alpha=0.4, color=style["color"])
+            continue
+        ax.plot(steps, r["losses"], label=r["strategy"], linewidth=1.2, **style)
+        base = baseline_row(rows, like=r)
+        if base is not None and len(base["losses"]) == len(r["losses"]):
+            diff.plot(steps, [a - b for a, b in zip(r["losses"], base["losses"])], label=r["strategy"],
+                      linewidth=1.0, **style)
     ax.set_ylabel("loss (global batch)")
     ax.set_title("Loss curves (single = thick line)")
-    if ok_rows(rows):
-        ax.legend(loc="upper right")
+    diff.axhline(0.0, color="grey", linewidth=0.8)
+    diff.set_ylabel("loss - single's")
+    diff.set_xlabel("step")
+    diff.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    _legend_outside(ax)
     return _save(fig, path)
+
+
+_LINE_STYLES = [{"marker": m, "linestyle": ls, "markersize": 5}
+                for ls in ("-", "--", ":") for m in ("o", "s", "^", "v", "D", "x", "+")]
+
+
+def _legend_outside(ax: Any, **kw: Any) -> None:
+    """A legend to the right of the axes: it can never cover a bar or a line."""
+    if ax.get_legend_handles_labels()[0]:
+        legend = ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, **kw)
+        legend.set_in_layout(False)  # see _save
 
 
 def predicted_vs_measured(rows: list[dict[str, Any]], path: Path) -> Path:
@@ -109,8 +141,7 @@ def predicted_vs_measured(rows: list[dict[str, Any]], path: Path) -> Path:
     ax.set_xticks(x, [r["strategy"] for r in rs])
     ax.set_ylabel("MiB, worst rank")
     ax.set_title("Model state: predicted (light, left) vs measured (dark, right)")
-    if rs:
-        ax.legend(fontsize=7, ncol=2, loc="upper right")
+    _legend_outside(ax)
     return _save(fig, path)
 
 
