@@ -141,6 +141,59 @@ def test_the_dashboard_names_only_keys_the_runs_logged(comparison):
     assert spec["workspace"]["spec"] and spec["report"]  # W&B's own JSON of the view and the report
 
 
+def test_compare_from_a_wandb_group_rebuilds_the_rows_from_the_files_each_run_saved(comparison, tmp_path,
+                                                                                    monkeypatch):
+    """compare.from=ENTITY/PROJECT/groups/NAME: the W&B API is stood in for (no network here) by one that serves
+    the files each training run saved into its own offline W&B run; the rows rebuilt from them are the rows."""
+    import shutil
+
+    import wandb
+
+    from dist_train.compare.collect import collect
+
+    out, rows, _ = comparison
+
+    class File:
+        def __init__(self, source: Path) -> None:
+            self.source = source
+
+        def download(self, root: str, replace: bool) -> None:
+            Path(root).mkdir(parents=True, exist_ok=True)
+            shutil.copy(self.source, Path(root) / self.source.name)
+
+    class Run:
+        def __init__(self, files: Path) -> None:
+            self.id, self.job_type, self._files = files.parent.name.rsplit("-", 1)[-1], "train", files
+
+        def file(self, name: str) -> File:
+            return File(self._files / name)
+
+    served = [Run(f) for name in ("single", "ddp", "fsdp")
+              for f in (Path(rows[name]["run_dir"]) / "wandb").glob("offline-run-*/files")]
+
+    class Api:
+        def __init__(self, timeout: int) -> None:
+            pass
+
+        def runs(self, path: str, filters: dict[str, str]) -> list[Run]:
+            assert path == "me/dist_train" and filters == {"group": out.name}
+            return served
+
+    monkeypatch.setattr(wandb, "Api", Api)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    results, _ = collect([f"me/dist_train/groups/{out.name}"], cache=tmp_path)
+    from dist_train.compare.table import build_row
+
+    rebuilt = {r["strategy"]: r for r in map(build_row, results)}
+    assert set(rebuilt) == {"single", "ddp", "fsdp"}
+    for name, row in rebuilt.items():
+        for key in ("final_loss", "losses", "mem_params_max_bytes", "comm_bytes_per_step", "step_s", "config_hash"):
+            assert row[key] == rows[name][key], (name, key)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(ValueError, match="needs an API key"):
+        collect(["me/dist_train/groups/x"], cache=tmp_path)
+
+
 def _windows(run_dir: Path) -> list[list[dict[str, Any]]]:
     """metrics.jsonl's records, grouped by step: what the sink logged each window."""
     by_step: dict[int, list[dict[str, Any]]] = {}

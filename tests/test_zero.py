@@ -249,25 +249,10 @@ def test_active_clipping_matches_single(tmp_path):
     DeepSpeed left at its own default (1.0) would drift from one process from step 2 on."""
     clip = ["train.grad_clip=0.1"]
     single = train_ok(["strategy=single", "logger=none", *FAST, *clip], run_dir=tmp_path / "single")
-    zero = train_ok(["strategy=zero3", "logger=none", *FAST, *clip], run_dir=tmp_path / "zero3", nproc=N_RANKS)
+    extensions = tmp_path / "torch_extensions"  # a fresh build cache, as on a new machine
+    zero = train_ok(["strategy=zero3", "logger=none", *FAST, *clip], run_dir=tmp_path / "zero3", nproc=N_RANKS,
+                    extra_env={"TORCH_EXTENSIONS_DIR": str(extensions)})
     assert min(single["losses"]) < single["losses"][0]  # it still trains
     assert_same_losses(single, zero)
-
-
-def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_run():
-    """torch's JIT build waits forever on a `lock` file that a killed build left; build_comm_op removes it.
-
-    Found by hand: a benchmark killed during the comm op's first compile left the lock, and the next zero2
-    run hung in start-up until torchrun was killed. The call runs in a child process with a generous bound
-    (it may compile the op, about a minute on 2 cores, if no earlier test has); a hang is the failure."""
-    code = (
-        "import torch; from dist_train.strategies._deepspeed import SHM_COMM_OP, build_comm_op, use_extensions_cache\n"
-        "cache = use_extensions_cache(); lock = cache / SHM_COMM_OP / 'lock'\n"
-        "lock.parent.mkdir(parents=True, exist_ok=True); lock.touch()\n"
-        "build_comm_op(cache, torch.device('cpu'))\n"
-        "assert not lock.exists(); assert (cache / SHM_COMM_OP / (SHM_COMM_OP + '.so')).is_file(); print('built')\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-2000:]
-    assert "left by an interrupted build" in proc.stderr
+    # DeepSpeed's inference-only shared-memory all-reduce was not compiled (45 s of g++ on 2 cores)
+    assert not list(extensions.glob("*shm*")), list(extensions.iterdir())

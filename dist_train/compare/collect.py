@@ -1,7 +1,9 @@
 """Rows from runs that already happened: `compare.from=[PATH, ...]`, without training again.
 
 A PATH is a run directory (it holds config.yaml, and summary.json once the run finished) or a directory of
-them, e.g. a Hydra multirun sweep whose jobs ran as separate Slurm jobs, or an earlier comparison's output.
+them, e.g. a Hydra multirun sweep whose jobs ran as separate Slurm jobs, or an earlier comparison's output;
+or a W&B run (`ENTITY/PROJECT/RUN_ID`) or group (`ENTITY/PROJECT/groups/NAME`), whose runs' saved files are
+downloaded first.
 Each run becomes a row labelled by its strategy (a comparison's runs keep their rows' labels and order); a run
 without summary.json is a failed row.
 """
@@ -19,13 +21,19 @@ from dist_train.compare.runner import RunResult
 from dist_train.compare.settings import StrategySpec
 
 
-def run_dirs(paths: list[str]) -> list[Path]:
-    """The run directories named by `paths`, in the order given (a directory of runs: its runs, sorted)."""
+def run_dirs(paths: list[str], *, cache: Path = Path("outputs/wandb-runs")) -> list[Path]:
+    """The run directories named by `paths`, in the order given (a directory of runs: its runs, sorted). A path
+    that is no local directory but reads as a W&B run (`ENTITY/PROJECT/RUN_ID`) or group
+    (`ENTITY/PROJECT/groups/NAME`) is fetched from W&B into `cache` (see fetch_wandb_runs)."""
     found: list[Path] = []
     for text in paths:
         path = Path(text).expanduser().resolve()
+        if not path.is_dir() and _wandb_path(text) is not None:
+            found.extend(fetch_wandb_runs(text, cache=cache.resolve()))
+            continue
         if not path.is_dir():
-            raise ValueError(f"compare.from: {text} is not a directory")
+            raise ValueError(f"compare.from: {text} is not a directory (nor a W&B run ENTITY/PROJECT/RUN_ID or "
+                             "group ENTITY/PROJECT/groups/NAME)")
         if _is_run(path):
             found.append(path)
             continue
@@ -34,6 +42,47 @@ def run_dirs(paths: list[str]) -> list[Path]:
             raise ValueError(f"compare.from: {text} holds no run directory (one with config.yaml)")
         found.extend(runs)
     return found
+
+
+def _wandb_path(text: str) -> tuple[str, str, str, str] | None:
+    """(entity, project, "run" | "group", id or name) of a W&B run path or group path; None if `text` is neither."""
+    parts = str(text).strip("/").split("/")
+    if len(parts) == 3 and all(parts):
+        return parts[0], parts[1], "run", parts[2]
+    if len(parts) == 4 and parts[2] == "groups" and all(parts):
+        return parts[0], parts[1], "group", parts[3]
+    return None
+
+
+def fetch_wandb_runs(text: str, *, cache: Path) -> list[Path]:
+    """Download the run files every training run saves to W&B (config.yaml, summary.json, metrics.jsonl: see
+    telemetry/wandb_sink.py) into `cache/<run id>/`, one run directory per run, as if it were local."""
+    from dist_train.telemetry.wandb_sink import RUN_FILES, resolve_mode
+
+    entity, project, kind, name = _wandb_path(text)  # type: ignore[misc]
+    if resolve_mode("auto") != "online":
+        raise ValueError(f"compare.from: {text} is not a local directory, and reading it from W&B needs an API key "
+                         "(wandb login); or give the run directories")
+    try:
+        import wandb
+
+        api = wandb.Api(timeout=60)
+        if kind == "run":
+            runs = [api.run(f"{entity}/{project}/{name}")]
+        else:
+            runs = [r for r in api.runs(f"{entity}/{project}", filters={"group": name}) if r.job_type == "train"]
+        out = []
+        for run in runs:
+            target = cache / entity / project / run.id
+            for file in RUN_FILES:
+                run.file(file).download(root=str(target), replace=True)
+            out.append(target)
+    except Exception as exc:  # noqa: BLE001 - not found, no network, a rejected key: one line
+        raise ValueError(f"compare.from: W&B cannot give {text}: {type(exc).__name__}: "
+                         f"{(str(exc).strip().splitlines() or [''])[0]}") from exc
+    if not out:
+        raise ValueError(f"compare.from: the W&B group {text} holds no training run")
+    return out
 
 
 def _is_run(path: Path) -> bool:
@@ -62,9 +111,9 @@ def _order(parent: Path) -> Any:
     return key
 
 
-def collect(paths: list[str]) -> tuple[list[RunResult], dict[str, Any]]:
+def collect(paths: list[str], *, cache: Path = Path("outputs/wandb-runs")) -> tuple[list[RunResult], dict[str, Any]]:
     """(a result per run, the first run's resolved config: the report's description of the training)."""
-    dirs = run_dirs(paths)
+    dirs = run_dirs(paths, cache=cache)
     configs = [OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=True) for d in dirs]
     names = [str(c["strategy"]["name"]) for c in configs]  # type: ignore[index]
     results = []

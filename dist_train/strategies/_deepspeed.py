@@ -131,10 +131,6 @@ def deepspeed_config(
 # --------------------------------------------------------------------------------------------------
 
 
-# DeepSpeed's CPU accelerator JIT-compiles this op in `init_distributed` (tens of seconds on 2 cores).
-SHM_COMM_OP = "deepspeed_shm_comm"
-
-
 def use_extensions_cache() -> Path:
     """Build DeepSpeed's ops once per machine, whatever the entry point: one cache, one ninja.
 
@@ -153,39 +149,20 @@ def use_extensions_cache() -> Path:
     return path
 
 
-def build_comm_op(cache: Path, device: torch.device) -> None:
-    """Compile DeepSpeed's CPU shared-memory comm op into `cache` if needed, one process at a time.
+def skip_inference_comm_op() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory all-reduce, which only inference uses.
 
-    torch's JIT build guards a build with a `lock` file that a killed build leaves behind (Ctrl-C or a
-    scancel during the first run's compile), and every later run then waits for it forever, silently.
-    Here the build runs under an OS lock (fcntl), which dies with its process: whoever holds it knows that no
-    other dist_train process is building, so a `lock` file it finds is stale and is removed. Ranks take turns;
-    the first compiles, the others find the op built. No collective runs under the lock.
-    """
-    if device.type != "cpu":
-        return
-    import fcntl
-
+    DeepSpeed's torch backend builds that op (`ShareMemCommBuilder`) as soon as it starts on a CPU accelerator:
+    about 45 s of g++ on 2 cores, once per machine and extensions cache. Its only caller is
+    `inference_all_reduce`; training's collectives go through torch.distributed. Marked incompatible, the op is
+    not built (`deepspeed.comm.torch.build_shm_op` then returns None, as on a machine that cannot build it), and
+    inference_all_reduce would fall back to torch's all_reduce."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
-    op_dir = cache / SHM_COMM_OP
-    with open(cache / ".dist_train_build.lock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        try:
-            stale = op_dir / "lock"
-            if stale.exists():
-                log.warning("removing %s, left by an interrupted build", stale)
-                stale.unlink()
-            builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-            if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-                return  # DeepSpeed will not use it either (deepspeed.comm.torch.build_shm_op)
-            if not (op_dir / f"{SHM_COMM_OP}.so").is_file():
-                log.info("compiling DeepSpeed's shared-memory comm op into %s (about a minute on 2 cores; once "
-                         "per machine)", op_dir)
-            builder.load(verbose=False)
-        finally:
-            fcntl.flock(guard, fcntl.LOCK_UN)
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 def init_deepspeed_comm(backend: str | None) -> None:
@@ -273,9 +250,9 @@ class ZeroStrategy:
         self.peaks = TransientPeaks()
 
     def setup(self, model: nn.Module) -> None:
-        cache = use_extensions_cache()
+        use_extensions_cache()  # for the ops DeepSpeed may still compile (an optimizer from `strategy.extra`)
         rt = self.ctx.runtime
-        build_comm_op(cache, rt.device)
+        skip_inference_comm_op()
         # DeepSpeed insists on LOCAL_RANK, which a plain `python launch/train.py` run does not set.
         os.environ.setdefault("LOCAL_RANK", str(rt.local_rank))
         init_deepspeed_comm(rt.backend)

@@ -32,6 +32,8 @@ _NOT_FIGURES = ("step", "rank", "local_rank")
 SUMMARIES = (("memory/*", "max"), ("time/*", "mean"), ("comm/*", "mean"), ("throughput/*", "mean"), ("mfu", "mean"),
              ("loss", "last"), ("grad_norm", "mean"))
 _REACH_TIMEOUT_S = 5.0
+# What a run directory holds that a comparison reads (compare/table.py), saved into each W&B run.
+RUN_FILES = ("config.yaml", "summary.json", "metrics.jsonl")
 
 
 def resolve_mode(mode: str) -> str:
@@ -96,6 +98,7 @@ class WandbSink:
         resume_id: Optional[str] = None,
     ) -> None:
         self.run: Any = None
+        self.run_dir = run_dir
         self.mode = resolve_mode(cfg.mode)
         self._init_kwargs = dict(
             project=cfg.project, entity=cfg.entity, group=group, name=name, job_type="train", config=config,
@@ -163,6 +166,7 @@ class WandbSink:
             return
         try:
             self._write_summary(summary)
+            self._save_run_files()
             run_dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
             self.run.finish()
         except Exception as exc:  # noqa: BLE001
@@ -172,6 +176,16 @@ class WandbSink:
             log.info("W&B offline run: %s  (upload with: wandb sync %s)", run_dir, run_dir)
         else:
             log.info("W&B run: %s", getattr(self.run, "url", run_dir))
+
+    def _save_run_files(self) -> None:
+        """The run directory's config.yaml, summary.json and metrics.jsonl go into the W&B run's files: from them
+        `compare.from=<entity/project/run id>` rebuilds the run's row without the run directory."""
+        import shutil
+
+        for name in RUN_FILES:  # what lies in the run's own files directory is uploaded with it (now, or at sync)
+            path = self.run_dir / name
+            if path.is_file():
+                shutil.copyfile(path, Path(self.run.dir) / name)
 
     def _write_summary(self, summary: dict[str, Any]) -> None:
         for key, value in summary.items():
