@@ -1,5 +1,6 @@
-"""peft=lora: the model frozen, low-rank adapters trained; the same losses as one process under ZeRO-2,
-and gradients, optimizer state and gradient traffic that shrink to the adapters'."""
+"""peft=lora: the model frozen, low-rank adapters trained; the same losses as one process under ZeRO-2 and FSDP,
+and gradients, optimizer state and gradient traffic that shrink to the adapters'. peft=qlora: the same over
+4-bit projections."""
 
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ def test_lora_trains_only_the_adapters_and_every_strategy_agrees(tmp_path):
         # only the adapters' gradients travel: reduced on each of the rank's 2 micro-batches (ZeRO-2), plus
         # the gradient norm's few bytes
         assert 2 * 4 * ADAPTERS <= r["comm/all_reduce/bytes"] <= 2 * 4 * ADAPTERS + 64
+
+    fsdp = train_ok(["strategy=fsdp", *LORA], run_dir=tmp_path / "fsdp", nproc=2)
+    assert_same_losses(single, fsdp)
+    for r in last_step(tmp_path / "fsdp"):
+        # FSDP shards everything, frozen or not; only the adapters have gradients to reduce-scatter
+        assert r["memory/params_bytes"] == 4 * total / 2 and r["memory/grads_bytes"] == 4 * ADAPTERS / 2
+        assert r["comm/reduce_scatter/bytes"] == 4 * ADAPTERS
 
 
 # model=tiny's target projections: per block c_attn 64 x 192, c_proj 64 x 64, c_fc 64 x 256, c_proj 256 x 64
