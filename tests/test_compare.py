@@ -299,3 +299,25 @@ def test_sweep_specs_and_bad_sweeps():
                          ("sweep={train.lr:[]}", "needs a non-empty list")):
         with pytest.raises(ValueError, match=message):
             parse([bad])
+
+
+def test_knobs_are_the_settings_that_differ_and_a_group_by_its_name(tmp_path):
+    """Read back from the runs' configs: a named group whose name differs is one knob; a field swept under one
+    name (optimizer.weight_decay) is a knob of its own."""
+    import yaml
+
+    from dist_train.compare.sweep import add_knobs
+
+    def run(name: str, **config: Any) -> dict[str, Any]:
+        (tmp_path / name).mkdir()
+        base = {"strategy": {"name": "ddp"}, "logger": {"group": name}, "train": {"seq_len": 64},
+                "optimizer": {"name": "adamw", "weight_decay": 0.0, "betas": [0.9, 0.95]}, "precision": {"name": "fp32"}}
+        (tmp_path / name / "config.yaml").write_text(yaml.safe_dump({**base, **config}))
+        return {"run_dir": str(tmp_path / name), "world_size": 2}
+
+    rows = [run("a"), run("b", optimizer={"name": "lion", "weight_decay": 0.0, "betas": [0.9, 0.99]}),
+            run("c", optimizer={"name": "adamw", "weight_decay": 0.1, "betas": [0.9, 0.95]})]
+    assert add_knobs(rows) == ["optimizer", "optimizer.weight_decay"]
+    assert [r["knobs"] for r in rows] == [{"optimizer": "adamw", "optimizer.weight_decay": 0.0},
+                                          {"optimizer": "lion", "optimizer.weight_decay": 0.0},
+                                          {"optimizer": "adamw", "optimizer.weight_decay": 0.1}]

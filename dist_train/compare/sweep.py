@@ -6,7 +6,7 @@ per-row overrides `compare.strategies` takes). Each row is judged against the si
 config (verdict.py matches config hashes), so a bf16 ddp row is compared with bf16 single.
 
 What a knob changed is read back from the runs, not from the sweep: the knobs of a set of runs are the training
-settings whose value differs between them (a config group by its name: `precision=bf16`, not its fields). So a
+settings whose value differs between them (a config group by its name, `precision=bf16`, when its name differs). So a
 report rebuilt from run directories (`compare.from=`) finds the same knobs and the same effects. An effect pairs
 two runs of the same strategy config that differ in one knob only, and gives the change of each memory category
 and of the step time, measured and predicted.
@@ -53,18 +53,32 @@ def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The run's training settings, dotted, with each named group reduced to its name."""
-    out: dict[str, Any] = {}
-    for group, value in config.items():
-        if group in NOT_KNOBS:
-            continue
-        if group in NAMED_GROUPS and isinstance(value, dict) and "name" in value:
-            out[group] = value["name"]
-        elif isinstance(value, dict):
-            out.update(_flat(value, prefix=f"{group}."))
-        else:
-            out[group] = value
-    return out
+    """The run's training settings, dotted (`train.seq_len`, `precision.name`)."""
+    return _flat({group: value for group, value in config.items() if group not in NOT_KNOBS})
+
+
+def _varying(settings: list[dict[str, Any]]) -> list[str]:
+    """The settings whose value differs between runs; a named group whose name differs is one knob, `precision`
+    (not `precision.name` and every field its YAML sets), while a field swept under one name stays a knob."""
+    def differs(key: str, runs: list[dict[str, Any]]) -> bool:
+        return len({json.dumps(s.get(key), sort_keys=True) for s in runs}) > 1
+
+    keys = sorted({k for s in settings for k in s})
+    varying = [k for k in keys if differs(k, settings)]
+    renamed = [g for g in NAMED_GROUPS if f"{g}.name" in varying]
+
+    def follows_the_name(key: str) -> bool:  # it differs only where the group's name does (the name's YAML sets it)
+        group = key.split(".", 1)[0]
+        if group not in renamed:
+            return False
+        names = {json.dumps(s.get(f"{group}.name")) for s in settings}
+        return not any(differs(key, [s for s in settings if json.dumps(s.get(f"{group}.name")) == n]) for n in names)
+
+    return [k for k in varying if not follows_the_name(k) and k not in {f"{g}.name" for g in renamed}] + renamed
+
+
+def _knob_value(settings: dict[str, Any], knob: str) -> Any:
+    return settings.get(f"{knob}.name") if knob in NAMED_GROUPS else settings.get(knob)
 
 
 def _load(run_dir: str) -> Optional[dict[str, Any]]:
@@ -84,10 +98,9 @@ def add_knobs(rows: list[dict[str, Any]]) -> list[str]:
             continue
         settings[i] = _settings(config)
         row["strategy_config"] = json.dumps({**config["strategy"], "world_size": row.get("world_size")}, sort_keys=True)
-    keys = sorted({k for s in settings.values() for k in s})
-    knobs = [k for k in keys if len({json.dumps(s.get(k), sort_keys=True) for s in settings.values()}) > 1]
+    knobs = sorted(_varying(list(settings.values())))
     for i, s in settings.items():
-        rows[i]["knobs"] = {k: s.get(k) for k in knobs}
+        rows[i]["knobs"] = {k: _knob_value(s, k) for k in knobs}
     return knobs
 
 
