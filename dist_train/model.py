@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_train.config import ModelConfig
+from dist_train.contracts import local_tensor
 
 
 def build_model(cfg: ModelConfig, *, seed: int) -> nn.Module:
@@ -128,7 +129,7 @@ class NEFTune:
         if not module.training or self.alpha == 0:
             return output
         ids = args[0]
-        ids = ids.to_local() if hasattr(ids, "to_local") else ids  # a replicated DTensor under tensor parallelism
+        ids = local_tensor(ids)  # a replicated DTensor under tensor parallelism
         seq_len, hidden = output.shape[-2], output.shape[-1]
         scale = self.alpha / math.sqrt(seq_len * hidden)
         noise = torch.stack([

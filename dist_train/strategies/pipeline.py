@@ -52,7 +52,7 @@ from torch import nn
 
 from dist_train.checkpoint.dcp_io import DcpIO
 from dist_train.config import RunConfig, StrategyConfig, TrainConfig, choice, require
-from dist_train.contracts import Batch, ModelState, StepOutput, StrategyFamily
+from dist_train.contracts import Batch, ModelState, StepOutput, StrategyFamily, local_tensor
 from dist_train.model import causal_lm_loss
 from dist_train.strategies.base import (
     LocalOptimizer,
@@ -422,7 +422,7 @@ class PipelineStrategy:
         if self._tied_group is not None and self._tied is not None:
             # One process accumulates embedding + head gradients into one weight; here they are on two stages.
             # (Replicated or sharded, both copies are laid out alike: their local parts add up elementwise.)
-            dist.all_reduce(_local(self._tied.grad), group=self._tied_group)
+            dist.all_reduce(local_tensor(self._tied.grad), group=self._tied_group)
         grad_norm = self._global_norm()
         # The norm's all-reduce returns once every stage has drained: the end of the pipeline's span. A stage
         # whose schedule finished early (the last one, under GPipe) waited in it: that wait is bubble too.
@@ -440,7 +440,7 @@ class PipelineStrategy:
         """L2 norm over every stage's gradients (a tied weight once); all stages clip by it, as one process would."""
         assert self.opt is not None
         duplicate = self._tied if (self._tied is not None and not self.is_first) else None
-        grads = [_local(p.grad) for p in self.opt.params if p.grad is not None and p is not duplicate]
+        grads = [local_tensor(p.grad) for p in self.opt.params if p.grad is not None and p is not duplicate]
         with self.clock.busy():
             local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
             squared = local.to(self.device).pow(2)
@@ -496,11 +496,6 @@ class PipelineStrategy:
             out["pipeline/schedule_s"] = sum(s for _, s in steps) / len(steps)
             out["pipeline/bubble_fraction"] = sum(1 - b / s for b, s in steps if s > 0) / len(steps)
         return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local part (replicate/FSDP parameters), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def build(cfg: PipelineConfig, ctx: StrategyContext) -> PipelineStrategy:
