@@ -26,6 +26,15 @@ def validate(run: RunConfig, world_size: int) -> None:
     )
     if run.peft.name == "qlora":
         _check_qlora(run)
+    require(
+        not run.train.compile or run.strategy.name in COMPILE_STRATEGIES,
+        f"train.compile=true runs with strategy={' | '.join(COMPILE_STRATEGIES)} (tested: the same losses as "
+        f"without it); strategy={run.strategy.name} is not wired for compiled blocks yet",
+    )
+
+
+# Strategies whose blocks are compiled and tested (torchtitan's order: checkpointing, compile, then wrapping).
+COMPILE_STRATEGIES = ("single", "ddp", "fsdp")
 
 
 # QLoRA's packed 4-bit weights stay whole: data parallelism replicates them; a strategy that shards or splits

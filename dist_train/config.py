@@ -142,6 +142,8 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     # Recompute each transformer block in backward instead of keeping its activations.
     activation_checkpointing: bool = False
+    # torch.compile each transformer block (after checkpointing, before the strategy wraps it, as torchtitan).
+    compile: bool = False
     # NEFTune (Jain et al. 2023): uniform noise of scale alpha / sqrt(seq_len * hidden) on the token embeddings
     # in training, none in evaluation; 0 = off (the paper uses 5-15).
     neftune_alpha: float = 0.0

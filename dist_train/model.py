@@ -97,6 +97,14 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         blocks[i] = checkpoint_wrapper(block, checkpoint_fn=metered_checkpoint)
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each transformer block in place (`nn.Module.compile`: the module stays itself, so a strategy
+    wraps and shards it as before). Per block, as torchtitan does: every block has the same graph, compiled once
+    and reused; a whole-model compile would break at every collective a strategy inserts between blocks."""
+    for block in transformer_blocks(model):
+        block.compile()
+
+
 def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:
     """Distinct parameters (a tied weight counts once); only those that train, if asked."""
     distinct = {id(p): p for p in model.parameters()}.values()

@@ -104,7 +104,8 @@ def build_session(
 def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int, float, Any]:
     """The model (built identically on every rank), transformed, then set up by the strategy; its size and
     FLOPs per token are read before any wrapping shards it."""
-    from dist_train.model import apply_activation_checkpointing, apply_lora, apply_neftune, build_model, count_params
+    from dist_train.model import (apply_activation_checkpointing, apply_lora, apply_neftune, build_model,
+                                  compile_blocks, count_params)
     from dist_train.optim import OptimizerFactory
     from dist_train.strategies.base import StrategyContext
     from dist_train.strategies.registry import build_strategy
@@ -123,6 +124,8 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
                  f"{count_params(model, trainable_only=True):,}", f"{count_params(model):,}")
     if t.activation_checkpointing:
         apply_activation_checkpointing(model)  # a model transform: before any strategy wraps the model
+    if t.compile:
+        compile_blocks(model)  # after checkpointing (which it then compiles too), before wrapping
     num_params, num_trainable = count_params(model), count_params(model, trainable_only=True)
     fpt = flops_per_token(
         num_params=num_params, num_embedding_params=embedding_params(model),
