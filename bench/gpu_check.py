@@ -3,7 +3,8 @@
     python bench/gpu_check.py                  # writes the 'gpu' section of docs/BENCHMARKS.md
     python bench/gpu_check.py --steps 10 --skip-tests
 
-1. Single-GPU training of the ~1B Llama-shaped model (`model=llama_1b`, 1.50B parameters untied) in bf16:
+1. Single-GPU training of the ~1B Llama-shaped model (`model=llama_1b`, 1.50B parameters untied) in bf16, its
+   blocks compiled (`train.compile`; `--no-compile` for eager) and AdamW fused:
    tokens/s, MFU against the GPU's bf16 peak (dist_train's datasheet table), CUDA allocator peaks, and memory
    by category, predicted (python -m dist_train.estimate) beside measured.
 2. The test-suite subset that needs CUDA (`pytest tests/test_cuda.py`): NCCL collectives timed with CUDA
@@ -35,7 +36,7 @@ def train(args: argparse.Namespace, run_dir: Path) -> dict:
     cmd = [PYTHON, "launch/train.py", "strategy=single", "model=llama_1b", "precision=bf16", "logger=none",
            f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch}",
            f"train.global_batch_size={args.micro_batch * args.accumulation}", f"train.steps={args.steps}",
-           "telemetry.warmup_steps=3", f"hydra.run.dir={run_dir}"]
+           "telemetry.warmup_steps=3", f"train.compile={str(args.compile).lower()}", f"hydra.run.dir={run_dir}"]
     run(cmd, timeout=3600)
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -54,6 +55,8 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="train.compile: torch.compile each block (the MFU target reaches for it)")
     args = parser.parse_args()
     import torch
 
@@ -86,7 +89,7 @@ def main() -> int:
         tests = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
         print(proc.stdout[-3000:])
     cmd = (f"python bench/gpu_check.py --steps {args.steps} --seq-len {args.seq_len} --micro-batch {args.micro_batch} "
-           f"--accumulation {args.accumulation}")
+           f"--accumulation {args.accumulation}{'' if args.compile else ' --no-compile'}")
     write_section("gpu", "GPU check", body + f"\n\nCUDA tests: {tests}", command=cmd)
     return 0
 
