@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dist_train.checkpoint.layout import resolve_resume
 from dist_train.config import WHOLE_TENSOR_OPTIMIZERS, ConfigError, RunConfig, importable, require, validate_fields
-from dist_train.strategies.registry import check_strategy
+from dist_train.strategies.registry import check_strategy, names_with
 
 
 def validate(run: RunConfig, world_size: int) -> None:
@@ -24,29 +24,17 @@ def validate(run: RunConfig, world_size: int) -> None:
         f"peft={run.peft.name} puts adapters on whole projections; strategy={run.strategy.name} splits them by tensor "
         "parallelism: use ddp, fsdp, zero1-3, a pipeline or single",
     )
-    if run.peft.name == "qlora":
-        _check_qlora(run)
+    # QLoRA's packed 4-bit weights stay whole under data parallelism; a strategy that shards or splits
+    # parameters (FSDP, ZeRO, pipelines, tensor parallelism) would cut the packed bytes and their scales apart.
     require(
-        not run.train.compile or run.strategy.name in COMPILE_STRATEGIES,
-        f"train.compile=true runs with strategy={' | '.join(COMPILE_STRATEGIES)} (tested: the same losses as "
-        f"without it); strategy={run.strategy.name} is not wired for compiled blocks yet",
-    )
-
-
-# Strategies whose blocks are compiled and tested (torchtitan's order: checkpointing, compile, then wrapping).
-COMPILE_STRATEGIES = ("single", "ddp", "fsdp")
-
-
-# QLoRA's packed 4-bit weights stay whole: data parallelism replicates them; a strategy that shards or splits
-# parameters (FSDP, ZeRO, pipelines, tensor parallelism) would cut the packed bytes and their scales apart.
-QLORA_STRATEGIES = ("single", "ddp")
-
-
-def _check_qlora(run: RunConfig) -> None:
-    require(
-        run.strategy.name in QLORA_STRATEGIES,
+        run.peft.name != "qlora" or run.strategy.keeps_packed_weights,
         f"peft=qlora: strategy={run.strategy.name} would shard or split the packed 4-bit weights; use "
-        f"{' or '.join(QLORA_STRATEGIES)} (or peft=lora with any strategy but tp)",
+        f"{' or '.join(names_with('keeps_packed_weights'))} (or peft=lora with any strategy but tp)",
+    )
+    require(
+        not run.train.compile or run.strategy.compiles_blocks,
+        f"train.compile=true runs with strategy={' | '.join(names_with('compiles_blocks'))} (tested: the same "
+        f"losses as without it); strategy={run.strategy.name} is not wired for compiled blocks yet",
     )
 
 

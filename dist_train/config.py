@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
 
@@ -49,6 +49,15 @@ def choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 @dataclass
 class StrategyConfig:
     name: str = MISSING
+    # Traits of a family: class attributes, not config fields.
+    # Tensor parallelism splits the projections themselves into DTensor shards (tp, fsdp_tp): LoRA's layers
+    # cannot sit on them, and no optimizer sees a whole tensor.
+    splits_projections: ClassVar[bool] = False
+    # train.compile: blocks compiled before this strategy wraps them train as eager ones (tested).
+    compiles_blocks: ClassVar[bool] = False
+    # peft=qlora: the packed 4-bit weights and their scales stay whole on every rank (nothing shards or splits
+    # a parameter), and it is tested.
+    keeps_packed_weights: ClassVar[bool] = False
 
     @property
     def needs_process_group(self) -> bool:
@@ -63,12 +72,12 @@ class StrategyConfig:
     def optimizer_sees_whole_tensors(self) -> bool:
         """Whether the optimizer updates whole parameter tensors (False: shards or DTensors, as FSDP, ZeRO and
         tensor parallelism hand it); optimizers in WHOLE_TENSOR_OPTIMIZERS need True."""
-        return True
+        return not self.splits_projections
 
     @property
     def supports_lora(self) -> bool:
         """Whether LoRA adapters can sit on the layers this strategy wraps (not on tensor-parallel shards)."""
-        return True
+        return not self.splits_projections
 
     @property
     def updates_in_backward(self) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any, ClassVar, ContextManager
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ class DDPConfig(StrategyConfig):
     bucket_cap_mb: float = 25.0
     # Gradients live inside DDP's all-reduce buckets instead of beside them: one copy, not two.
     gradient_as_bucket_view: bool = True
+
+    compiles_blocks: ClassVar[bool] = True
+    keeps_packed_weights: ClassVar[bool] = True  # replicas: every rank holds every parameter whole
 
     def check(self, world_size: int) -> None:
         require(self.bucket_cap_mb > 0, f"strategy.bucket_cap_mb={self.bucket_cap_mb} must be > 0")

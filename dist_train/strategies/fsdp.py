@@ -9,7 +9,7 @@ once per step: sync is off for all but the last micro-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any, ClassVar, ContextManager
 
 import torch
 from torch import nn
@@ -28,6 +28,8 @@ class FSDPConfig(StrategyConfig):
     # True: free gathered parameters after forward and gather again in backward (ZeRO-3-like).
     # False: keep them from forward to backward (ZeRO-2-like: more memory, one all-gather fewer).
     reshard_after_forward: bool = True
+
+    compiles_blocks: ClassVar[bool] = True  # compiled before fully_shard, as torchtitan does
 
     @property
     def optimizer_sees_whole_tensors(self) -> bool:

@@ -11,7 +11,7 @@ split it. Collectives are counted per mesh dimension too: `comm/tp/all_reduce/..
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any, ClassVar, ContextManager
 
 import torch
 from torch import nn
@@ -31,13 +31,7 @@ class FSDPTPConfig(StrategyConfig):
     tp: int = 2
     reshard_after_forward: bool = True
 
-    @property
-    def supports_lora(self) -> bool:
-        return False  # peft's LoRA layers wrap nn.Linear / Conv1D, not DTensor-sharded projections
-
-    @property
-    def optimizer_sees_whole_tensors(self) -> bool:
-        return False  # DTensor shards
+    splits_projections: ClassVar[bool] = True  # DTensor-sharded projections (config.StrategyConfig)
 
     def data_parallel_size(self, world_size: int) -> int:
         return max(world_size // self.tp, 1)

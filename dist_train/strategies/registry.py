@@ -48,6 +48,12 @@ def default_config(name: str) -> StrategyConfig:
     return families()[name].config(name)
 
 
+def names_with(trait: str) -> list[str]:
+    """The strategy names whose schema has `trait` (a StrategyConfig class trait), one-process ones first."""
+    names = [n for n in families() if getattr(default_config(n), trait)]
+    return sorted(names, key=lambda n: default_config(n).needs_process_group)  # stable: module order otherwise
+
+
 def one_process(name: str) -> bool:
     """Whether `strategy=<name>` runs as one plain process (no process group: single, dp), whatever the
     number of processes per node a launch asks for."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any, ClassVar, ContextManager
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from dist_train.strategies.torch_strategy import TorchStrategy
 @dataclass
 class SingleConfig(StrategyConfig):
     name: str = "single"
+
+    compiles_blocks: ClassVar[bool] = True
+    keeps_packed_weights: ClassVar[bool] = True
 
     @property
     def needs_process_group(self) -> bool:

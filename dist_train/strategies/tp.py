@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any, ClassVar, ContextManager
 
 import torch
 from torch import nn
@@ -48,13 +48,7 @@ class TPConfig(StrategyConfig):
     # reduce-scatter after each attention and MLP instead of one all-reduce.
     sequence_parallel: bool = False
 
-    @property
-    def supports_lora(self) -> bool:
-        return False  # peft's LoRA layers wrap nn.Linear / Conv1D, not DTensor-sharded projections
-
-    @property
-    def optimizer_sees_whole_tensors(self) -> bool:
-        return False  # DTensor shards and replicas
+    splits_projections: ClassVar[bool] = True  # DTensor-sharded projections (config.StrategyConfig)
 
     def data_parallel_size(self, world_size: int) -> int:
         return 1
