@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from dist_train.compare.table import MEMORY_FIGURES
 from dist_train.telemetry.comm import COMM_OPS
 
 # W&B's run file: a 7-byte header, then LevelDB's log format (32 KiB blocks of checksummed chunks) of protobuf
@@ -24,9 +25,6 @@ from dist_train.telemetry.comm import COMM_OPS
 _HEADER = b":W&B"
 _BLOCK, _CHUNK_HEADER = 32768, 7
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-MEMORY = ("params", "grads", "optimizer", "activations", "weight_copies", "gathered_params", "step_grads",
-          "peak_rss", "peak_allocated")
 
 
 @dataclass(frozen=True)
@@ -135,7 +133,7 @@ def build_spec(history: set[str], summary: set[str]) -> list[Section]:
         ranks = sorted((k for k in history if k.startswith(f"{key}/rank")), key=lambda k: int(k.rsplit("rank", 1)[1]))
         return [f"{key}/max", *ranks]
 
-    memory = [c for c in MEMORY if f"memory/{c}_bytes/max" in history]
+    memory = [c for c in MEMORY_FIGURES if f"memory/{c}_bytes/max" in history]
     ops = [op for op in COMM_OPS if f"comm/{op}/bytes/max" in history]
     sections = [
         Section("Loss", (line("loss (global batch)", "loss"), line("gradient norm", "grad_norm"),
@@ -248,8 +246,6 @@ def _one(values: set[str], what: str) -> str:
 def main(argv: list[str]) -> int:
     from dist_train.compare.collect import run_dirs
     from dist_train.entry import report_config_error
-    from dist_train.telemetry.wandb_sink import resolve_mode, unreachable
-
     try:
         paths, options = parse_args(argv)
         logged = logged_keys(run_dirs(paths))
@@ -261,7 +257,7 @@ def main(argv: list[str]) -> int:
     sections = build_spec(logged.history, logged.summary)
     panels = sum(len(s.panels) for s in sections)
     out = Path(options.get("out") or Path(paths[0]) / "dashboard.json")
-    why = _why_offline(resolve_mode, unreachable)
+    why = _why_offline()
     if why is None:
         try:
             import wandb
@@ -285,7 +281,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _why_offline(resolve_mode: Any, unreachable: Any) -> str | None:
+def _why_offline() -> str | None:
+    """Why the dashboard cannot be saved to W&B from here (None: it can try)."""
+    from dist_train.telemetry.wandb_sink import resolve_mode, unreachable
+
     mode = resolve_mode("auto")
     if mode != "online":
         return "no API key: offline" if mode == "offline" else f"WANDB_MODE={mode}"

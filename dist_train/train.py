@@ -253,7 +253,7 @@ def predicted_memory(session: Session) -> dict[str, float] | None:
     """The estimator's worst-rank bytes per memory category for this very run (its config and world size), so
     that a dashboard puts them beside the measured peaks; None where the estimator does not model the run."""
     from dist_train.estimate import ModelShape, predict_memory, setup_from_config
-    from dist_train.estimate.memory import MEASURED_CATEGORIES, category_bytes
+    from dist_train.estimate.memory import category_bytes, predicted_categories
 
     config = OmegaConf.to_container(session.cfg, resolve=True)
     try:
@@ -262,4 +262,4 @@ def predicted_memory(session: Session) -> dict[str, float] | None:
     except (ValueError, KeyError) as exc:
         log.info("no predicted memory in the summary: %s", exc)
         return None
-    return {cat: max(category_bytes(r, cat) for r in ranks) for cat in MEASURED_CATEGORIES}
+    return {cat: max(category_bytes(r, cat) for r in ranks) for cat in predicted_categories(config["train"])}

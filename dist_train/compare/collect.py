@@ -117,8 +117,9 @@ def collect(paths: list[str], *, cache: Path = Path("outputs/wandb-runs")) -> tu
     configs = [OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=True) for d in dirs]
     names = [str(c["strategy"]["name"]) for c in configs]  # type: ignore[index]
     results = []
+    compared = {parent: _compared(parent) for parent in {d.parent for d in dirs}}  # each table.json read once
     for run_dir, name in zip(dirs, names):
-        _, label, seconds = _compared(run_dir.parent).get(run_dir.name, (0, None, None))  # a comparison's own row
+        _, label, seconds = compared[run_dir.parent].get(run_dir.name, (0, None, None))  # a comparison's own row
         if label is None:
             label = name if names.count(name) == 1 else f"{name}@{run_dir.name}"
         finished = (run_dir / "summary.json").is_file()

@@ -119,10 +119,10 @@ _LINE_STYLES = [{"marker": m, "linestyle": ls, "markersize": 5}
                 for ls in ("-", "--", ":") for m in ("o", "s", "^", "v", "D", "x", "+")]
 
 
-def _legend_outside(ax: Any, **kw: Any) -> None:
+def _legend_outside(ax: Any) -> None:
     """A legend to the right of the axes: it can never cover a bar or a line."""
     if ax.get_legend_handles_labels()[0]:
-        legend = ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, **kw)
+        legend = ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
         legend.set_in_layout(False)  # see _save
 
 

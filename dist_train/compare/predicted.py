@@ -17,10 +17,10 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from dist_train.estimate import ModelShape, predict_comm, predict_memory, setup_from_config
-from dist_train.estimate.memory import category_bytes
+from dist_train.compare.table import TRANSIENT_CATEGORIES
+from dist_train.estimate.memory import category_bytes, predicted_categories
 
 STATE_CATEGORIES = ("params", "grads", "optimizer")
-TRANSIENT = ("weight_copies", "gathered_params", "step_grads")
 
 
 def rel_error(predicted: float, measured: float) -> Optional[float]:
@@ -44,15 +44,13 @@ def add_prediction(row: dict[str, Any], *, memory_rtol: float) -> None:
     ranks = predict_memory(shape, setup)
     measured = row["mem_per_rank"]
     state_ok = all_ok = True
-    # Under train.compile inductor decides what a block saves for backward (it recomputes cheap ops, and casts
-    # inside its kernels): the estimator's eager counts do not apply, so those are shown measured only.
-    eager = not (cfg.get("train") or {}).get("compile", False)  # type: ignore[union-attr]
-    if not eager:
+    categories = predicted_categories(cfg.get("train") or {})  # type: ignore[arg-type]
+    if "activations" not in categories:
         row["pred_note"] = "activations and weight copies not predicted under train.compile"
-    for cat in (*STATE_CATEGORIES, "activations", *TRANSIENT) if eager else STATE_CATEGORIES:
+    for cat in categories:
         pred = [category_bytes(r, cat) for r in ranks]
         meas = [m.get(cat, 0) for m in measured]
-        if cat in TRANSIENT and not any(pred) and not any(meas):
+        if cat in TRANSIENT_CATEGORIES and not any(pred) and not any(meas):
             continue  # neither held nor predicted by this strategy and precision
         errs = [rel_error(p, m) for p, m in zip(pred, meas)]
         worst = max(errs, key=lambda e: float("inf") if e is None else abs(e)) if errs else None

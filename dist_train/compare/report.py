@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from dist_train.compare.settings import override_value
+from dist_train.compare.settings import as_overrides, override_value
 from dist_train.compare.sweep import EFFECT_CATEGORIES
-from dist_train.compare.table import COMM_OPS, MEMORY_CATEGORIES, TRANSIENT_CATEGORIES
+from dist_train.compare.table import COMM_OPS, MEMORY_CATEGORIES, MEMORY_FIGURES, TRANSIENT_CATEGORIES
 from dist_train.estimate.render import human_bytes
 
 # Scalar columns of table.csv, in order (a column absent from every row is left out).
@@ -18,7 +18,7 @@ CSV_COLUMNS = [
     "steps",
     "step_s", "compute_s", "comm_s", "tokens_per_s",
     *(f"comm_{op}_s" for op in COMM_OPS),
-    *(f"mem_{c}_{k}_bytes" for c in (*MEMORY_CATEGORIES, *TRANSIENT_CATEGORIES, "peak_rss", "peak_allocated")
+    *(f"mem_{c}_{k}_bytes" for c in MEMORY_FIGURES
       for k in ("max", "spread")),
     "comm_bytes_per_step", "comm_inter_node_bytes_per_step", *(f"comm_{op}_bytes" for op in COMM_OPS),
     "final_loss", "loss_dev", "loss_max_rel_dev",
@@ -46,7 +46,7 @@ def write_tables(rows: list[dict[str, Any]], out_dir: Path) -> tuple[Path, Path]
 
 def _csv_cell(value: Any) -> Any:
     if isinstance(value, dict):  # knobs: as the overrides that set them
-        return " ".join(f"{k}={override_value(v)}" for k, v in value.items())
+        return as_overrides(value)
     return "" if value is None else value
 
 
@@ -171,7 +171,7 @@ def effects_table(effects: list[dict[str, Any]]) -> str:
     cats = [c for c in EFFECT_CATEGORIES if any(c in e for e in effects)]
     body = []
     for e in effects:
-        others = " ".join(f"{k}={override_value(v)}" for k, v in e["others"].items()) or "-"
+        others = as_overrides(e["others"]) or "-"
         cells = []
         for cat in cats:
             c = e.get(cat)

@@ -66,15 +66,27 @@ def override_value(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
-def flatten_sweep(sweep: dict[str, Any], prefix: str = "") -> dict[str, list[Any]]:
+def as_overrides(values: dict[str, Any]) -> str:
+    """{key: value} as the overrides that set them, space-separated (`precision=bf16 train.steps=5`)."""
+    return " ".join(f"{k}={override_value(v)}" for k, v in values.items())
+
+
+def flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as dotted keys: {"train": {"seq_len": 64}} -> {"train.seq_len": 64}."""
+    out: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, prefix=f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def flatten_sweep(sweep: dict[str, Any]) -> dict[str, list[Any]]:
     """{dotted key: values}: accepts `{train.activation_checkpointing: [...]}` and the nested form that
     `compare.sweep.train.activation_checkpointing=[...]` gives. A bad entry is a ValueError naming it."""
     out: dict[str, list[Any]] = {}
-    for key, values in sweep.items():
-        name = f"{prefix}{key}"
-        if isinstance(values, dict):
-            out.update(flatten_sweep(values, prefix=f"{name}."))
-            continue
+    for name, values in flatten(sweep).items():
         if not isinstance(values, (list, tuple)) or not values:
             raise ValueError(f"compare.sweep: {name!r} needs a non-empty list of values, e.g. "
                              "compare.sweep='{precision:[fp32,bf16]}'")

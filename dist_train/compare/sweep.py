@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from dist_train.compare.settings import NOT_KNOBS, StrategySpec, override_value
+from dist_train.compare.settings import NOT_KNOBS, StrategySpec, flatten, override_value
 
 # Config groups chosen by name (conf/<group>/<name>.yaml): a knob by its name, not by the fields it sets.
 NAMED_GROUPS = ("model", "precision", "optimizer", "data", "peft")
@@ -42,19 +42,9 @@ def expand(strategies: list[str], sweep: dict[str, list[Any]]) -> list[StrategyS
 
 
 # ------------------------------------------------------------------ knobs and effects, read from the runs
-def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, prefix=f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _settings(config: dict[str, Any]) -> dict[str, Any]:
     """The run's training settings, dotted (`train.seq_len`, `precision.name`)."""
-    return _flat({group: value for group, value in config.items() if group not in NOT_KNOBS})
+    return flatten({group: value for group, value in config.items() if group not in NOT_KNOBS})
 
 
 def _varying(settings: list[dict[str, Any]]) -> list[str]:

@@ -20,6 +20,8 @@ MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
 # Held only for a moment (see dist_train/estimate/memory.py): autocast's weight copies, ZeRO-3's gathered
 # parameters, ZeRO's fp32 gradient partition at the optimizer step. Peaks, like activations.
 TRANSIENT_CATEGORIES = ("weight_copies", "gathered_params", "step_grads")
+# Every memory figure a run reports per rank (memory/<figure>_bytes): the categories, then the process peaks.
+MEMORY_FIGURES = (*MEMORY_CATEGORIES, *TRANSIENT_CATEGORIES, "peak_rss", "peak_allocated")
 from dist_train.telemetry.comm import COMM_OPS  # one list of ops for telemetry and the report
 
 
@@ -73,7 +75,7 @@ def _config_hash(run_dir: Path) -> str | None:
 
 def memory_columns(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for cat in (*MEMORY_CATEGORIES, *TRANSIENT_CATEGORIES, "peak_rss", "peak_allocated"):
+    for cat in MEMORY_FIGURES:
         values = [r[f"memory/{cat}_bytes"] for r in ranks if f"memory/{cat}_bytes" in r]
         if values:
             out[f"mem_{cat}_max_bytes"] = max(values)

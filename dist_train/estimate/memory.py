@@ -36,7 +36,9 @@ gathered parameters and gradients) and the optimizer step's (the fp32 gradient p
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from dist_train.config import PRECISIONS
 from dist_train.estimate.setup import Setup
@@ -194,6 +196,18 @@ class RankMemory:
 
 # The telemetry's memory categories (memory/<category>_bytes) that the estimator predicts.
 MEASURED_CATEGORIES = ("params", "grads", "optimizer", "activations", "weight_copies", "gathered_params", "step_grads")
+
+
+# Under train.compile inductor decides what a block saves for backward (it recomputes cheap ops, and casts
+# inside its kernels): the eager counts of these do not apply.
+EAGER_ONLY = ("activations", "weight_copies")
+
+
+def predicted_categories(train: Mapping[str, Any]) -> tuple[str, ...]:
+    """The MEASURED_CATEGORIES the estimator speaks for in a run with this `train` config group."""
+    if train.get("compile", False):
+        return tuple(c for c in MEASURED_CATEGORIES if c not in EAGER_ONLY)
+    return MEASURED_CATEGORIES
 
 
 def category_bytes(rank: RankMemory, category: str) -> float:

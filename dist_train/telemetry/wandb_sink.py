@@ -192,16 +192,14 @@ class WandbSink:
             if not isinstance(value, (list, dict)):
                 self.run.summary[key] = value
         worst: dict[str, Any] = {}
+        least: dict[str, Any] = {}
         for row in summary.get("ranks", []):
             for key, value in row.items():
                 if key not in ("rank", "node", "local_rank"):
                     self.run.summary[f"peak/{key}/rank{row['rank']}"] = value
                     worst[key] = max(worst.get(key, value), value)
-        least: dict[str, Any] = {}
-        for row in summary.get("ranks", []):
-            for key, value in row.items():
-                if key.startswith("memory/"):
-                    least[key] = min(least.get(key, value), value)
+                    if key.startswith("memory/"):
+                        least[key] = min(least.get(key, value), value)
         for key, value in worst.items():  # the worst rank: what a group dashboard compares strategies on
             self.run.summary[f"peak/{key}/max"] = value
             if key in least:  # how unevenly the ranks hold it (a pipeline's stages, dp's master GPU)
