@@ -136,8 +136,7 @@ class NEFTune:
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         if not module.training or self.alpha == 0:
             return output
-        ids = args[0]
-        ids = local_tensor(ids)  # a replicated DTensor under tensor parallelism
+        ids = local_tensor(args[0])  # a replicated DTensor under tensor parallelism
         seq_len, hidden = output.shape[-2], output.shape[-1]
         scale = self.alpha / math.sqrt(seq_len * hidden)
         noise = torch.stack([
@@ -168,7 +167,7 @@ LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
 
 def quantize_base(model: nn.Module, targets: list[str], *, quant_type: str, compute_dtype: torch.dtype) -> None:
     """QLoRA's base (Dettmers et al. 2023): each target projection becomes a bitsandbytes Linear4bit holding
-    the same weight, packed into 4 bits when the strategy moves the model to the GPU. GPT-2's Conv1D stores
+    the same weight, packed into 4 bits when the strategy moves the model to its device. GPT-2's Conv1D stores
     its weight as in x out: it is transposed into the Linear layout."""
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D

@@ -10,15 +10,15 @@ grow with the parameters, not with the tokens, so they are counted apart (`weigh
 tensor is a weight copy when its autograd history is a cast (`ToCopyBackward0`, possibly seen through a view)
 of a parameter. This is what
 micro-batching, pipeline schedules (GPipe keeps every micro-batch's activations until backward, 1F1B at
-most K) and activation checkpointing change.
+most K) and activation checkpointing change. It works on CPU and GPU alike; it does not see memory that
+autograd does not save (temporaries freed inside forward), and it only sees the thread that runs the
+step (nn.DataParallel's replica threads are not seen).
 
 Under activation checkpointing (non-reentrant, dist_train.model.apply_activation_checkpointing) a block's
 forward saves nothing the meter sees but its input; in backward, the block is recomputed under torch's own
 saved-tensors hooks, which hide the recomputed tensors from an outer hook. `metered_checkpoint` chains the
 meter in front of those hooks during the recomputation, so the one block recomputed in full is counted
-(released once the recomputation's graph is dropped: the peak is the point, and it is reached right then). It works on CPU and GPU alike; it does not see memory that
-autograd does not save (temporaries freed inside forward), and it only sees the thread that runs the
-step (nn.DataParallel's replica threads are not seen).
+(released once the recomputation's graph is dropped: the peak is the point, and it is reached right then).
 """
 
 from __future__ import annotations
@@ -118,8 +118,12 @@ class ActivationMeter:
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
-        self.peak_by_dtype = {k: v for k, v in self._live_by_dtype.items() if v}
+        self.peak_by_dtype = self._composition()
         self.weights_peak_bytes = self.weights_live_bytes
+
+    def _composition(self) -> dict[str, int]:
+        """Live activation bytes by dtype, now."""
+        return {k: v for k, v in self._live_by_dtype.items() if v}
 
     def _pack(self, t: torch.Tensor) -> Any:
         key = self._track(t)
@@ -150,7 +154,7 @@ class ActivationMeter:
                     self._live_by_dtype[dtype] = self._live_by_dtype.get(dtype, 0) + nbytes
                     if self.live_bytes > self.peak_bytes:
                         self.peak_bytes = self.live_bytes
-                        self.peak_by_dtype = {k: v for k, v in self._live_by_dtype.items() if v}
+                        self.peak_by_dtype = self._composition()
             else:
                 entry[0] += 1
         return key
