@@ -114,13 +114,43 @@ def test_checkpointing_keeps_layer_inputs_plus_the_larger_of_one_layer_and_the_h
     base = _setup("ddp", "ddp", world_size=8, precision="bf16", micro_batch_size=1, seq_len=4096)
     full = predict_memory(shape, base)[0].activations
     ckpt = predict_memory(shape, Setup(**{**base.__dict__, "activation_checkpointing": True}))[0].activations
-    # DDP in bf16 runs under autocast: the norms' inputs are kept in fp32 (4 bytes), the rest in 16 bits
-    layer = layer_activation_bytes(shape, micro_batch_size=1, seq_len=4096, elem=2, norm_elem=4)
-    head = 4096 * (4096 * (4 + 2) + 32000 * 4)
+    # DDP in bf16 runs under autocast: the norms' inputs are kept in fp32 (4 bytes), the rest in 16 bits;
+    # Llama's final RMSNorm keeps its input and its normalized output, both fp32 there
+    layer = layer_activation_bytes(shape, micro_batch_size=1, seq_len=4096, elem=2, norm_elem=4, autocast=True)
+    head = 4096 * (4096 * (4 + 4 + 2) + 32000 * 4)
     assert full == 32 * layer + head
     # the layers' inputs (the residual stream, fp32 under autocast), then the larger of the head's tensors (at
     # the end of forward) and one layer recomputed in backward (by then the head's are released)
     assert ckpt == 32 * 4096 * 4096 * 4 + max(layer, head)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_activation_formula_matches_what_autograd_saves(arch):
+    """The formula against the activation meter on a real forward of both architectures, in fp32, under bf16
+    autocast (DDP's regime) and with bf16 weights (FSDP's and DeepSpeed's): within 2%. Llama was 14-29% low
+    before its RMSNorm (an fp32 input and the normalized output) and autocast's per-projection input casts
+    were counted."""
+    import torch
+
+    from dist_train.model import build_model
+    from dist_train.telemetry.activations import ActivationMeter
+
+    extra = {"num_kv_heads": 2, "ffn_hidden_size": 256} if arch == "llama" else {}
+    cfg = ModelConfig(name="m", arch=arch, num_layers=2, hidden_size=128, num_heads=4, vocab_size=256,
+                      max_seq_len=64, dropout=0.0, **extra)
+    shape = ModelShape.from_config(cfg)
+    b, s = 2, 64
+    ids = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(0))
+    for precision, strategy, bf16_weights in (("fp32", "ddp", False), ("bf16", "ddp", False), ("bf16", "fsdp", True)):
+        model = build_model(cfg, seed=0)
+        if bf16_weights:
+            model.to(torch.bfloat16)
+        meter = ActivationMeter()
+        setup = _setup(strategy, strategy, precision=precision, micro_batch_size=b, seq_len=s)
+        with meter.measuring(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup.autocast_16bit):
+            model(input_ids=ids, labels=ids)
+        predicted = predict_memory(shape, setup)[0].activations
+        assert predicted == pytest.approx(meter.peak_bytes, rel=0.02), (precision, strategy)
 
 
 def test_autocast_keeps_fp32_norm_inputs_and_16bit_weight_copies():

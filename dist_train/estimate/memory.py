@@ -19,6 +19,13 @@ Under bf16/fp16 autocast over fp32 weights (single, dp, ddp, pipelines) norms ru
 are kept in 4 bytes; and every matrix product keeps a 16-bit copy of its weight for backward, counted apart
 (`weight_copies`): it grows with the parameters, not with the tokens.
 
+Llama differs from GPT-2 in two ways that matter here (measured with the activation meter, per layer):
+- transformers' RMSNorm upcasts its input to fp32 and keeps that, and keeps its normalized output in the
+  residual stream's dtype for the weight's gradient: 4 + e' bytes per hidden unit and norm (e' = 4 in fp32
+  and under autocast, 2 with 16-bit weights), where LayerNorm keeps only its input (e').
+- its projections are separate matrices: under autocast q, k and v each cast the attention input to 16 bits
+  and keep their own copy, gate and up the MLP input (GPT-2's fused c_attn and c_fc keep one each).
+
 Transient buffers, beside the model state that stays between steps:
 - ZeRO-3 gathers parameters to full size to use them. DeepSpeed keeps a gathered parameter while it will be
   reused within `stage3_max_reuse_distance` parameters (in backward, every parameter is reused: if the
@@ -323,12 +330,14 @@ def pipeline_in_flight(setup: Setup, *, stage: int) -> int:
 
 def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len: int, elem: int,
                            attention_scores: bool = False, fused_gelu: bool = False, norm_elem: int = 0,
-                           tp: int = 1, sequence_parallel: bool = False) -> float:
+                           autocast: bool = False, tp: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes one transformer layer saves for backward for one micro-batch (see the module docstring).
 
     attention_scores: eager attention keeps the a·s² scores; fused_gelu: a GELU that saves only its input
     (Korthikanti's assumption) instead of transformers' composed tanh GELU; norm_elem: bytes of a norm's
-    saved input when it differs from `elem` (4 under autocast); tp: tensor-parallel degree, which splits
+    saved input when it differs from `elem` (4 under autocast); autocast: each matmul casts its input to
+    16 bits itself (Llama's separate q/k/v and gate/up projections then keep one copy each); tp:
+    tensor-parallel degree, which splits
     what lies between a column- and a row-parallel projection (q/k/v, attention out, MLP intermediates,
     scores) and leaves the rest whole (Korthikanti et al. without sequence parallelism); sequence_parallel
     splits the norms' inputs too. The gathered inputs of attention and the MLP stay whole: their
@@ -339,15 +348,24 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len:
     # composed of pow/tanh/mul ops, not fused) saves: tanh output, 0.5·x and 1 + tanh.
     # Llama (SwiGLU): gate output, SiLU output, up output, their product.
     mlp = (2 if fused_gelu else 5) * shape.ffn if shape.arch == "gpt2" else 4 * shape.ffn
-    # attention in, q/k/v, attention out, MLP in, MLP intermediates; and the two norms' inputs
-    values = h + (q_k_v + h + mlp) / tp + h
+    # attention in (the q, k and v projections' inputs), MLP in (gate's and up's): one tensor each, except
+    # that under autocast Llama's separate projections each keep their own 16-bit cast of it
+    attn_in, mlp_in = (3, 2) if autocast and shape.arch == "llama" else (1, 1)
+    # attention in, q/k/v, attention out, MLP in, MLP intermediates; and the two norms' saved tensors
+    values = attn_in * h + (q_k_v + h + mlp) / tp + mlp_in * h
     norms = 2 * h / (tp if sequence_parallel else 1)
     masks = 2 * h if shape.dropout > 0 else 0  # attention-output and MLP-output dropout (1 byte each)
-    per_token = values * elem + norms * (norm_elem or elem) + masks
+    per_token = values * elem + norms * norm_saved_bytes(shape, norm_elem or elem) + masks
     scores = 0.0
     if attention_scores:  # eager attention: softmax output (+ dropout mask and output)
         scores = shape.num_heads / tp * s * s * b * ((2 * elem + 1) if shape.dropout > 0 else elem)
     return s * b * per_token + scores
+
+
+def norm_saved_bytes(shape: ModelShape, residual_elem: int) -> int:
+    """Bytes a norm keeps per hidden unit: LayerNorm its input; Llama's RMSNorm an fp32 copy of its input
+    and its normalized output in the residual stream's dtype."""
+    return 4 + residual_elem if shape.arch == "llama" else residual_elem
 
 
 def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int) -> float:
@@ -356,12 +374,11 @@ def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_h
     norm_elem = 4 if setup.autocast_16bit else elem
     s, b = setup.seq_len, setup.micro_batch_size
     tp, sp = setup.tensor_parallel_size, setup.sequence_parallel and setup.tensor_parallel_size > 1
-    layer = layer_activation_bytes(
-        shape, micro_batch_size=b, seq_len=s, elem=elem, norm_elem=norm_elem, tp=tp, sequence_parallel=sp
-    )
-    # the final norm's input (split by sequence under sequence parallelism), the head's input, the fp32
-    # log-softmax of the logits
-    final_norm = shape.hidden_size * norm_elem / (tp if sp else 1)
+    layer = layer_activation_bytes(shape, micro_batch_size=b, seq_len=s, elem=elem, norm_elem=norm_elem,
+                                   autocast=setup.autocast_16bit, tp=tp, sequence_parallel=sp)
+    # the final norm's saved tensors (split by sequence under sequence parallelism), the head's input, the
+    # fp32 log-softmax of the logits
+    final_norm = shape.hidden_size * norm_saved_bytes(shape, norm_elem) / (tp if sp else 1)
     head = s * b * (final_norm + shape.hidden_size * elem + shape.vocab_size * 4) if with_head else 0.0
     if setup.activation_checkpointing:
         # Each micro-batch in flight keeps its layers' inputs (the residual stream: fp32 under autocast). The
