@@ -6,14 +6,21 @@ For each `op:bytes`: 5 warm-up calls, then `--iterations` timed calls, each alon
 blocking), timed from issue to return as dist_train times a collective. Bus bandwidth follows nccl-tests:
 size / time x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather and reduce_scatter (size = the full buffer).
 Prints one JSON line on rank 0: {op: {"bytes", "median_s", "busbw_gbps"}}.
+
+`--beside-compute`: each rank keeps a thread multiplying matrices while the calls are timed, as training
+does when a collective overlaps the computation (FSDP's prefetched all-gathers and its reduce-scatters in
+backward). On a CPU the collective and the computation share the cores, so this bounds from below what a
+collective can reach in training; alone bounds it from above.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -39,10 +46,32 @@ def call(op: str, nbytes: int, world: int):  # noqa: ANN201
     raise ValueError(f"{op}: all_reduce, all_gather or reduce_scatter")
 
 
+class Compute:
+    """A thread multiplying 256 x 256 matrices until stopped (matmul releases the GIL)."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        while not self._stop.is_set():
+            torch.mm(a, b)
+
+    def __enter__(self) -> "Compute":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="+", help="op:bytes")
     parser.add_argument("--iterations", type=int, default=50)
+    parser.add_argument("--beside-compute", action="store_true", help="time the calls while a thread computes")
     args = parser.parse_args()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     world = dist.get_world_size()
@@ -53,11 +82,12 @@ def main() -> None:
         for _ in range(5):
             fn()
         times = []
-        for _ in range(args.iterations):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
+        with Compute() if args.beside_compute else contextlib.nullcontext():
+            for _ in range(args.iterations):
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
         median = statistics.median(times)
         out[op] = {"bytes": int(float(nbytes)), "median_s": median, "busbw_gbps": busbw_gbps(op, int(float(nbytes)), median, world)}
     if dist.get_rank() == 0:

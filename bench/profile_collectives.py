@@ -4,8 +4,19 @@
 
 Runs dist_train steps under torch.profiler and compares, per op, the time dist_train's tracker reports
 (issue to completion, from the Python call) with the profiler's events for the same collectives: gloo's
-`gloo:<op>` events on CPU (the operation as the backend ran it), `nccl:<op>` kernels on CUDA. Prints one
-JSON line on rank 0: {"tracker": {op: {"time_s", "calls"}}, "profiler": {op: {"time_s", "calls"}}}, per step.
+`gloo:<op>` events on CPU (the operation as the backend ran it), `nccl:<op>` kernels on CUDA. The tracker's
+figures come whole (`time_s`) and as the transfer (`transfer_s`: less the time before every peer had issued
+the call or the group's previous call had finished, as dist_train computes bus bandwidth); `bytes` are the
+timed bytes.
+
+gloo runs a reduce-scatter as an all-reduce of a clone of the whole buffer: the clone is made in the
+caller's thread (the `c10d::_reduce_scatter_base_` event: `reduce_scatter_clone` below), then a
+`gloo:all_reduce` event runs to completion. Under fsdp, whose only other all-reduce is the gradient norm's
+(a functional collective, which the tracker does not time: left out by its buffer size), those events are
+FSDP's reduce-scatters; the tracker's time of a reduce-scatter spans both.
+
+Prints one JSON line on rank 0, per step and for rank 0:
+{"tracker": {op: {"time_s", "transfer_s", "bytes", "calls"}}, "profiler": {op: {"time_s", "calls"}}}.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -27,12 +39,25 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from interleaved import dist_train_session  # noqa: E402
 from reference import Shape  # noqa: E402
 
+from dist_train.telemetry.comm import peer_wait  # noqa: E402
+
 
 # the backends' event names -> dist_train's op names
 _OP_NAMES = {"allreduce": "all_reduce", "all_reduce": "all_reduce", "allgather": "all_gather",
              "all_gather": "all_gather", "all_gather_into_tensor": "all_gather", "_allgather_base": "all_gather",
              "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
              "_reduce_scatter_base": "reduce_scatter"}
+
+
+def _numel(shapes: Any) -> int:
+    """Elements of an event's first input (0 when the profiler recorded no shape)."""
+    first = shapes[0] if shapes else None
+    if not first or not isinstance(first[0], int):
+        return 0
+    total = 1
+    for dim in first:
+        total *= dim
+    return total
 
 
 def main() -> None:
@@ -50,20 +75,38 @@ def main() -> None:
         train_one_step(session, step)
     tracker.drain()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         for step in range(warmup + 1, warmup + args.steps):
             train_one_step(session, step)
     ours = tracker.drain()
     n = args.steps - 1
     theirs: dict[str, dict[str, float]] = {}
+
+    def add(op: str, seconds: float) -> None:
+        entry = theirs.setdefault(op, {"time_s": 0.0, "calls": 0.0})
+        entry["time_s"] += seconds / 1e6 / n
+        entry["calls"] += 1 / n
+
+    # the buffers of DTensor's functional all-reduces (the gradient norm's), which the tracker does not time
+    functional = {_numel(e.input_shapes) for e in prof.events() if e.name == "_c10d_functional::all_reduce"}
     for event in prof.events():
+        if event.name == "c10d::_reduce_scatter_base_" and not torch.cuda.is_available():
+            add("reduce_scatter_clone", event.cpu_time_total)  # gloo: see below
+            continue
         for prefix, seconds in (("gloo:", event.cpu_time_total), ("nccl:", event.device_time_total)):
             if event.name.startswith(prefix):
                 op = _OP_NAMES.get(event.name[len(prefix):], event.name[len(prefix):])
-                entry = theirs.setdefault(op, {"time_s": 0.0, "calls": 0.0})
-                entry["time_s"] += seconds / 1e6 / n
-                entry["calls"] += 1 / n
-    tracker_ops = {op: {"time_s": t.time_s / n, "calls": t.count / n} for op, t in ours.items() if t.count}
+                if op == "all_reduce" and _numel(event.input_shapes) in functional:
+                    continue
+                if op == "all_reduce" and args.strategy == "fsdp" and prefix == "gloo:":
+                    op = "reduce_scatter"  # gloo: see below
+                add(op, seconds)
+    calls: list[Any] = [None] * dist.get_world_size()
+    with tracker.suspended():
+        dist.all_gather_object(calls, {op: t.calls for op, t in ours.items()})
+    transfers = peer_wait(dict(enumerate(calls)), {})[dist.get_rank()]
+    tracker_ops = {op: {"time_s": t.time_s / n, "transfer_s": transfers[op].transfer_s / n,
+                        "bytes": t.timed_bytes / n, "calls": t.count / n} for op, t in ours.items() if t.count}
     if dist.get_rank() == 0:
         print(json.dumps({"strategy": args.strategy, "tracker": tracker_ops, "profiler": theirs}), flush=True)
     with tracker.suspended():

@@ -9,9 +9,12 @@ at the run's mean message size (bytes / count). Target: within 10%.
 
 Training's bus bandwidth counts the transfer only: a rank's time before the group's last member issued the
 same collective, or before its previous collective on that group finished, is reported apart as
-`comm/<op>/wait_s` (nccl-tests time after a barrier, one collective at a time). The tracker's whole time
-is also checked against torch's own records of the same steps (bench/profile_collectives.py: torch.profiler's
-gloo events).
+`comm/<op>/wait_s` (nccl-tests time after a barrier, one collective at a time).
+
+On a CPU a collective that overlaps computation shares the cores with it, so the microbenchmark also runs
+beside a computing thread (`collectives.py --beside-compute`): training's figure should lie between that
+and the idle one. The tracker's times are also checked against torch's own records of the same steps
+(bench/profile_collectives.py: torch.profiler's gloo events).
 """
 
 from __future__ import annotations
@@ -50,12 +53,19 @@ def against_profiler(strategy: str, ops: tuple[str, ...]) -> list[list[str]]:
     got = last_json(proc.stdout)
     rows = []
     for op in ops:
-        ours = got["tracker"].get(op)
-        theirs = got["profiler"].get("all_reduce" if op == "reduce_scatter" else op)  # gloo: see the note
+        ours, theirs = got["tracker"].get(op), got["profiler"].get(op)
         if ours and theirs:
-            rows.append([strategy, op, f"{ours['time_s'] * 1e3:.1f}", f"{theirs['time_s'] * 1e3:.1f}",
-                         f"{ours['time_s'] / theirs['time_s']:.2f}"])
+            # gloo: a reduce-scatter is the clone in the caller's thread, then the all-reduce (see the note)
+            seconds = theirs["time_s"] + got["profiler"].get(f"{op}_clone", {}).get("time_s", 0.0)
+            rows.append([strategy, op, f"{ours['time_s'] * 1e3:.1f}", f"{ours['transfer_s'] * 1e3:.1f}",
+                         f"{seconds * 1e3:.1f}", f"{ours['time_s'] / seconds:.2f}"])
     return rows
+
+
+def microbenchmark(cases: list[str], iterations: int, *, beside_compute: bool) -> dict[str, float]:
+    proc, _ = run([*TORCHRUN, "--nproc_per_node=2", "bench/collectives.py", *cases, f"--iterations={iterations}",
+                   *(["--beside-compute"] if beside_compute else [])])
+    return {op: got["busbw_gbps"] for op, got in last_json(proc.stdout).items()}
 
 
 def main() -> None:
@@ -65,37 +75,45 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating training / microbenchmark pairs")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="dist_train_timers_"))
-    pairs: dict[tuple[str, str], list[tuple[dict[str, float], float]]] = {}
-    for repeat in range(args.repeats):  # alternate, so that the machine's drift lands on both sides
+    # (strategy, op) -> per repeat: (training's figures, busbw alone, busbw beside a computing thread)
+    triples: dict[tuple[str, str], list[tuple[dict[str, float], float, float]]] = {}
+    for repeat in range(args.repeats):  # alternate, so that the machine's drift lands on every side
         for strategy, ops in OPS.items():
             ours = measured(strategy, args.steps, scratch / f"{strategy}-{repeat}")
             cases = [f"{op}:{int(ours[op]['message_bytes'])}" for op in ops]
-            proc, _ = run([*TORCHRUN, "--nproc_per_node=2", "bench/collectives.py", *cases,
-                           f"--iterations={args.iterations}"])
-            micro = last_json(proc.stdout)
+            alone = microbenchmark(cases, args.iterations, beside_compute=False)
+            busy = microbenchmark(cases, args.iterations, beside_compute=True)
             for op in ops:
-                pairs.setdefault((strategy, op), []).append((ours[op], micro[op]["busbw_gbps"]))
+                triples.setdefault((strategy, op), []).append((ours[op], alone[op], busy[op]))
     rows = []
-    for (strategy, op), runs in pairs.items():
-        ratios = [o["busbw_gbps"] / alone for o, alone in runs]
+    for (strategy, op), runs in triples.items():
         first = runs[0][0]
+        inside = sum(1 for o, alone, busy in runs if busy <= o["busbw_gbps"] <= alone)
         rows.append([strategy, op, f"{first['message_bytes'] / 2**20:.2f} MiB", f"{first['count']:.0f}",
-                     f"{statistics.median(o['busbw_gbps'] for o, _ in runs):.3f}",
-                     f"{statistics.median(a for _, a in runs):.3f}",
-                     spread(ratios)])
-    print(md_table(["strategy", "op", "message", "per step", "training GB/s", "alone GB/s", "ratio"], rows))
+                     f"{statistics.median(o['busbw_gbps'] for o, _, _ in runs):.3f}",
+                     f"{statistics.median(a for _, a, _ in runs):.3f}",
+                     f"{statistics.median(b for _, _, b in runs):.3f}",
+                     spread([o["busbw_gbps"] / alone for o, alone, _ in runs]), f"{inside} of {len(runs)}"])
+    header = ["strategy", "op", "mean message", "calls/step", "busbw in training (GB/s)", "busbw alone (GB/s)",
+              "busbw beside compute (GB/s)", "training / alone, median [min, max]", "training between the two"]
+    print(md_table(header, rows))
     checks = [row for strategy, ops in OPS.items() for row in against_profiler(strategy, ops)]
     body = "\n\n".join([
-        md_table(["strategy", "op", "mean message", "calls/step", "busbw in training (GB/s)", "busbw alone (GB/s)",
-                  "training / alone, median [min, max]"], rows),
-        f"Medians of {args.repeats} alternating pairs (a training run, then the microbenchmark at its mean message "
-        "size). Bus bandwidth in training counts only the transfer: the time before the group's last member issued "
-        "the collective, or before this rank's previous collective on the group finished, is `comm/<op>/wait_s`.",
-        "The tracker against torch.profiler's records of the same training steps (time per step):",
-        md_table(["strategy", "op", "tracker ms/step", "torch.profiler ms/step", "tracker / profiler"], checks),
-        "gloo runs a reduce-scatter as an all-reduce of the whole buffer: the profiler's `gloo:all_reduce` events stand "
-        "for FSDP's reduce-scatters there (plus the gradient norm's one-element all-reduce, which the tracker counts but "
-        "does not time).",
+        md_table(header, rows),
+        f"Medians of {args.repeats} alternating rounds (a training run, then the microbenchmark at its mean message "
+        "size, alone and beside a thread multiplying matrices). Bus bandwidth in training counts only the transfer: "
+        "the time before the group's last member issued the collective, or before this rank's previous collective on "
+        "the group finished, is `comm/<op>/wait_s`. A collective that overlaps computation shares the 2 cores with "
+        "it: FSDP's prefetched all-gathers and its reduce-scatters in backward do, ddp's single bucket all-reduce "
+        "after backward does not.",
+        "The tracker against torch.profiler's records of the same training steps (time per step, rank 0):",
+        md_table(["strategy", "op", "tracker ms/step", "tracker transfer ms/step", "torch.profiler ms/step",
+                  "tracker / profiler"], checks),
+        "gloo's profiler event runs from the call to completion, waiting for the peer included, as the tracker's "
+        "whole time does. gloo runs a reduce-scatter as an all-reduce of a clone of the whole buffer: the profiler's "
+        "figure for it is the clone, made in the caller's thread (`c10d::_reduce_scatter_base_`), plus the "
+        "`gloo:all_reduce` events of that buffer (the gradient norm's all-reduce, a functional collective that the "
+        "tracker counts but does not time, left out).",
     ])
     cmd = f"python bench/timer_truth.py --steps {args.steps} --iterations {args.iterations} --repeats {args.repeats}"
     write_section("timers", "Timer truth: collective bandwidth in training against a microbenchmark", body, command=cmd)
