@@ -200,10 +200,8 @@ class CommTracker:
     # Every rank's node, by global rank; with more than one node, each collective is classified as intra- or
     # inter-node from the ranks its process group holds (for send/recv: from its peer).
     nodes: tuple[str, ...] = ()
-    _group_nodes: dict[int, int] = field(default_factory=dict)
-    # ranks of a group -> the mesh dimension it is (see `name_groups`); group id -> that name, cached
+    # ranks of a group -> the mesh dimension it is (see `name_groups`)
     _dims: dict[frozenset[int], str] = field(default_factory=dict)
-    _group_dims: dict[int, str | None] = field(default_factory=dict)
     _group_ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)  # group id -> its ranks, cached
     _seq: dict[tuple[int, ...], int] = field(default_factory=dict)  # group ranks -> collectives issued on it
 
@@ -211,18 +209,11 @@ class CommTracker:
         """Name this rank's process groups by mesh dimension ({"tp": [0, 1], "dp": [0, 2]}): their collectives
         are then also counted under `comm/<name>/<op>/...`."""
         self._dims.update({frozenset(ranks): name for name, ranks in groups.items()})
-        self._group_dims.clear()
 
     def _dim(self, group: Any = None, *, ranks: Any = None) -> str | None:
         if not self._dims:
             return None
-        if ranks is not None:
-            return self._dims.get(frozenset(int(r) for r in ranks))
-        key = id(group)
-        if key not in self._group_dims:
-            members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-            self._group_dims[key] = self._dims.get(frozenset(members))
-        return self._group_dims[key]
+        return self._dims.get(frozenset(self._members(group, ranks=ranks)))
 
     @property
     def multi_node(self) -> bool:
@@ -233,13 +224,7 @@ class CommTracker:
             return False
         if peer is not None:
             return self.nodes[int(peer)] != self.nodes[dist.get_rank()]
-        if ranks is None:
-            key = id(group)
-            if key not in self._group_nodes:
-                members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-                self._group_nodes[key] = len({self.nodes[r] for r in members})
-            return self._group_nodes[key] > 1
-        return len({self.nodes[r] for r in ranks}) > 1
+        return len({self.nodes[r] for r in self._members(group, ranks=ranks)}) > 1
 
     # ---------------------------------------------------------------- install / uninstall
     def install(self) -> "CommTracker":
@@ -354,6 +339,7 @@ class CommTracker:
         return rec
 
     def _members(self, group: Any = None, *, ranks: Any = None) -> tuple[int, ...]:
+        """The global ranks of `group` (None: the world), or of `ranks` (a functional collective's), sorted."""
         if ranks is not None:
             return tuple(sorted(int(r) for r in ranks))
         key = id(group)
