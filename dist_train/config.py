@@ -247,7 +247,8 @@ class LoggerConfig:
 
 @dataclass
 class TelemetryConfig:
-    # Steps left out of summary.json's mean step time (lazy init, DDP bucket rebuild, ...).
+    # Steps left out of summary.json's steady figures, mean step time and per-rank means (lazy init, DDP
+    # bucket rebuild, ZeRO-3's trace, ...); they are logged as a window of their own.
     warmup_steps: int = 1
     # Peak FLOP/s of one device for MFU; None = looked up from the GPU name (unknown on CPU: no mfu).
     peak_flops: Optional[float] = None

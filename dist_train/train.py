@@ -169,10 +169,20 @@ def train_one_step(session: Session, step: int) -> None:
     telemetry.step_end(step, out)
     checkpointer.poll()
     save = checkpointer.due(step)
-    if save or step % t.log_every == 0 or step == t.steps:
+    # The warm-up closes a window of its own, so that the steady figures of summary.json leave it out exactly.
+    warmed_up = step == session.start_step + warmup_steps(session)
+    if save or step % t.log_every == 0 or step == t.steps or warmed_up:
         telemetry.log(step)  # a checkpoint step is always a logged one: a NaN run is never saved
     if save:
         telemetry.add_checkpoint_time(checkpointer.save(step, _trainer_state(session, step)))
+
+
+def warmup_steps(session: Session) -> int:
+    """This process's first steps that summary.json's steady figures leave out (lazy initialisation, DDP's
+    bucket rebuild, ZeRO-3's parameter trace, a pipeline's handshake): telemetry.warmup_steps, fewer when
+    the run is shorter, never all of them."""
+    t = session.run.train
+    return max(0, min(session.run.telemetry.warmup_steps, t.steps - session.start_step - 1))
 
 
 def _trainer_state(session: Session, step: int) -> dict[str, Any]:
@@ -213,7 +223,8 @@ def _summary(session: Session) -> dict[str, Any]:
     t = run.train
     dp = run.strategy.data_parallel_size(runtime.world_size)
     accumulation = accumulation_steps(run, runtime.world_size)
-    mean_step_s = telemetry.mean_step_s(run.telemetry.warmup_steps)
+    warmup = warmup_steps(session)
+    mean_step_s = telemetry.mean_step_s(warmup)
     return {
         "strategy": run.strategy.name,
         "world_size": runtime.world_size,
@@ -235,7 +246,7 @@ def _summary(session: Session) -> dict[str, Any]:
         "resumed_from": str(session.resumed_from) if session.resumed_from else None,
         "mean_step_s": mean_step_s,
         "time_to_first_step_s": _since_process_start(telemetry.first_step_wall),
-        "timing_warmup_steps": max(0, min(run.telemetry.warmup_steps, t.steps - session.start_step - 1)),
+        "timing_warmup_steps": warmup,
         "tokens_per_s": t.global_batch_size * t.seq_len / mean_step_s if mean_step_s > 0 else 0.0,
         "mfu": telemetry.mfu(mean_step_s),
         "skipped_steps": telemetry.skipped_steps,
@@ -244,7 +255,7 @@ def _summary(session: Session) -> dict[str, Any]:
         "backend": runtime.backend,
         "device": str(runtime.device),
         "run_dir": str(session.run_dir),
-        "ranks": telemetry.per_rank_summary(run.telemetry.warmup_steps),
+        "ranks": telemetry.per_rank_summary(session.start_step + warmup),
         "predicted_memory_bytes": predicted_memory(session),
     }
 

@@ -291,11 +291,12 @@ class Telemetry:
             return (ends[-1] - self.start_s) / len(ends)
         return (ends[-1] - ends[warmup_steps - 1]) / (len(ends) - warmup_steps)
 
-    def per_rank_summary(self, warmup_steps: int = 0) -> list[dict[str, Any]]:
+    def per_rank_summary(self, warmup_end: int = 0) -> list[dict[str, Any]]:
         """Rank 0: for every rank the peak of each memory figure (over all steps) and the per-step mean of
         every other per-rank figure (collectives, step time, pipeline/bubble_fraction, ...) over the windows
-        after warm-up: the first steps carry set-up traffic (ZeRO-3 traces the model, a pipeline shakes
-        hands) that is not what a step costs. A window straddling the warm-up counts as steady."""
+        after step `warmup_end`: the first steps carry set-up traffic (ZeRO-3 traces the model, a pipeline
+        shakes hands) that is not what a step costs. The training loop closes a window at `warmup_end`, so
+        none straddles it (one that did would count as steady)."""
         if not self.history:
             return []
         out = []
@@ -303,7 +304,7 @@ class Telemetry:
             windows = [records[rank] for records in self.history]
             steps = [w["step"] for w in windows]
             spans = [s - p for s, p in zip(steps, [0] + steps[:-1])]
-            steady = [i for i, s in enumerate(steps) if s > warmup_steps] or list(range(len(windows)))
+            steady = [i for i, s in enumerate(steps) if s > warmup_end] or list(range(len(windows)))
             row: dict[str, Any] = {"rank": rank, "node": windows[-1].get("node"), "local_rank": windows[-1].get("local_rank")}
             for key, value in windows[-1].items():
                 if key in GLOBAL_KEYS or "/" not in key or not isinstance(value, (int, float)):
