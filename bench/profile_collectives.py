@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -52,12 +53,7 @@ _OP_NAMES = {"allreduce": "all_reduce", "all_reduce": "all_reduce", "allgather":
 def _numel(shapes: Any) -> int:
     """Elements of an event's first input (0 when the profiler recorded no shape)."""
     first = shapes[0] if shapes else None
-    if not first or not isinstance(first[0], int):
-        return 0
-    total = 1
-    for dim in first:
-        total *= dim
-    return total
+    return math.prod(first) if first and isinstance(first[0], int) else 0
 
 
 def main() -> None:
