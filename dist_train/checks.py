@@ -8,15 +8,20 @@ the registry), and whether the optimizer can work under that strategy.
 from __future__ import annotations
 
 from dist_train.checkpoint.layout import resolve_resume
-from dist_train.config import WHOLE_TENSOR_OPTIMIZERS, ConfigError, RunConfig, importable, require, validate_fields
+from dist_train.config import (WHOLE_TENSOR_OPTIMIZERS, ConfigError, RunConfig, importable, require,
+                               resolve_global_batch, validate_fields)
 from dist_train.strategies.registry import check_strategy, names_with
 
 
 def validate(run: RunConfig, world_size: int) -> None:
-    """Raise ConfigError (one line) for the first value that cannot run with `world_size` processes."""
+    """Raise ConfigError (one line) for the first value that cannot run with `world_size` processes.
+
+    A null train.global_batch_size is filled in here (config.resolve_global_batch), before the checks that
+    divide it."""
     validate_fields(run)
     _check_resume(run.checkpoint.resume)
     require(world_size >= 1, f"WORLD_SIZE={world_size} must be >= 1")
+    resolve_global_batch(run, world_size)
     check_strategy(run, world_size)
     check_optimizer(run, world_size)
     require(

@@ -137,7 +137,11 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     seq_len: int = 64
-    global_batch_size: int = 8
+    # Samples per optimizer step, over all ranks. None (the default): micro_batch_size x the number of processes,
+    # so the same command runs at any world size, pipeline or TP degree, and every strategy launched with N
+    # processes trains the same samples (a strategy with fewer data-parallel replicas than processes, such as
+    # tp or a pipeline, accumulates or pipelines the rest). Given explicitly, it must divide evenly.
+    global_batch_size: Optional[int] = None
     micro_batch_size: int = 2
     steps: int = 20
     lr: float = 1e-3
@@ -310,6 +314,29 @@ def world_size_from_env() -> int:
         raise ConfigError(f"environment WORLD_SIZE={raw!r} is not an integer") from exc
 
 
+def default_global_batch(train: TrainConfig, world_size: int) -> int:
+    """What train.global_batch_size=null means: one micro-batch per process and step."""
+    return train.micro_batch_size * world_size
+
+
+def resolve_global_batch(run: RunConfig, world_size: int) -> bool:
+    """Fill train.global_batch_size when it is null (see TrainConfig); True when it was derived here."""
+    if run.train.global_batch_size is not None:
+        return False
+    run.train.global_batch_size = default_global_batch(run.train, world_size)
+    return True
+
+
+def describe_batch(run: RunConfig, world_size: int) -> str:
+    """The batch this run trains, as its first log lines say it: `global_batch=16 (micro_batch 2 x 8 processes)
+    micro_batch=2 accumulation=1 data_parallel=8`."""
+    t, dp = run.train, run.strategy.data_parallel_size(world_size)
+    how = f" (micro_batch {t.micro_batch_size} x {world_size} process{'es' if world_size > 1 else ''})" \
+        if t.global_batch_size == default_global_batch(t, world_size) else ""
+    return (f"global_batch={t.global_batch_size}{how} micro_batch={t.micro_batch_size} "
+            f"accumulation={accumulation_steps(run, world_size)} data_parallel={dp}")
+
+
 def accumulation_steps(run: RunConfig, world_size: int) -> int:
     """Micro-batches each rank runs per optimizer step."""
     return run.strategy.microbatches_per_step(run.train, world_size)
@@ -321,7 +348,7 @@ def validate_fields(run: RunConfig) -> None:
     t, m = run.train, run.model
     for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_every"):
         value = getattr(t, key)
-        require(value >= 1, f"train.{key}={value} must be >= 1")
+        require(value is None and key == "global_batch_size" or value >= 1, f"train.{key}={value} must be >= 1")
     require(t.lr > 0, f"train.lr={t.lr} must be > 0")
     require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     require(t.neftune_alpha >= 0, f"train.neftune_alpha={t.neftune_alpha} must be >= 0 (0 = off)")

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dist_train.config import RunConfig, accumulation_steps
+from dist_train.config import RunConfig, describe_batch
 
 log = logging.getLogger("dist_train")
 
@@ -93,11 +93,7 @@ def build_session(
     )
     device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
     session.telemetry = _telemetry(session, tracker, saved=saved, device_name=device_name)
-    log.info(
-        "model=%s params=%s global_batch=%d micro_batch=%d accumulation=%d data_parallel=%d",
-        run.model.name, f"{num_params:,}", t.global_batch_size, t.micro_batch_size,
-        accumulation_steps(run, runtime.world_size), dp,
-    )
+    log.info("model=%s params=%s %s", run.model.name, f"{num_params:,}", describe_batch(run, runtime.world_size))
     return session
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from dist_train.checks import validate
-from dist_train.config import ConfigError, RunConfig, accumulation_steps, world_size_from_env
+from dist_train.config import ConfigError, RunConfig, accumulation_steps, describe_batch, world_size_from_env
 from dist_train.session import Session, build_session, checkpoint_root, hydra_run_dir
 
 log = logging.getLogger("dist_train")
@@ -38,12 +38,15 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
         run = to_run_config(cfg)
         world_size = world_size_from_env()
         validate(run, world_size)
+        # The derived global batch (train.global_batch_size=null) is what config.yaml, W&B and checkpoints record.
+        cfg.train.global_batch_size = run.train.global_batch_size
         fault = fault_from_env()
         resume = resume_point(run, world_size=world_size, run_dir=Path(hydra_run_dir()))
     except ConfigError as exc:
         return report_config_error(str(exc))  # once per launch, whichever rank fails first
     if check_only:
-        print(f"config ok: strategy={run.strategy.name} WORLD_SIZE={world_size}", file=sys.stderr)
+        print(f"config ok: strategy={run.strategy.name} WORLD_SIZE={world_size} {describe_batch(run, world_size)}",
+              file=sys.stderr)
         return 0
     try:
         train(run, cfg, resume=resume, fault=fault)

@@ -25,10 +25,10 @@ def run_config(*overrides: str):
 
 
 def test_defaults_validate_for_one_and_two_processes():
-    _, run = run_config()
-    validate(run, 1)
-    validate(run, 2)
-    assert run.strategy.name == "ddp" and run.model.name == "tiny"
+    for world in (1, 2):
+        _, run = run_config()
+        validate(run, world)
+        assert run.strategy.name == "ddp" and run.model.name == "tiny"
 
 
 @pytest.mark.parametrize(
@@ -87,3 +87,64 @@ def test_an_accelerate_fsdp_config_is_refused_on_cpu_instead_of_silently_becomin
     _, run = run_config("strategy=accelerate", f"strategy.config_file={config}")
     with pytest.raises(ConfigError, match="says mixed_precision=bf16 but precision=fp32"):
         validate(run, 2)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8, 16, 64])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_the_cards_command_needs_no_batch_keys_at_any_world_size(strategy, world):
+    """`torchrun --nproc_per_node=N launch/train.py strategy=S`: a null global batch is micro x N, one micro-batch."""
+    _, run = run_config(f"strategy={strategy}")
+    assert run.train.global_batch_size is None
+    validate(run, world)
+    assert run.train.global_batch_size == run.train.micro_batch_size * world
+    assert run.strategy.microbatches_per_step(run.train, world) == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "accumulation"),
+    [
+        (["strategy=tp", "model.num_heads=8", "model.hidden_size=64"], 8, 8),  # dp 1: the 8 micro-batches accumulate
+        (["strategy=fsdp_tp"], 8, 2),
+        (["strategy=fsdp_tp", "strategy.tp=4"], 64, 4),
+        (["strategy=gpipe", "model.num_layers=8"], 8, 8),  # as many micro-batches as stages
+        (["strategy=1f1b", "model.num_layers=3"], 3, 3),
+        (["strategy=pp_dp", "strategy.pp=4", "strategy.schedule=1f1b"], 16, 4),
+        (["strategy=pp_dp", "strategy.pp=2", "strategy.dp_mode=fsdp"], 64, 2),
+    ],
+)
+def test_a_null_global_batch_fits_any_pipeline_or_tp_degree(overrides, world, accumulation):
+    """Every strategy with N processes trains micro x N samples a step: the same samples as ddp."""
+    _, run = run_config(*overrides)
+    validate(run, world)
+    assert run.train.global_batch_size == 2 * world
+    assert run.strategy.microbatches_per_step(run.train, world) == accumulation
+
+
+def test_an_explicit_global_batch_that_does_not_divide_stays_an_error():
+    _, run = run_config("strategy=fsdp", "train.global_batch_size=8")
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=8 must be divisible .* = 16"):
+        validate(run, 8)
+
+
+def test_check_config_says_which_batch_it_chose(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import TRAIN, env
+
+    proc = subprocess.run([sys.executable, str(TRAIN), "--check-config", "strategy=fsdp"], capture_output=True,
+                          text=True, env={**env(), "WORLD_SIZE": "8"}, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "global_batch=16 (micro_batch 2 x 8 processes) micro_batch=2 accumulation=1 data_parallel=8" in proc.stderr
+
+
+@pytest.mark.parametrize("gpus", range(1, 9))
+def test_the_cuda_tests_are_valid_at_every_gpu_count(gpus, monkeypatch):
+    """tests/test_cuda.py runs only on a GPU machine; its overrides are checked here, for 1 to 8 GPUs."""
+    from tests.test_cuda import RUNS
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the offload configs need a GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    for name, (overrides, nproc) in RUNS.items():
+        _, run = run_config(*overrides(gpus))
+        validate(run, gpus if nproc == "gpus" else nproc)

@@ -13,10 +13,30 @@ pytestmark = [
 ]
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+# No batch keys: the global batch follows the GPU count (micro-batch x processes), so these run on 1 to 8 GPUs.
+SHORT = ["model=tiny", "train.steps=5", "train.log_every=1", "logger=none"]
+
+
+def ddp_overrides(gpus: int) -> list[str]:
+    return ["strategy=ddp", *SHORT]
+
+
+def dp_overrides(gpus: int) -> list[str]:
+    return ["strategy=dp", *SHORT, f"train.micro_batch_size={gpus}"]  # one sample per GPU: every replica works
+
+
+def offload_overrides(strategy: str) -> list[str]:
+    return [f"strategy={strategy}", "logger=none", *FAST]  # one process, single_run's batch: the same samples
+
+
+# What tests/test_config.py validates at 1 to 8 GPUs on a CPU (the overrides, and the process count they run with).
+RUNS = {"ddp": (ddp_overrides, "gpus"), "dp": (dp_overrides, 1),
+        "zero2_offload": (lambda gpus: offload_overrides("zero2_offload"), 1),
+        "zero3_offload": (lambda gpus: offload_overrides("zero3_offload"), 1)}
 
 
 def test_nccl_collectives_are_timed_and_allocator_peaks_reported(tmp_path):
-    summary = train_ok(["strategy=ddp", "logger=none", *FAST], run_dir=tmp_path, nproc=GPUS)
+    summary = train_ok(ddp_overrides(GPUS), run_dir=tmp_path, nproc=GPUS)
     assert summary["backend"] == "nccl" and summary["device"].startswith("cuda")
     for rec in last_step(tmp_path):
         if GPUS > 1:
@@ -26,14 +46,14 @@ def test_nccl_collectives_are_timed_and_allocator_peaks_reported(tmp_path):
 
 @pytest.mark.skipif(GPUS < 2, reason="nn.DataParallel needs at least two GPUs to parallelise anything")
 def test_dp_reports_every_gpu(tmp_path):
-    train_ok(["strategy=dp", "logger=none", *FAST], run_dir=tmp_path)
+    train_ok(dp_overrides(GPUS), run_dir=tmp_path)
     rec = last_step(tmp_path)[0]
     assert all(rec[f"memory/gpu{i}/peak_allocated_bytes"] > 0 for i in range(GPUS))
 
 
 @pytest.mark.parametrize("strategy", ["zero2_offload", "zero3_offload"])
 def test_offload_configs_run(strategy, single_run, tmp_path):
-    summary = train_ok([f"strategy={strategy}", "logger=none", *FAST], run_dir=tmp_path, nproc=1)
+    summary = train_ok(offload_overrides(strategy), run_dir=tmp_path, nproc=1)
     assert summary["losses"] == pytest.approx(single_run[1]["losses"], rel=1e-3)  # GPU vs CPU arithmetic
 
 

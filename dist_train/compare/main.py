@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from dist_train.compare.settings import CompareConfig, parse, resolve_out_dir, split_argv
+from dist_train.compare.settings import CompareConfig, parse, pinned_global_batch, resolve_out_dir, split_argv
 
 
 @dataclass
@@ -45,7 +45,8 @@ def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = ""
         rows = []
         for spec in specs:
             print(f"[compare] {spec.label}: running ...", file=sys.stderr, flush=True)
-            result = run_strategy(spec, training=training, nproc=cfg.nproc, out_dir=out_dir, group=group,
+            pinned = pinned_global_batch(base["train"], spec, world_size=_world_size(cfg))
+            result = run_strategy(spec, training=[*training, *pinned], nproc=cfg.nproc, out_dir=out_dir, group=group,
                                   timeout_s=cfg.timeout_s, launcher=cfg.launcher)
             rows.append(build_row(result))
             print(f"[compare] {spec.label}: {rows[-1]['status']} in {result.seconds:.1f} s {result.reason}",
@@ -69,6 +70,15 @@ def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = ""
 
         wandb_dir = log_comparison(rows, logger=base["logger"], group=group, out_dir=out_dir, images=plots)
     return Comparison(out_dir, rows, report, wandb_dir)
+
+
+def _world_size(cfg: CompareConfig) -> int:
+    """Processes of a multi-process row: compare.nproc here, or per node of the Slurm job."""
+    if cfg.launcher != "slurm":
+        return cfg.nproc
+    from dist_train.slurm import Allocation
+
+    return cfg.nproc * Allocation.from_env().num_nodes
 
 
 def _predict_safely(row: dict[str, Any], *, memory_rtol: float) -> None:

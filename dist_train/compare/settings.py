@@ -151,3 +151,25 @@ def resolve_out_dir(cfg: CompareConfig) -> Path:
     if cfg.out_dir:
         return Path(cfg.out_dir).resolve()
     return Path("outputs", f"compare-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+
+
+def pinned_global_batch(base_train: dict[str, Any], spec: StrategySpec, *, world_size: int) -> list[str]:
+    """The override that gives every row one global batch, where the training config leaves it null.
+
+    A null train.global_batch_size means micro_batch_size x the run's processes; single and dp run one process
+    and the others `world_size`, so left null they would train different batches. The comparison fixes it at
+    micro_batch_size x world_size (the row's own micro-batch, where a sweep sets one) for every row."""
+    if base_train.get("global_batch_size") is not None:
+        return []
+    micro = base_train["micro_batch_size"]
+    for override in spec.overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+") == "train.global_batch_size":
+            return []
+        if key.lstrip("+") == "train.micro_batch_size":
+            micro = value
+    try:
+        return [f"train.global_batch_size={int(micro) * world_size}"]
+    except ValueError:  # not a number: the row fails with train.py's own line
+        return []
+

@@ -60,7 +60,7 @@ class Setup:
     momentum: float = 0.0
     micro_batch_size: int = 1
     seq_len: int = 2048
-    # None: one micro-batch per data-parallel rank per step.
+    # None: micro_batch_size x world_size (what train.global_batch_size=null trains).
     global_batch_size: Optional[int] = None
     # Pipeline only; None = global_batch_size // micro_batch_size.
     num_microbatches: Optional[int] = None
@@ -133,9 +133,9 @@ class Setup:
         """Micro-batches each rank runs per optimizer step (gradient accumulation or pipeline micro-batches)."""
         if self.family == "pipeline" and self.num_microbatches:
             return self.num_microbatches
-        if self.global_batch_size is None:
-            return 1
-        return max(1, self.global_batch_size // (self.micro_batch_size * self.data_parallel_size))
+        # train.global_batch_size=null trains micro_batch_size x world_size samples a step (config.default_global_batch)
+        global_batch = self.global_batch_size or self.micro_batch_size * self.world_size
+        return max(1, global_batch // (self.micro_batch_size * self.data_parallel_size))
 
     @property
     def autocast_16bit(self) -> bool:
