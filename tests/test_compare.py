@@ -321,3 +321,15 @@ def test_knobs_are_the_settings_that_differ_and_a_group_by_its_name(tmp_path):
     assert [r["knobs"] for r in rows] == [{"optimizer": "adamw", "optimizer.weight_decay": 0.0},
                                           {"optimizer": "lion", "optimizer.weight_decay": 0.0},
                                           {"optimizer": "adamw", "optimizer.weight_decay": 0.1}]
+
+
+def test_every_row_gets_one_global_batch_where_the_config_leaves_it_null():
+    from dist_train.compare.settings import pinned_global_batch
+
+    base = {"global_batch_size": None, "micro_batch_size": 2}
+    for label in ("single", "ddp", "fsdp+strategy.reshard_after_forward=false"):  # single runs 1 process, ddp 4
+        assert pinned_global_batch(base, StrategySpec.parse(label), world_size=4) == ["train.global_batch_size=8"]
+    swept = StrategySpec.parse("ddp+train.micro_batch_size=3")
+    assert pinned_global_batch(base, swept, world_size=4) == ["train.global_batch_size=12"]
+    assert pinned_global_batch({**base, "global_batch_size": 16}, StrategySpec.parse("ddp"), world_size=4) == []
+    assert pinned_global_batch(base, StrategySpec.parse("ddp+train.global_batch_size=4"), world_size=4) == []
