@@ -1,5 +1,6 @@
 """What every benchmark shares: the machine it ran on, running a launch, a table, and its section of
-docs/BENCHMARKS.md (each benchmark owns one section, replaced whole when it runs again)."""
+docs/BENCHMARKS.md (each benchmark owns one section, replaced whole when it runs again); and, inside a launched
+process, its device, its process group and a clock that reads finished work."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "BENCHMARKS.md"
@@ -41,6 +45,40 @@ def machine() -> str:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{os.cpu_count()} CPU cores ({cpu}), {gpu}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def local_device() -> torch.device:
+    """This process's device, chosen as dist_train's runtime chooses it: its local rank's GPU (made current) and
+    else the CPU. NCCL takes one GPU per process: fewer GPUs than processes on the node is an error."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    num_local, num_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if num_local > num_gpus:
+        raise RuntimeError(f"{num_local} processes on this node but {num_gpus} GPU(s): NCCL needs one GPU per "
+                           "process (CUDA_VISIBLE_DEVICES= runs them on the CPU with gloo)")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_group(device: torch.device) -> None:
+    """The default process group on `device`'s backend: NCCL bound to the GPU, gloo on the CPU."""
+    import torch.distributed as dist
+
+    dist.init_process_group(dist.get_default_backend_for_device(device),
+                            device_id=None if device.type == "cpu" else device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device`'s current stream, so that a clock read next counts it finished (a CPU
+    queues none). The current stream, not the whole device: a blocking collective and an optimizer step end on it,
+    and work that other threads queue on streams of their own (collectives.py's computing thread) is not waited for."""
+    import torch
+
+    if device.type != "cpu":
+        torch.accelerator.current_stream(device).synchronize()
 
 
 def run(cmd: list[str], *, timeout: float = 900) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -84,7 +84,10 @@ def main() -> None:
         ["strategy", "mean step, end to end", "time to first step", "whole process", "step, interleaved (median [IQR])"],
         rows,
     )
-    note = (f"dist_train / hand-written ratios, 2 processes (gloo), GPT-2 {SHAPE['layers']} layers, hidden "
+    import torch
+
+    backend = "NCCL, a GPU each" if torch.cuda.is_available() else "gloo"  # as both sides pick it (bench/common.py)
+    note = (f"dist_train / hand-written ratios, 2 processes ({backend}), GPT-2 {SHAPE['layers']} layers, hidden "
             f"{SHAPE['hidden']}, seq {SHAPE['seq']}, global batch {SHAPE['global_batch']} (micro-batch "
             f"{SHAPE['micro_batch']}), AdamW, clipping; telemetry on, W&B off. End to end: median [min, max] of "
             f"{args.repeats} alternating pairs of {args.steps}-step runs. Interleaved: {args.iterations} paired steps "
