@@ -283,6 +283,9 @@ class RuntimeConfig:
     # Seconds a collective waits for its peers before the process group gives up: how long a hung or lost
     # rank can hold the job.
     timeout_s: float = 600.0
+    # auto: one CUDA GPU per local process where GPUs are visible (NCCL), else the CPU (gloo); cpu: the CPU even
+    # on a GPU machine; cuda: refuse to start without a GPU.
+    device: str = "auto"
 
 
 @dataclass
@@ -385,6 +388,7 @@ def validate_fields(run: RunConfig) -> None:
     require(run.logger.init_timeout_s > 0, f"logger.init_timeout_s={run.logger.init_timeout_s} must be > 0")
     require(run.telemetry.warmup_steps >= 0, f"telemetry.warmup_steps={run.telemetry.warmup_steps} must be >= 0")
     require(run.runtime.timeout_s > 0, f"runtime.timeout_s={run.runtime.timeout_s} must be > 0")
+    choice("runtime.device", run.runtime.device, ("auto", "cuda", "cpu"))
     _validate_checkpoint(run.checkpoint)
 
 

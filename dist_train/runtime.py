@@ -23,8 +23,8 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-def init_runtime(*, needs_group: bool, timeout_s: float = 600.0) -> Runtime:
-    """Pick the device and, if `needs_group`, start the default process group on it.
+def init_runtime(*, needs_group: bool, timeout_s: float = 600.0, device_type: str = "auto") -> Runtime:
+    """Pick the device (`pick_device`) and, if `needs_group`, start the default process group on it.
 
     `timeout_s` (runtime.timeout_s) bounds how long a collective waits for its peers: a rank that hangs, or
     whose node vanishes without its process exiting, ends the job after that long instead of never.
@@ -35,13 +35,11 @@ def init_runtime(*, needs_group: bool, timeout_s: float = 600.0) -> Runtime:
     world_size = _env_int("WORLD_SIZE", 1)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = pick_device(want=device_type, local_rank=local_rank, local_world_size=local_world_size)
+    backend = "gloo"
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
 
     node = node_name()
     if not needs_group:
@@ -67,6 +65,39 @@ def init_runtime(*, needs_group: bool, timeout_s: float = 600.0) -> Runtime:
     nodes: list[str] = [""] * dist.get_world_size()
     dist.all_gather_object(nodes, node)
     return Runtime(rank, local_rank, world_size, local_world_size, device, backend, timeout_s, node, tuple(nodes))
+
+
+def pick_device(*, want: str, local_rank: int, local_world_size: int, env: Any = os.environ) -> torch.device:
+    """One GPU per local rank (cuda:LOCAL_RANK, as DeepSpeed and Accelerate assume), else the CPU.
+
+    want: runtime.device (auto: CUDA when a GPU is visible). Two cases need care:
+    - a launcher that binds each task to its own GPU (`srun --gpus-per-task=1`) leaves one visible GPU per
+      process, whatever its local rank: that GPU, cuda:0;
+    - more local processes than visible GPUs otherwise: NCCL refuses two ranks on one GPU ("Duplicate GPU
+      detected"), so this is a ConfigError naming both numbers, before any group starts.
+    """
+    from dist_train.config import ConfigError
+
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("runtime.device=cuda but no CUDA GPU is visible to this process; allowed here: auto, cpu")
+    count = torch.cuda.device_count()
+    if count == 1 and gpu_per_task(env):
+        return torch.device("cuda", 0)
+    if local_world_size > count or local_rank >= count:
+        raise ConfigError(
+            f"{local_world_size} processes on this node (LOCAL_WORLD_SIZE) but {count} visible GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}): one GPU per process, since NCCL "
+            f"refuses two ranks on one GPU; launch at most {count} per node (--nproc_per_node={count}), or train "
+            "on the CPU with runtime.device=cpu"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def gpu_per_task(env: Any = os.environ) -> bool:
+    """Whether Slurm gave each task a GPU of its own (`--gpus-per-task=1`, or `--gpu-bind` to one device)."""
+    return env.get("SLURM_GPUS_PER_TASK", "").strip() == "1" or env.get("SLURM_GPU_BIND", "").startswith("single:1")
 
 
 def node_name() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import sys
 import traceback
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
         run = to_run_config(cfg)
         world_size = world_size_from_env()
         validate(run, world_size)
+        check_device(run)
         # The derived global batch (train.global_batch_size=null) is what config.yaml, W&B and checkpoints record.
         cfg.train.global_batch_size = run.train.global_batch_size
         fault = fault_from_env()
@@ -53,6 +55,14 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
     except NonFiniteLoss:
         return DIVERGED_EXIT  # rank 0 has said which step, and every rank stopped there
     return 0
+
+
+def check_device(run: RunConfig) -> None:
+    """The device choice's ConfigError (more local processes than GPUs, ...), before any group starts."""
+    from dist_train.runtime import pick_device
+
+    pick_device(want=run.runtime.device, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
 
 
 def fault_from_env() -> Any:
@@ -97,7 +107,8 @@ def train(run: RunConfig, cfg: DictConfig, *, resume: Path | None = None, fault:
     from dist_train.runtime import init_runtime, shutdown
     from dist_train.telemetry.recorder import NonFiniteLoss
 
-    runtime = init_runtime(needs_group=run.strategy.needs_process_group, timeout_s=run.runtime.timeout_s)
+    runtime = init_runtime(needs_group=run.strategy.needs_process_group, timeout_s=run.runtime.timeout_s,
+                           device_type=run.runtime.device)
     progress = Progress()
     try:
         return _run(run, cfg, runtime, resume=resume, fault=fault, progress=progress)

@@ -1,11 +1,20 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 
 from tests.helpers import FAST, train_ok
+
+# The suite's launches run on the CPU, also on a GPU workstation (two ranks on one GPU would be refused there,
+# and the CPU is what every test expects): children inherit an empty CUDA_VISIBLE_DEVICES. This process keeps
+# the GPUs it already counted, which tests/test_cuda.py hands back to its own launches (helpers.env(cuda=True)).
+GPUS_SEEN = torch.cuda.device_count() if torch.cuda.is_available() else 0
+os.environ.setdefault("DIST_TRAIN_TEST_CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 # Strategies whose resume must be bit-exact (issue 8, and tp since), and how many processes each runs.
 RESUMABLE = {"single": 0, "ddp": 2, "fsdp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "gpipe": 2, "1f1b": 2, "tp": 2}

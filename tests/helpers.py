@@ -16,8 +16,14 @@ TRAIN = ROOT / "launch" / "train.py"
 FAST = ["model=tiny", "train.steps=5", "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=2"]
 
 
-def env(**extra: str) -> dict[str, str]:
+def env(*, cuda: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a launch: on the CPU (tests/conftest.py), or with `cuda` the GPUs the suite saw."""
     e = dict(os.environ)
+    if cuda:
+        visible = e.pop("DIST_TRAIN_TEST_CUDA_VISIBLE_DEVICES", "")
+        e.pop("CUDA_VISIBLE_DEVICES", None)
+        if visible:
+            e["CUDA_VISIBLE_DEVICES"] = visible
     e.update(
         OMP_NUM_THREADS="1",
         WANDB_MODE=e.get("WANDB_MODE", "offline"),
@@ -38,6 +44,7 @@ def launch(
     timeout: float = 600,
     script: Path = TRAIN,
     extra_env: dict[str, str] | None = None,
+    cuda: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """nproc=0: `python launch/train.py`; nproc>=1: `torchrun --standalone --nproc_per_node=nproc`."""
     if nproc:
@@ -46,7 +53,7 @@ def launch(
         cmd = [sys.executable, str(script)]
     cmd += overrides + [f"hydra.run.dir={run_dir}"]
     return subprocess.run(
-        cmd, cwd=ROOT, env=env(**(extra_env or {})), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=ROOT, env=env(cuda=cuda, **(extra_env or {})), capture_output=True, text=True, timeout=timeout
     )
 
 

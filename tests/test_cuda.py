@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import GPUS_SEEN
 from tests.helpers import FAST, last_step, train_ok
 
 pytestmark = [
     pytest.mark.multiproc,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.py runs these)"),
+    pytest.mark.skipif(not GPUS_SEEN, reason="needs a CUDA GPU (bench/gpu_check.py runs these)"),
 ]
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+GPUS = GPUS_SEEN  # counted before the suite hid the GPUs from its other launches
 # No batch keys: the global batch follows the GPU count (micro-batch x processes), so these run on 1 to 8 GPUs.
 SHORT = ["model=tiny", "train.steps=5", "train.log_every=1", "logger=none"]
 
@@ -36,7 +37,7 @@ RUNS = {"ddp": (ddp_overrides, "gpus"), "dp": (dp_overrides, 1),
 
 
 def test_nccl_collectives_are_timed_and_allocator_peaks_reported(tmp_path):
-    summary = train_ok(ddp_overrides(GPUS), run_dir=tmp_path, nproc=GPUS)
+    summary = train_ok(ddp_overrides(GPUS), run_dir=tmp_path, nproc=GPUS, cuda=True)
     assert summary["backend"] == "nccl" and summary["device"].startswith("cuda")
     for rec in last_step(tmp_path):
         if GPUS > 1:
@@ -46,14 +47,14 @@ def test_nccl_collectives_are_timed_and_allocator_peaks_reported(tmp_path):
 
 @pytest.mark.skipif(GPUS < 2, reason="nn.DataParallel needs at least two GPUs to parallelise anything")
 def test_dp_reports_every_gpu(tmp_path):
-    train_ok(dp_overrides(GPUS), run_dir=tmp_path)
+    train_ok(dp_overrides(GPUS), run_dir=tmp_path, cuda=True)
     rec = last_step(tmp_path)[0]
     assert all(rec[f"memory/gpu{i}/peak_allocated_bytes"] > 0 for i in range(GPUS))
 
 
 @pytest.mark.parametrize("strategy", ["zero2_offload", "zero3_offload"])
 def test_offload_configs_run(strategy, single_run, tmp_path):
-    summary = train_ok(offload_overrides(strategy), run_dir=tmp_path, nproc=1)
+    summary = train_ok(offload_overrides(strategy), run_dir=tmp_path, nproc=1, cuda=True)
     assert summary["losses"] == pytest.approx(single_run[1]["losses"], rel=1e-3)  # GPU vs CPU arithmetic
 
 

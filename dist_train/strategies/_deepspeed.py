@@ -18,6 +18,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -268,8 +269,13 @@ class ZeroStrategy:
         """DeepSpeed's engine over our model, optimizer and schedule."""
         import deepspeed
 
+        # DeepSpeed would take cuda:LOCAL_RANK; `device_rank` gives it the runtime's GPU (cuda:0 under
+        # `srun --gpus-per-task=1`). On the CPU it keeps what it would take (LOCAL_RANK; one CPU device).
+        device = self.ctx.runtime.device
+        args = SimpleNamespace(device_rank=device.index if device.type == "cuda" else self.ctx.runtime.local_rank)
         engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False
+            args=args, model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
+            dist_init_required=False,
         )
         return engine
 

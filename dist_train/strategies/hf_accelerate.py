@@ -75,6 +75,13 @@ class AccelerateConfig(StrategyConfig):
             check_settings(self.as_zero(), world_size)
         import torch
 
+        from dist_train.runtime import gpu_per_task
+
+        require(
+            not (torch.cuda.is_available() and gpu_per_task()),
+            "strategy=accelerate under srun --gpus-per-task=1: Accelerate takes cuda:LOCAL_RANK, which a task that "
+            "sees one GPU does not have; launch torchrun once per node instead (launch/slurm.sbatch does)",
+        )
         require(
             self.requested_plugin() != "fsdp" or torch.cuda.is_available(),
             "strategy=accelerate with FSDP (from strategy.plugin, strategy.config_file or accelerate launch): "
@@ -169,6 +176,9 @@ class AccelerateWrapper:
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         self.accelerator = self._accelerator(model)
+        if self.accelerator.device != self.ctx.runtime.device:  # both take cuda:LOCAL_RANK; said, not assumed
+            raise RuntimeError(f"Accelerate chose {self.accelerator.device}, dist_train's runtime "
+                               f"{self.ctx.runtime.device}: one rank would train on two devices")
         wrapped, _ = self.accelerator.prepare(model, optimizer)
         if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) and self.ctx.ddp_comm_hook is not None:
             wrapped.register_comm_hook(state=None, hook=self.ctx.ddp_comm_hook)  # telemetry sees the buckets

@@ -1,0 +1,81 @@
+"""The lines a GPU run takes, run on the CPU (issue 21): device choice, and what each strategy is handed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_train.config import ConfigError
+from dist_train.runtime import pick_device
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """`gpus(n)`: this process sees n CUDA GPUs (torch.cuda's answers patched; nothing touches a device)."""
+    def see(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    return see
+
+
+def test_each_local_rank_gets_its_own_gpu(gpus):
+    gpus(8)
+    assert [pick_device(want="auto", local_rank=r, local_world_size=8, env={}) for r in range(8)] == [
+        torch.device("cuda", r) for r in range(8)]
+
+
+def test_more_local_ranks_than_gpus_is_one_line_naming_both_numbers(gpus):
+    gpus(1)  # `make test` or `compare.nproc=2` on a one-GPU workstation: both ranks would share cuda:0
+    with pytest.raises(ConfigError) as err:
+        pick_device(want="auto", local_rank=1, local_world_size=2, env={"CUDA_VISIBLE_DEVICES": "0"})
+    message = str(err.value)
+    assert "2 processes on this node" in message and "1 visible GPU" in message and "runtime.device=cpu" in message
+    assert "\n" not in message
+
+
+def test_srun_gpus_per_task_gives_each_task_its_one_visible_gpu(gpus):
+    gpus(1)  # Slurm set CUDA_VISIBLE_DEVICES to this task's own GPU; LOCAL_RANK is still 0..3
+    env = {"SLURM_GPUS_PER_TASK": "1"}
+    assert pick_device(want="auto", local_rank=3, local_world_size=4, env=env) == torch.device("cuda", 0)
+
+
+def test_runtime_device_cpu_stays_on_the_cpu_of_a_gpu_machine_and_cuda_refuses_without_one(gpus):
+    gpus(4)
+    assert pick_device(want="cpu", local_rank=1, local_world_size=2, env={}) == torch.device("cpu")
+    gpus(0)
+    assert pick_device(want="auto", local_rank=1, local_world_size=2, env={}) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="runtime.device=cuda but no CUDA GPU"):
+        pick_device(want="cuda", local_rank=0, local_world_size=1, env={})
+
+
+def test_deepspeed_is_handed_the_runtimes_device(monkeypatch):
+    """DeepSpeed would take cuda:LOCAL_RANK; under srun --gpus-per-task=1 the runtime's GPU is cuda:0."""
+    import deepspeed
+
+    from dist_train.contracts import Runtime
+    from dist_train.strategies._deepspeed import ZeroStrategy
+    from dist_train.strategies.base import StrategyContext
+
+    seen = {}
+
+    def initialize(**kwargs):
+        seen.update(kwargs)
+        return (None, None, None, None)
+
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
+    runtime = Runtime(rank=3, local_rank=3, world_size=4, local_world_size=4, device=torch.device("cuda", 0),
+                      backend="nccl")
+    strategy = ZeroStrategy.__new__(ZeroStrategy)
+    strategy.ctx = StrategyContext(runtime=runtime, train=None, precision=None, optimizer=None)
+    strategy._initialize(torch.nn.Linear(2, 2), None, None, {})
+    assert seen["args"].device_rank == 0
+
+
+def test_the_suites_launches_see_no_gpu():
+    """`make test` on a GPU workstation: every launch but the CUDA tests' runs on the CPU (tests/conftest.py)."""
+    import os
+
+    from tests.helpers import env
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert env()["CUDA_VISIBLE_DEVICES"] == ""
