@@ -4,6 +4,8 @@
     kill    the rank sends itself SIGKILL (the kernel's OOM killer, a lost node)
     hang    the rank stops and sleeps: its peers wait in a collective until runtime.timeout_s
     nan     the rank's parameters become NaN, so the step's loss is NaN (default: every rank)
+    overflow  precision=fp16: the rank's first gradient (its shard) holds an inf when the loss scaler looks, as
+            after a local fp16 overflow; every rank must then skip that step
 
 Only the first attempt of a launch fails (TORCHELASTIC_RESTART_COUNT=0), so a job restarted by
 `torchrun --max-restarts` recovers: this is how a user checks that restarts resume, and how the tests do,
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 ENV = "DIST_TRAIN_FAULT"
-KINDS = ("raise", "kill", "hang", "nan")
+KINDS = ("raise", "kill", "hang", "nan", "overflow")
 _SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::rank(?P<rank>\d+))?$")
 
 
@@ -66,6 +68,29 @@ class Fault:
                 time.sleep(1)
         if self.kind == "nan":
             _poison(strategy)
+        if self.kind == "overflow":
+            global _OVERFLOW_PENDING
+            _OVERFLOW_PENDING = True
+
+
+_OVERFLOW_PENDING = False
+
+
+def overflow_if_injected(params: list[Any]) -> None:
+    """Put the injected overflow into this rank's first gradient, once (called just before fp16 unscales)."""
+    global _OVERFLOW_PENDING
+    if not _OVERFLOW_PENDING:
+        return
+    _OVERFLOW_PENDING = False
+    import torch
+
+    from dist_train.contracts import local_tensor
+
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None and local_tensor(p.grad).numel():
+                local_tensor(p.grad).view(-1)[0] = float("inf")
+                return
 
 
 def _poison(strategy: Any) -> None:

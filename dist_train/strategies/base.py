@@ -19,6 +19,7 @@ from torch import nn
 
 from dist_train.config import PrecisionConfig, RunConfig, TrainConfig, require
 from dist_train.contracts import Batch, ModelState, Runtime
+from dist_train.faults import overflow_if_injected
 from dist_train.model import forward_loss
 from dist_train.optim import OptimizerFactory
 from dist_train.telemetry.memory import optimizer_state_tensors
@@ -85,6 +86,10 @@ class LocalOptimizer:
         self.max_norm = ctx.train.grad_clip
         self.optimizer = ctx.optimizer.build(params)
         self.scheduler = ctx.optimizer.scheduler(self.optimizer)
+        # fp16. Under FSDP and tensor parallelism the gradients are DTensor shards, and DTensor reduces the scaler's
+        # found_inf over the mesh (max) when it unscales them: every rank skips the same steps with torch's plain
+        # GradScaler (tested with DIST_TRAIN_FAULT=overflow in one rank's shard); a ShardedGradScaler would
+        # all-reduce the same verdict a second time.
         self.scaler = torch.amp.GradScaler(ctx.runtime.device.type) if ctx.precision.loss_scaling else None
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -101,6 +106,7 @@ class LocalOptimizer:
         if self.scaler is not None:
             # A norm computed before unscaling would be in scaled units.
             assert total_norm is None, "a precomputed norm cannot be combined with fp16 loss scaling"
+            overflow_if_injected(self.params)  # DIST_TRAIN_FAULT=overflow: a local inf, as a real overflow
             self.scaler.unscale_(self.optimizer)
         norm = grad_norm_and_clip(self.params, self.max_norm, total=total_norm)
         if self.scaler is not None:
