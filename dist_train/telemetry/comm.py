@@ -9,14 +9,15 @@ How collectives are seen:
   same bucket all-reduce through the wrapped `dist.all_reduce` (what torch's default `allreduce_hook` does).
 
 How they are timed: from issue to completion of the `Work`, never by making the training thread wait
-longer than it would. Every wrapped call is issued with `async_op=True`. A caller that asked for a blocking
-call still gets one: we wait on its behalf exactly as torch would, and the call ended when that wait
-returned. For asynchronous callers completion is taken from the work's future callback (gloo: wall clock
-on gloo's thread) or, on CUDA, from an event recorded in that callback, whose stream waits for the
-collective; events are read only when a logging window closes. Gloo gives no future for reduce-scatter and
-point-to-point work: for an asynchronous caller a small pool of watcher threads blocks in `work.wait()`
-(which releases the GIL) and stamps the time it returns. Gloo's send/recv `wait()` may run only once (a
-second waiter hangs), so for those the caller gets a stand-in Work that waits for the watcher instead.
+longer than it would. Collectives on CUDA tensors are timed with CUDA events on the rank's own device, each
+call issued as the caller asked (`telemetry/cuda_timing.py`). Gloo's CPU collectives are timed on the wall
+clock, and every one of them is issued with `async_op=True`. A caller that asked for a blocking call still
+gets one: we wait on its behalf exactly as torch would, and the call ended when that wait returned. For
+asynchronous callers completion is taken from the work's future callback (wall clock on gloo's thread).
+Gloo gives no future for reduce-scatter and point-to-point work: for an asynchronous caller a small pool of
+watcher threads blocks in `work.wait()` (which releases the GIL) and stamps the time it returns. Gloo's
+send/recv `wait()` may run only once (a second waiter hangs), so for those the caller gets a stand-in Work
+that waits for the watcher instead.
 Times include waiting for the slowest peer. nccl-tests time after a barrier, so bus bandwidth is computed
 from the rest: when a logging window closes the ranks compare when each issued the same collective
 (`peer_wait`), and the time before the group's last member issued it, or before this rank's previous
@@ -44,6 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
+
+from dist_train.telemetry.cuda_timing import CudaTimer, cuda_device
 
 COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv")
 
@@ -73,6 +76,15 @@ def _nbytes(t: Any) -> int:
 
 def _sum_nbytes(ts: Any) -> int:
     return sum(_nbytes(t) for t in ts or ())
+
+
+def _tensors(arguments: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a call was given, in lists too (all_gather's outputs, all_gather_coalesced's lists of them)."""
+    found: list[torch.Tensor] = []
+    for value in arguments.values():
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            found.extend(t for t in (item if isinstance(item, (list, tuple)) else [item]) if isinstance(t, torch.Tensor))
+    return found
 
 
 # name in torch.distributed -> (op, size of the full buffer from the bound arguments)
@@ -126,6 +138,7 @@ class _Record:
     group: tuple[int, ...] | None = None
     seq: int = 0
     end_s: float | None = None
+    device: Any = None  # a CUDA collective's device: timed by `start_event` / `end_event` (cuda_timing)
     start_event: Any = None
     end_event: Any = None
     done: bool = False
@@ -140,13 +153,9 @@ class _Record:
 
 
 def _stamp(recs: list[_Record]) -> None:
-    """Mark `recs` complete now: wall clock, and on CUDA an event on the current stream (which, in a future
-    callback, waits for the collective; read only when the window closes)."""
+    """Mark `recs` complete now, on the wall clock (CPU collectives; CUDA ones end with an event instead)."""
     end = time.perf_counter()
     for rec in recs:
-        if rec.start_event is not None:
-            rec.end_event = torch.cuda.Event(enable_timing=True)
-            rec.end_event.record()
         rec.end_s, rec.done = end, True
 
 
@@ -176,8 +185,8 @@ class OpTotals:
         if duration is not None:
             self.time_s += duration
             self.timed_bytes += rec.nbytes
-            if rec.start_event is None:  # CUDA events have no common clock across ranks
-                self.calls.append((rec.group, rec.seq, rec.nbytes, rec.start_s, rec.start_s + duration))
+            # CUDA calls too: `drain` has put their GPU start on the host clock
+            self.calls.append((rec.group, rec.seq, rec.nbytes, rec.start_s, rec.start_s + duration))
 
     def busbw_gbps(self, op: str) -> float:
         """Bus bandwidth of the timed ops of this window, nccl-tests conventions."""
@@ -204,6 +213,7 @@ class CommTracker:
     _dims: dict[frozenset[int], str] = field(default_factory=dict)
     _group_ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)  # group id -> its ranks, cached
     _seq: dict[tuple[int, ...], int] = field(default_factory=dict)  # group ranks -> collectives issued on it
+    _cuda: CudaTimer = field(default_factory=CudaTimer)
 
     def name_groups(self, groups: dict[str, list[int]]) -> None:
         """Name this rank's process groups by mesh dimension ({"tp": [0, 1], "dp": [0, 2]}): their collectives
@@ -225,6 +235,20 @@ class CommTracker:
         if peer is not None:
             return self.nodes[int(peer)] != self.nodes[dist.get_rank()]
         return len({self.nodes[r] for r in self._members(group, ranks=ranks)}) > 1
+
+    def _peer(self, arguments: dict[str, Any]) -> int | None:
+        """The global rank a send/recv talks to: `dst` / `src`, or `group_dst` / `group_src` (what pipelining
+        passes) translated through its group. None when it is not needed (one node) or not known (any source)."""
+        if not self.multi_node:
+            return None
+        for key in ("dst", "src"):
+            if arguments.get(key) is not None:
+                return int(arguments[key])
+        for key in ("group_dst", "group_src"):
+            if arguments.get(key) is not None:
+                group = arguments.get("group")
+                return dist.get_global_rank(group if group is not None else dist.group.WORLD, arguments[key])
+        return None
 
     # ---------------------------------------------------------------- install / uninstall
     def install(self) -> "CommTracker":
@@ -318,7 +342,8 @@ class CommTracker:
         return not self._paused and self._depth() == 0
 
     def _new_record(
-        self, op: str, nbytes: int, group: Any, size: int | None = None, *, ranks: Any = None, peer: Any = None
+        self, op: str, nbytes: int, group: Any, size: int | None = None, *, ranks: Any = None, peer: Any = None,
+        device: Any = None,
     ) -> _Record:
         if size is None:
             size = dist.get_world_size(group) if group is not None else dist.get_world_size()
@@ -328,9 +353,8 @@ class CommTracker:
         members = self._members(group, ranks=ranks) if op not in ("send", "recv") else None
         rec = _Record(op=op, nbytes=nbytes, group_size=size, start_s=time.perf_counter(), inter_node=inter, dim=dim,
                       group=members)
-        if self.cuda_events:
-            rec.start_event = torch.cuda.Event(enable_timing=True)
-            rec.start_event.record()
+        if device is not None:  # before the call is issued: its stream waits for this point
+            rec.device, rec.start_event = device, self._cuda.start(device)
         with self._lock:
             if members is not None:
                 rec.seq = self._seq.get(members, 0)
@@ -347,6 +371,21 @@ class CommTracker:
             members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
             self._group_ranks[key] = tuple(sorted(members))
         return self._group_ranks[key]
+
+    def _device(self, tensors: list[Any]) -> Any:
+        """The CUDA device a call's tensors live on, when CUDA events time it; None: timed the gloo way."""
+        return cuda_device(tensors) if self.cuda_events else None
+
+    def _issue_on_cuda(self, rec: _Record, call: Callable[[], Any], *, blocking: bool, tensors: list[Any]) -> Any:
+        """Issue a CUDA collective as the caller asked (no `async_op` forced) and bracket it with events."""
+        with self._nested():
+            result = call()
+        if blocking:  # its stream already waits for it (NCCL); the host did not
+            rec.end_event = self._cuda.end_now(rec.device)
+        elif result is not None:  # None: this rank is not in the group, nothing ran
+            rec.end_event = self._cuda.end_after(result, rec.device, tensors)
+        rec.done = True
+        return result
 
     def _on_complete(self, recs: list[_Record], work: Any) -> Any:
         """Stamp completion from the work's future; never waits. Returns the work to hand to the caller."""
@@ -430,8 +469,14 @@ class CommTracker:
             arguments = bound.arguments
             if self._ignored(arguments.get("group")):
                 return original(*args, **kwargs)
-            peer = arguments.get("dst", arguments.get("src")) if op in ("send", "recv") else None
-            rec = self._new_record(op, sizer(arguments), arguments.get("group"), peer=peer)
+            peer = self._peer(arguments) if op in ("send", "recv") else None
+            tensors = _tensors(arguments) if self.cuda_events else []
+            device = self._device(tensors)
+            rec = self._new_record(op, sizer(arguments), arguments.get("group"), peer=peer, device=device)
+            if device is not None:
+                blocking = name_blocks(original) if not takes_async else not arguments.get("async_op", False)
+                return self._issue_on_cuda(rec, lambda: original(*args, **kwargs), blocking=blocking,
+                                           tensors=tensors)
             if not takes_async:  # send / recv block; isend / irecv return work
                 with self._nested():
                     result = original(*args, **kwargs)
@@ -461,12 +506,16 @@ class CommTracker:
         def wrapper(p2p_op_list: list) -> list:
             if not self._should_record():
                 return original(p2p_op_list)
+            tensors = [p2p.tensor for p2p in p2p_op_list]
+            device = self._device(tensors)
             recs = []
-            for p2p in p2p_op_list:
+            for p2p in p2p_op_list:  # `P2POp.peer` is a global rank
                 op = "send" if getattr(p2p.op, "__name__", "") in ("isend", "send") else "recv"
-                recs.append(self._new_record(op, _nbytes(p2p.tensor), p2p.group, peer=p2p.peer))
+                recs.append(self._new_record(op, _nbytes(p2p.tensor), p2p.group, peer=p2p.peer, device=device))
             with self._nested():
                 works = original(p2p_op_list)
+            if device is not None:
+                return self._batch_on_cuda(recs, works, tensors)
             if works and len(works) == len(recs):
                 works = [self._on_complete([rec], work) for rec, work in zip(recs, works)]
             elif works:
@@ -478,17 +527,37 @@ class CommTracker:
 
         return wrapper
 
+    def _batch_on_cuda(self, recs: list[_Record], works: list, tensors: list[Any]) -> list:
+        """One work per op, or NCCL's one coalesced work for the whole batch (no future): ended by events."""
+        if works and len(works) == len(recs):
+            for rec, work, tensor in zip(recs, works, tensors):
+                rec.end_event = self._cuda.end_after(work, rec.device, [tensor])
+        elif works:
+            end = self._cuda.end_after(works[-1], recs[0].device, tensors)
+            for rec in recs:
+                rec.end_event = end
+        for rec in recs:
+            rec.done = True
+        return works
+
     # ---------------------------------------------------------------- reading
     def drain(self) -> dict[str, OpTotals]:
         """Totals per op of the records completed since the last drain; pending ones stay for the next."""
         with self._lock:
             records, self._records = self._records, []
         totals = {op: OpTotals() for op in COMM_OPS}
-        pending = []
+        pending, done = [], []
         for rec in records:
             if not rec.done:
                 pending.append(rec)
                 continue
+            done.append(rec)
+        on_gpu = [rec for rec in done if rec.end_event is not None]
+        if on_gpu:  # their GPU start on the host clock, comparable across the ranks of a host (`peer_wait`)
+            starts = self._cuda.host_starts([(rec.device, rec.start_event, rec.end_event) for rec in on_gpu])
+            for rec, start_s in zip(on_gpu, starts):
+                rec.start_s = start_s
+        for rec in done:
             totals[rec.op].add(rec, rec.duration_s())
         with self._lock:
             self._records[:0] = pending

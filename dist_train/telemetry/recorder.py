@@ -192,8 +192,9 @@ class Telemetry:
                     rec[f"comm/{dim}/{op}/count"] = count / n
                     rec[f"comm/{dim}/{op}/bytes"] = nbytes / n
                     rec[f"comm/{dim}/{op}/time_s"] = time_s / n
-            if not self.tracker.cuda_events:  # wall-clock issue times: comparable across the ranks of a host
-                rec["_comm_calls"], rec["_comm_group_size"] = calls, group_sizes
+            # Issue times on the host's monotonic clock (CUDA events are mapped onto it): comparable across the
+            # ranks of a host, so each call's wait for late peers is split out (`wait_s`), on gloo and on NCCL.
+            rec["_comm_calls"], rec["_comm_group_size"] = calls, group_sizes
         rec.update(self.strategy.extra_metrics())
         rec["time/step_s"] = (self.step_end_s[-1] - self._window_start_s) / n
         if self.tracker is not None:  # collective time (an upper bound of the exposed part) and the rest
