@@ -96,3 +96,61 @@ def test_fp16_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path)
     every = train_ok(FP16, run_dir=tmp_path / "every", nproc=2, extra_env={"DIST_TRAIN_FAULT": "overflow@3"})
     assert one["skipped_steps"] == every["skipped_steps"] == 1
     assert one["losses"] == every["losses"]
+
+
+def test_a_checkpoint_keeps_the_cuda_generator_of_this_ranks_device_only(monkeypatch):
+    """Saved: this rank's GPU's state, not every visible GPU's; restored onto this rank's GPU whatever is visible."""
+    from dist_train.checkpoint import manager
+
+    saved_from, restored = [], []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: saved_from.append(device) or torch.tensor([7]))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every GPU's state saved"))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((int(state[0]), device)))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("every GPU's state restored"))
+    state = manager.rng_state(torch.device("cuda", 3))
+    assert saved_from == [torch.device("cuda", 3)]
+    manager.set_rng_state(state, torch.device("cuda", 0))  # resumed where this rank sees one GPU
+    assert restored == [(7, torch.device("cuda", 0))]
+    old = {**state, "cuda": [torch.tensor([1]), torch.tensor([2])]}  # an earlier checkpoint: every GPU's
+    manager.set_rng_state(old, torch.device("cuda", 1))
+    manager.set_rng_state(old, torch.device("cuda", 5))  # not saved: left alone
+    assert restored[1:] == [(2, torch.device("cuda", 1))]
+    cpu = manager.rng_state(torch.device("cpu"))
+    assert "cuda" not in cpu
+
+
+def test_fused_adamw_is_decided_by_the_runtimes_device_not_where_the_parameters_start():
+    """zero and accelerate build the optimizer before their engine moves the parameters to the GPU: they must get
+    the fused kernel as ddp and fsdp do, or a GPU comparison compares kernels too."""
+    from dist_train.config import OptimizerConfig, TrainConfig
+    from dist_train.optim import OptimizerFactory
+
+    params = [torch.nn.Parameter(torch.zeros(4))]  # still on the host, as zero3 builds its optimizer
+    on_gpu = OptimizerFactory(OptimizerConfig(), TrainConfig(), device=torch.device("cuda", 1))
+    assert on_gpu.build(params).defaults["fused"] is True
+    assert not on_gpu.build(params, on_device=False).defaults["fused"]  # DeepSpeed's optimizer offload
+    on_cpu = OptimizerFactory(OptimizerConfig(), TrainConfig(), device=torch.device("cpu"))
+    assert not on_cpu.build(params).defaults["fused"]
+
+
+def test_a_pipeline_stage_copies_its_batch_without_blocking_the_host(monkeypatch):
+    """On a GPU the first and last stages copy tokens and labels from pinned memory with non_blocking=True."""
+    from dist_train.contracts import Batch
+    from dist_train.strategies.pipeline import PipelineStrategy
+
+    copies = []
+
+    def to(self, *args, **kwargs):
+        copies.append(kwargs.get("non_blocking", False))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)  # what the prefetcher hands over
+    batch = Batch(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
+    stage = PipelineStrategy.__new__(PipelineStrategy)
+    stage.device = torch.device("cuda", 1)
+    for first, last in ((True, False), (False, True), (False, False)):
+        stage.is_first, stage.is_last = first, last
+        args, target = stage.stage_inputs(batch)
+        assert (len(args) == 1) == first and (target is not None) == last
+    assert copies and all(copies)  # every copy asynchronous; the middle stage made none

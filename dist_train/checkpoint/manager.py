@@ -51,18 +51,26 @@ log = logging.getLogger("dist_train")
 # --------------------------------------------------------------------------------------------------
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's generators: Python's, the CPU's and, on a GPU, its own device's only. (Every visible GPU's
+    state would be saved by every rank, and a resume that sees fewer GPUs would index one that is not there.)"""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if device.type != "cuda" or cuda is None:
+        return
+    if isinstance(cuda, (list, tuple)):  # every visible GPU's, as earlier checkpoints saved them: this device's
+        if device.index is None or device.index >= len(cuda):
+            return  # not saved: the device keeps its seeded generator (only dropout would differ)
+        cuda = cuda[device.index]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 def _rng_path(directory: Path, rank: int) -> Path:
@@ -122,7 +130,7 @@ class Checkpointer:
             (directory / TRAINER_STATE).write_text(json.dumps({**trainer_state, "step": step}, indent=1))
         rng = _rng_path(directory, self.runtime.rank)
         rng.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(), rng)
+        torch.save(rng_state(self.runtime.device), rng)
         with self._quiet():
             future = self.io.save(directory, background=self.background, group=self.group)
         if future is not None:
@@ -192,7 +200,7 @@ class Checkpointer:
             self.io.load(path)
         rng = _rng_path(path, self.runtime.rank)
         if rng.is_file():
-            set_rng_state(torch.load(rng, weights_only=True))
+            set_rng_state(torch.load(rng, weights_only=True), self.runtime.device)
         else:  # resumed on more ranks than saved: the new ranks keep their seeded generators
             log.warning("checkpoint %s has no RNG state for rank %d; it keeps its own", path, self.runtime.rank)
         return read_trainer_state(path)
