@@ -20,14 +20,20 @@ from dist_train.config import OptimizerConfig, TrainConfig
 class OptimizerFactory:
     optimizer: OptimizerConfig
     train: TrainConfig
+    # Where the optimizer steps: the runtime's device. It decides the fused kernel, not where the parameters
+    # happen to be when the optimizer is built (DeepSpeed and Accelerate move them afterwards). None: the
+    # parameters' device.
+    device: torch.device | None = None
 
-    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    def build(self, params: Iterable[torch.nn.Parameter], *, on_device: bool = True) -> torch.optim.Optimizer:
+        """on_device=False: the step runs on host copies (DeepSpeed's optimizer offload), never fused."""
         o, lr = self.optimizer, self.train.lr
         params = [p for p in params if p.requires_grad]
         if o.name in ("adamw", "adam"):
             cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+            fused = on_device and fused_on_device(params, device=self.device)
             return cls(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                       fused=fused_on_device(params) or None)
+                       fused=fused or None)
         if o.name == "sgd":
             return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay)
         if o.name == "adafactor":
@@ -52,11 +58,13 @@ class OptimizerFactory:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda step: schedule(step))
 
 
-def fused_on_device(params: list[torch.Tensor]) -> bool:
+def fused_on_device(params: list[torch.Tensor], *, device: torch.device | None = None) -> bool:
     """Whether Adam(W) takes its fused kernel: one launch per step for every tensor, where torch's default
-    (foreach) issues several per group. Only when every parameter is a floating-point CUDA tensor (a DTensor
-    shard included); on the CPU the default stays, so that CPU runs are the same arithmetic everywhere."""
-    return bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
+    (foreach) issues several per group. Only when every parameter is floating-point and the step runs on CUDA
+    (`device`, else the parameters' own; a DTensor shard included), so that every strategy of a GPU comparison
+    runs the same kernel; on the CPU the default stays, so that CPU runs are the same arithmetic everywhere."""
+    on_cuda = (lambda p: device.type == "cuda") if device is not None else (lambda p: p.device.type == "cuda")
+    return bool(params) and all(on_cuda(p) and p.is_floating_point() for p in params)
 
 
 class LOMO(torch.optim.Optimizer):

@@ -128,7 +128,7 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
         num_layers=run.model.num_layers, hidden_size=run.model.hidden_size, seq_len=t.seq_len,
     )
     ctx = StrategyContext(
-        runtime=runtime, train=t, precision=run.precision, optimizer=OptimizerFactory(run.optimizer, t),
+        runtime=runtime, train=t, precision=run.precision, optimizer=OptimizerFactory(run.optimizer, t, device=runtime.device),
         ddp_comm_hook=tracker.ddp_comm_hook if tracker is not None else None,
     )
     strategy = build_strategy(run.strategy, ctx)

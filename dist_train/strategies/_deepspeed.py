@@ -261,7 +261,7 @@ class ZeroStrategy:
             zero=self.cfg, train=self.ctx.train, precision=self.ctx.precision,
             data_parallel_size=self.cfg.data_parallel_size(rt.world_size),
         )
-        optimizer = self.ctx.optimizer.build(model.parameters())
+        optimizer = self.ctx.optimizer.build(model.parameters(), on_device=not self.cfg.offload_optimizer)
         self.engine = self._initialize(model, optimizer, self.ctx.optimizer.scheduler(optimizer), config)
         self._watch_transients()
 
