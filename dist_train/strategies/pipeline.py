@@ -411,12 +411,19 @@ class PipelineStrategy:
         self._losses.append(loss.detach())
         return loss / self.num_microbatches
 
+    def stage_inputs(self, batch: Batch) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """The first stage's tokens and the last stage's labels on this stage's device, copied the way `Batch.to`
+        copies (from pinned memory, without blocking the host on a GPU); a middle stage copies nothing."""
+        if not (self.is_first or self.is_last):
+            return (), None
+        moved = batch.to(self.device)
+        return ((moved.input_ids,) if self.is_first else ()), (moved.labels if self.is_last else None)
+
     def train_step(self, batch: Batch) -> StepOutput:
         assert self.opt is not None and self.schedule is not None, "setup() first"
         self.opt.zero_grad()
         self._losses = []
-        args = (batch.input_ids.to(self.device),) if self.is_first else ()
-        target = batch.labels.to(self.device) if self.is_last else None
+        args, target = self.stage_inputs(batch)
         self.clock.step_begin()
         self.schedule.step(*args, target=target, return_outputs=False)
         if self._tied_group is not None and self._tied is not None:
