@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch.distributed as dist  # noqa: E402
 
+from common import synchronize  # noqa: E402
 from reference import ReferenceLoop, Shape  # noqa: E402
 
 
@@ -90,15 +91,19 @@ def main() -> None:
         counter = iter(range(1, steps + 1))
         b_step = lambda: train_one_step(b, next(counter))  # noqa: E731
 
+    device = a.runtime.device  # cuda:LOCAL_RANK (else the CPU), as the reference loop takes it
+
     def timed(fn, *, inside_tracker: bool) -> float:
         with tracker.suspended():
             dist.barrier()
+        synchronize(device)  # the barrier's own work done: the clock starts on an idle device
         start = time.perf_counter()
         if inside_tracker:
             fn()
         else:
             with tracker.suspended():
                 fn()
+        synchronize(device)  # a GPU step returns once queued: read the clock when it has finished
         return time.perf_counter() - start
 
     ratios = []
