@@ -152,9 +152,19 @@ def step_env() -> dict[str, str]:
     # torchrun's rendezvous store is kept across restarts (--max-restarts) unless told otherwise, and a restarted
     # rank can then read the failed attempt's addresses (pytorch#135712); across nodes only this avoids it.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.update({k: v for k, v in flight_recorder_env(env).items() if k not in env})  # the user's settings win
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
+
+
+def flight_recorder_env(env: Mapping[str, str]) -> dict[str, str]:
+    """torch's NCCL flight recorder for a multi-node job: each rank keeps its last 2000 collectives and, when a
+    collective times out (a hung or lost rank), dumps them beside the job's output as slurm-<job>-fr-rank_<r>
+    (read them with `torchfrtrace`), instead of leaving a timeout with no trace of who waited for whom."""
+    prefix = Path(env.get("SLURM_SUBMIT_DIR", os.getcwd())) / f"slurm-{env.get('SLURM_JOB_ID', 'job')}-fr-rank_"
+    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": str(prefix)}
 
 
 def check_config(args: list[str], *, world_size: int) -> int:

@@ -154,3 +154,39 @@ def test_a_pipeline_stage_copies_its_batch_without_blocking_the_host(monkeypatch
         args, target = stage.stage_inputs(batch)
         assert (len(args) == 1) == first and (target is not None) == last
     assert copies and all(copies)  # every copy asynchronous; the middle stage made none
+
+
+def _telemetry(devices):
+    from types import SimpleNamespace
+
+    from dist_train.telemetry.recorder import Telemetry, Workload
+
+    runtime = SimpleNamespace(rank=0, is_main=True, has_group=False, device=devices[0])
+    sink = SimpleNamespace(on_step=lambda step: None)
+    return Telemetry(runtime=runtime, strategy=SimpleNamespace(devices=devices), sink=sink, skips_allowed=False,
+                     workload=Workload(tokens_per_step=1, samples_per_step=1, flops_per_token=1.0, peak_flops=None,
+                                       num_devices=len(devices)))
+
+
+def test_the_first_steps_end_is_read_after_the_gpus_finished_it_and_later_steps_add_no_sync(monkeypatch):
+    from dist_train.contracts import StepOutput
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    telemetry = _telemetry([torch.device("cuda", 2), torch.device("cuda", 3)])  # dp over two GPUs
+    out = StepOutput(loss_sum=None, num_microbatches=1, grad_norm=None)
+    telemetry.step_end(1, out)
+    assert synced == [torch.device("cuda", 2), torch.device("cuda", 3)] and telemetry.first_step_wall is not None
+    telemetry.step_end(2, out)
+    telemetry.step_end(3, out)
+    assert len(synced) == 2  # no sync in a step: only the first step's end and each window's end wait
+
+
+def test_a_checkpoints_allocations_are_not_the_next_windows_peak(monkeypatch):
+    from types import SimpleNamespace
+
+    resets = []
+    telemetry = _telemetry([torch.device("cpu")])
+    telemetry._host = SimpleNamespace(reset=lambda: resets.append("host"))
+    telemetry.add_checkpoint_time(0.5)
+    assert resets == ["host"] and telemetry._checkpoint_s == 0.5

@@ -54,3 +54,13 @@ def test_a_multi_task_srun_step_takes_its_rank_and_rendezvous_from_slurm(monkeyp
 def test_other_processes_are_left_alone(env):
     before = dict(env)
     assert not slurm.adopt_srun_env(env) and env == before
+
+
+def test_job_steps_keep_a_flight_record_that_a_timeout_dumps_beside_the_job(monkeypatch, tmp_path):
+    monkeypatch.setenv("SLURM_SUBMIT_DIR", str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")  # a user's own setting is kept
+    env = slurm.step_env()
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "slurm-4242-fr-rank_")

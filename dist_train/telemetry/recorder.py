@@ -93,8 +93,12 @@ class Telemetry:
         self.skipped_steps = skipped_steps
 
     def add_checkpoint_time(self, seconds: float) -> None:
-        """A save blocked the training this long; reported in the next window as `time/checkpoint_s` per step."""
+        """A save blocked the training this long; reported in the next window as `time/checkpoint_s` per step.
+
+        A save follows its step's window (a checkpoint step is a logged one): what it allocated (state dicts,
+        host staging copies) is not the next window's training, so the peaks start again after it."""
         self._checkpoint_s += seconds
+        self._reset_peaks()
 
     def start(self) -> None:
         self._reset_peaks()
@@ -113,17 +117,17 @@ class Telemetry:
 
     def step_end(self, step: int, out: StepOutput) -> None:
         self._window.append(_Pending(out.loss_sum, out.num_microbatches, out.grad_norm))
+        if self.first_step_wall is None:  # start-up cost: from the process's start to the first step's end
+            synchronize(self.strategy.devices)  # once: the GPU's work, not only its queueing, is the first step's
+            self.first_step_wall = time.time()
         self.step_end_s.append(time.perf_counter())
-        if self.first_step_wall is None:
-            self.first_step_wall = time.time()  # start-up cost: from the process's start to here
         self.sink.on_step(step)
 
     def log(self, step: int) -> None:
         """Close the window ending at `step` (1-based); every rank must call it."""
         if not self._window:
             return
-        if self.runtime.device.type == "cuda":
-            torch.cuda.synchronize(self.runtime.device)  # the one sync: at the window's end, not in a step
+        if synchronize(self.strategy.devices):  # the one sync: at the window's end, not in a step (every GPU of dp)
             self.step_end_s[-1] = time.perf_counter()
         first_step = step - len(self._window) + 1
         local = self._local_record(step)
@@ -317,3 +321,12 @@ class Telemetry:
                     row[key] = sum(values[i] * spans[i] for i in steady) / sum(spans[i] for i in steady)
             out.append(row)
         return out
+
+
+def synchronize(devices: list[torch.device]) -> bool:
+    """Wait for the work queued on these CUDA devices; False (nothing waited for) on the CPU."""
+    cuda = [d for d in devices if d.type == "cuda"]
+    for d in cuda:
+        torch.cuda.synchronize(d)
+    return bool(cuda)
+
