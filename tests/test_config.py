@@ -38,6 +38,8 @@ def test_defaults_validate_for_one_and_two_processes():
         (["train.global_batch_size=6", "train.micro_batch_size=2"], 2, "data-parallel size (2)"),
         (["train.steps=-1"], 1, "train.steps=-1 must be >= 1"),
         (["strategy=dp"], 2, "strategy=dp"),
+        (["strategy=dp", "strategy.device_ids=[]"], 1, "strategy.device_ids=[] must be distinct GPU indices"),
+        (["strategy=dp", "strategy.device_ids=[1,1]"], 1, "strategy.device_ids=[1, 1] must be distinct"),
         (["strategy=single"], 2, "strategy=single"),
         (["data=textfile"], 1, "data.path"),
         (["data=textfile", "data.path=/nonexistent/file.txt"], 1, "data.path='/nonexistent/file.txt'"),

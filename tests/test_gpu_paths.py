@@ -190,3 +190,12 @@ def test_a_checkpoints_allocations_are_not_the_next_windows_peak(monkeypatch):
     telemetry._host = SimpleNamespace(reset=lambda: resets.append("host"))
     telemetry.add_checkpoint_time(0.5)
     assert resets == ["host"] and telemetry._checkpoint_s == 0.5
+
+
+def test_dp_device_ids_beyond_the_visible_gpus_is_one_line(gpus):
+    from dist_train.strategies.dp import DPConfig
+
+    gpus(2)
+    DPConfig(device_ids=[1, 0]).check(1)
+    with pytest.raises(ConfigError, match=r"strategy.device_ids=\[2, 3\] names a GPU beyond the 2 visible"):
+        DPConfig(device_ids=[2, 3]).check(1)

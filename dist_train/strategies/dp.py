@@ -45,6 +45,18 @@ class DPConfig(StrategyConfig):
             f"strategy=dp is single-process nn.DataParallel but WORLD_SIZE={world_size}; "
             "launch it with `python launch/train.py strategy=dp` (no torchrun) or use strategy=ddp",
         )
+        if self.device_ids is not None:
+            ids = list(self.device_ids)
+            require(
+                bool(ids) and all(i >= 0 for i in ids) and len(set(ids)) == len(ids),
+                f"strategy.device_ids={ids} must be distinct GPU indices >= 0 (or null: every visible GPU)",
+            )
+            import torch
+
+            if torch.cuda.is_available():
+                count = torch.cuda.device_count()
+                require(max(ids) < count, f"strategy.device_ids={ids} names a GPU beyond the {count} visible ones "
+                                          f"(indices 0..{count - 1})")
 
 
 class AutocastReplica(nn.Module):
