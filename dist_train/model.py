@@ -115,35 +115,71 @@ class NEFTune:
     """NEFTune (Jain et al. 2023): noise on the token embeddings while training, as a forward hook on the
     embedding module (so it survives any wrapping, and a pipeline's first stage keeps it).
 
-    Each sample's noise is drawn from a generator seeded by the run's seed, the step (`begin_step`, set by
-    the loop) and the sample's tokens, so a sample gets the same noise whichever rank, micro-batch or
-    pipeline stage embeds it: every strategy still trains the same way. In eval mode the output is untouched."""
+    Each sample's noise is a function of the run's seed, the step (`begin_step`, set by the loop) and the
+    sample's tokens, so a sample gets the same noise whichever rank, micro-batch or pipeline stage embeds it:
+    every strategy still trains the same way. In eval mode the output is untouched.
+
+    The noise is made where the output lives, with no host synchronisation: a counter-based hash (splitmix64 in
+    int64 tensor ops) of the sample's key and each element's index, its top 24 bits read as uniform in [0, 1).
+    It is built `_CHUNK_ELEMENTS` at a time (at least one sample's worth): at most two int64 temporaries at
+    once, 16 bytes per element of a chunk (64 MiB), besides the noise itself in the output's dtype."""
+
+    _CHUNK_ELEMENTS = 1 << 22
+    # splitmix64's constants, as the signed int64s with the same bits (all three have the top bit set)
+    _GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
     def __init__(self, *, alpha: float, seed: int) -> None:
         self.alpha, self.seed, self.step = alpha, seed, 0
-        self._weights: dict[int, torch.Tensor] = {}  # sequence length -> the weights that hash a row's tokens
+        # (sequence length, device) -> the weights that hash a row's tokens; drawn on the CPU once, moved once
+        self._weights: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def begin_step(self, step: int) -> None:
         self.step = step
 
-    def _sample_seed(self, tokens: torch.Tensor) -> int:
-        n = tokens.numel()
-        if n not in self._weights:
-            self._weights[n] = torch.randint(1, 2**31 - 1, (n,), generator=torch.Generator().manual_seed(self.seed))
-        content = int((tokens.cpu().long() * self._weights[n]).sum())
-        return (self.seed * 1_000_003 + self.step * 7_919 + content) % (2**63 - 1)
+    @staticmethod
+    def _splitmix64_(z: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        """splitmix64's finaliser (Steele et al. 2014), in place on the int64 tensor `z`, with `scratch` (same
+        shape) as its only temporary. Products wrap mod 2**64 as in C; torch's `>>` on int64 is arithmetic, so
+        each logical shift masks off the copied sign bits. Integer ops are exact: every device gives these bits."""
+        for shift, mult in ((30, NEFTune._MIX1), (27, NEFTune._MIX2), (31, None)):
+            torch.bitwise_right_shift(z, shift, out=scratch)
+            z.bitwise_xor_(scratch.bitwise_and_((1 << (64 - shift)) - 1))
+            if mult is not None:
+                z.mul_(mult)
+        return z
+
+    def _row_keys(self, rows: torch.Tensor) -> torch.Tensor:
+        """One int64 key per row of token ids, from its tokens, the seed and the step, computed on its device."""
+        n, device = rows.shape[-1], rows.device
+        if (n, device) not in self._weights:
+            weights = torch.randint(1, 2**31 - 1, (n,), generator=torch.Generator().manual_seed(self.seed))
+            self._weights[(n, device)] = weights.to(device)
+        salt = (self.seed * 1_000_003 + self.step * 7_919) % (2**63 - 1)
+        keys = (rows.long() * self._weights[(n, device)]).sum(-1).add_(salt)  # wraps mod 2**64, in any order
+        return self._splitmix64_(keys, torch.empty_like(keys))  # rows whose sums are close get unrelated streams
+
+    def _noise(self, rows: torch.Tensor, *, width: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """`scale` * uniform [-1, 1) noise, (rows, width) in `dtype`: element i of a row is hashed from (key, i)."""
+        keys = self._row_keys(rows)
+        counters = torch.arange(1, width + 1, device=rows.device, dtype=torch.long).mul_(self._GOLDEN)
+        noise = torch.empty(rows.shape[0], width, device=rows.device, dtype=dtype)
+        per_chunk = max(1, self._CHUNK_ELEMENTS // width)
+        for start in range(0, rows.shape[0], per_chunk):
+            z = keys[start:start + per_chunk, None] + counters  # splitmix64's state of each element
+            bits = self._splitmix64_(z, torch.empty_like(z)).bitwise_right_shift_(40).bitwise_and_((1 << 24) - 1)
+            uniform = bits.float().mul_(2.0 ** -23).sub_(1.0)  # exact: 24 bits fit a float's mantissa
+            noise[start:start + per_chunk] = uniform.mul_(scale)
+        return noise
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         if not module.training or self.alpha == 0:
             return output
         ids = local_tensor(args[0])  # a replicated DTensor under tensor parallelism
         seq_len, hidden = output.shape[-2], output.shape[-1]
-        scale = self.alpha / math.sqrt(seq_len * hidden)
-        noise = torch.stack([
-            torch.rand(seq_len, hidden, generator=torch.Generator().manual_seed(self._sample_seed(row))) * 2 - 1
-            for row in ids.reshape(-1, seq_len)
-        ]).reshape(output.shape)
-        return output + (scale * noise).to(device=output.device, dtype=output.dtype)
+        rows = ids.reshape(-1, seq_len).to(output.device)
+        noise = self._noise(rows, width=seq_len * hidden, scale=self.alpha / math.sqrt(seq_len * hidden),
+                            dtype=output.dtype)
+        return output + noise.reshape(output.shape)
 
 
 def apply_neftune(model: nn.Module, *, alpha: float, seed: int) -> NEFTune:
