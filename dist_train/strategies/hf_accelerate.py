@@ -42,6 +42,11 @@ PLUGINS = ("ddp", "fsdp", "deepspeed")
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """One device, whatever its spelling (Accelerate says cpu:0 where the runtime says cpu)."""
+    return a.type == b.type and (a.type != "cuda" or a.index == b.index)
+
+
 @dataclass
 class AccelerateConfig(StrategyConfig):
     """The model prepared by accelerate.Accelerator (DDP or FSDP2), the loop and optimizer shared."""
@@ -176,7 +181,7 @@ class AccelerateWrapper:
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         self.accelerator = self._accelerator(model)
-        if self.accelerator.device != self.ctx.runtime.device:  # both take cuda:LOCAL_RANK; said, not assumed
+        if not same_device(self.accelerator.device, self.ctx.runtime.device):  # both take cuda:LOCAL_RANK: checked
             raise RuntimeError(f"Accelerate chose {self.accelerator.device}, dist_train's runtime "
                                f"{self.ctx.runtime.device}: one rank would train on two devices")
         wrapped, _ = self.accelerator.prepare(model, optimizer)
