@@ -17,7 +17,10 @@ def validate(run: RunConfig, world_size: int) -> None:
     """Raise ConfigError (one line) for the first value that cannot run with `world_size` processes.
 
     A null train.global_batch_size is filled in here (config.resolve_global_batch), before the checks that
-    divide it."""
+    divide it, and `model.path=DIR` fills the model group from the directory's config.json (pretrained.resolve_model)."""
+    from dist_train.pretrained import resolve_model
+
+    resolve_model(run.model)
     validate_fields(run)
     _check_resume(run.checkpoint.resume)
     require(world_size >= 1, f"WORLD_SIZE={world_size} must be >= 1")

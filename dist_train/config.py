@@ -58,6 +58,9 @@ class StrategyConfig:
     # peft=qlora: the packed 4-bit weights and their scales stay whole on every rank (nothing shards or splits
     # a parameter), and it is tested.
     keeps_packed_weights: ClassVar[bool] = False
+    # A pretrained model directory is built on the meta device, sharded by this strategy, then each rank reads
+    # only its own slices from the files (pretrained.materialize): set-up never holds the whole model.
+    builds_on_meta: ClassVar[bool] = False
 
     @property
     def needs_process_group(self) -> bool:
@@ -132,6 +135,13 @@ class ModelConfig:
     max_seq_len: int = 128
     tie_embeddings: bool = False
     dropout: float = 0.0
+    # model=hf: a local transformers model directory (config.json, and weights if any); its config.json fills
+    # the fields above (dist_train/pretrained.py). None: a preset built from the fields above.
+    path: Optional[str] = None
+    # pretrained | random; None: pretrained when the directory holds weights, else random.
+    init: Optional[str] = None
+    # Run modelling code shipped with the directory (config.json's auto_map): only for code you trust.
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -359,7 +369,8 @@ def validate_fields(run: RunConfig) -> None:
     require(t.lr_warmup_steps >= 0, f"train.lr_warmup_steps={t.lr_warmup_steps} must be >= 0")
     require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
 
-    choice("model.arch", m.arch, MODEL_ARCHS)
+    if m.path is None:  # a directory's config.json names any architecture transformers builds
+        choice("model.arch", m.arch, MODEL_ARCHS)
     for key in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len"):
         value = getattr(m, key)
         require(value >= 1, f"model.{key}={value} must be >= 1")

@@ -16,12 +16,36 @@ from dist_train.config import ModelConfig
 from dist_train.contracts import local_tensor
 
 
-def build_model(cfg: ModelConfig, *, seed: int) -> nn.Module:
-    """Build the model on the CPU in fp32 with weights drawn from `seed` (identical on every rank)."""
+def build_model(cfg: ModelConfig, *, seed: int, meta: bool = False) -> nn.Module:
+    """Build the model on the CPU in fp32 with weights drawn from `seed` (identical on every rank), or, for a model
+    directory with `model.init=pretrained`, its weights read from the files.
+
+    meta: build on the meta device instead (a pretrained directory only): the strategy shards it, then each rank
+    reads only its own slices (pretrained.materialize)."""
     torch.manual_seed(seed)
-    model = _build_gpt2(cfg) if cfg.arch == "gpt2" else _build_llama(cfg)
+    if cfg.path is not None:
+        model = _build_from_dir(cfg, meta=meta)
+    else:
+        model = _build_gpt2(cfg) if cfg.arch == "gpt2" else _build_llama(cfg)
     model.train()
     return model
+
+
+def _build_from_dir(cfg: ModelConfig, *, meta: bool) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from dist_train.pretrained import ModelDir
+
+    d = ModelDir.open(cfg.path)
+    hf = d.config(trust_remote_code=cfg.trust_remote_code, dropout=cfg.dropout)
+    if meta:
+        assert cfg.init == "pretrained", "a meta build is filled from the files only"
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+    if cfg.init == "pretrained":
+        return AutoModelForCausalLM.from_pretrained(
+            d.path, config=hf, dtype=torch.float32, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+    return AutoModelForCausalLM.from_config(hf, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
 
 
 def _build_gpt2(cfg: ModelConfig) -> nn.Module:
@@ -223,6 +247,19 @@ def quantize_base(model: nn.Module, targets: list[str], *, quant_type: str, comp
         model.set_submodule(name, layer)
 
 
+def default_lora_targets(model: nn.Module, arch: str) -> list[str]:
+    """GPT-2's fused projections, else the Llama-style names (q/k/v/o, gate/up/down: Llama, Mistral, Qwen, Gemma,
+    ...) that this model has; a model with none of them needs peft.target_modules."""
+    if arch in LORA_TARGETS:
+        return LORA_TARGETS[arch]
+    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    found = [t for t in LORA_TARGETS["llama"] if t in leaves]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has none of the projections LoRA adapts by default "
+                         f"({', '.join(LORA_TARGETS['llama'])}): set peft.target_modules=[...]")
+    return found
+
+
 def apply_lora(model: nn.Module, peft: Any, *, seed: int, compute_dtype: torch.dtype = torch.float32) -> None:
     """LoRA adapters (Hu et al. 2021, through peft) on the target projections, in place; everything else frozen.
 
@@ -232,7 +269,7 @@ def apply_lora(model: nn.Module, peft: Any, *, seed: int, compute_dtype: torch.d
     from peft import LoraConfig, inject_adapter_in_model
 
     arch = model.config.model_type
-    targets = list(peft.target_modules or LORA_TARGETS[arch])
+    targets = list(peft.target_modules or default_lora_targets(model, arch))
     if peft.name == "qlora":
         quantize_base(model, targets, quant_type=peft.quant_type, compute_dtype=compute_dtype)
     config = LoraConfig(

@@ -42,6 +42,9 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
         check_device(run)
         # The derived global batch (train.global_batch_size=null) is what config.yaml, W&B and checkpoints record.
         cfg.train.global_batch_size = run.train.global_batch_size
+        for key in ("name", "arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
+                    "vocab_size", "max_seq_len", "tie_embeddings", "path", "init"):  # model=hf: what config.json said
+            cfg.model[key] = getattr(run.model, key)
         fault = fault_from_env()
         resume = resume_point(run, world_size=world_size, run_dir=Path(hydra_run_dir()))
     except ConfigError as exc:

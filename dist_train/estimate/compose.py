@@ -31,9 +31,17 @@ def compose_training_config(overrides: list[str], *, validated: bool = True) -> 
             cfg = compose(config_name="config", overrides=list(overrides))
     finally:
         GlobalHydra.instance().clear()
+    from dataclasses import asdict
+
+    from dist_train.pretrained import resolve_model
+
+    run = OmegaConf.to_object(cfg)
+    resolve_model(run.model)  # type: ignore[union-attr]  # model=hf: the sizes come from the directory's config.json
     if validated:
-        validate_fields(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+        validate_fields(run)  # type: ignore[arg-type]
+    out = OmegaConf.to_container(cfg, resolve=True)
+    out["model"] = asdict(run.model)  # type: ignore[union-attr,index]
+    return out  # type: ignore[return-value]
 
 
 def model_config(name: str) -> dict[str, Any]:

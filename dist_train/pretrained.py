@@ -1,0 +1,239 @@
+"""A local Hugging Face model directory (`model=hf model.path=DIR`): its config, its weights, read safely.
+
+Nothing is downloaded: a hub name, or a directory that holds no `config.json`, is one ConfigError line. A model
+directory is data, not code: a config that needs the repository's own modelling code (`auto_map`) is refused
+unless `model.trust_remote_code=true`. `.bin` weights are read with `torch.load(weights_only=True)`; a file that
+fails that is refused, never unpickled.
+
+The directory's `config.json` also fills the run's `model` group (layers, widths, heads, vocabulary, context), so
+validation, FLOPs and the estimator see the same model the strategies build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dist_train.config import ConfigError, ModelConfig, require
+
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+INITS = ("pretrained", "random")
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    path: Path
+
+    @classmethod
+    def open(cls, path: str | None) -> "ModelDir":
+        """The directory `model.path` names, checked: a ConfigError line for anything that is not one."""
+        require(bool(path), "model=hf needs model.path=DIR: a local directory with a transformers config.json "
+                            "(save_pretrained's output)")
+        p = Path(os.path.expanduser(str(path)))
+        if not p.exists():
+            hub = "/" in str(path) and not str(path).startswith(("/", ".", "~")) and str(path).count("/") == 1
+            raise ConfigError(
+                f"model.path={path!r} is not a local directory"
+                + ("; it looks like a hub name, and dist_train downloads nothing: fetch it first (e.g. "
+                   f"`huggingface-cli download {path} --local-dir DIR`) and pass model.path=DIR" if hub else "")
+            )
+        require(p.is_dir(), f"model.path={path!r} is a file, not a model directory")
+        require((p / "config.json").is_file(),
+                f"model.path={path!r} has no config.json: not a transformers model directory (save_pretrained writes one)")
+        return cls(p.resolve())
+
+    # ------------------------------------------------------------------ config
+    def raw_config(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.path / "config.json").read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"model.path={self.path}: config.json is not valid JSON ({exc.msg}, line {exc.lineno})")
+
+    def needs_remote_code(self) -> bool:
+        """Whether the config names modelling code shipped with the directory (`auto_map`)."""
+        return bool(self.raw_config().get("auto_map"))
+
+    def config(self, *, trust_remote_code: bool = False, dropout: float | None = None) -> Any:
+        """transformers' config for this directory (local files only). `dropout` replaces every dropout
+        probability the config sets (dist_train's promise of one training for every strategy needs it fixed)."""
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoConfig
+
+        if self.needs_remote_code():
+            require(trust_remote_code,
+                    f"model.path={self.path}: its config.json names modelling code shipped with the directory (auto_map); "
+                    "it runs only with model.trust_remote_code=true, if you trust that code")
+        try:
+            cfg = AutoConfig.from_pretrained(self.path, local_files_only=True, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"model.path={self.path}: transformers cannot read its config.json "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
+        cfg.use_cache = False
+        if dropout is not None:
+            for key, value in list(cfg.to_dict().items()):
+                if (key.endswith("dropout") or key.endswith("pdrop")) and isinstance(value, float):
+                    setattr(cfg, key, dropout)
+        return cfg
+
+    # ------------------------------------------------------------------ weights
+    def weight_files(self) -> list[Path]:
+        """The weight files, in the index's order where there is one; [] when the directory holds none."""
+        for index, single in ((SAFETENSORS_INDEX, SAFETENSORS), (BIN_INDEX, BIN)):
+            if (self.path / index).is_file():
+                weight_map = json.loads((self.path / index).read_text()).get("weight_map", {})
+                return [self.path / name for name in dict.fromkeys(weight_map.values())]
+            if (self.path / single).is_file():
+                return [self.path / single]
+        return sorted(self.path.glob("*.safetensors"))
+
+    @property
+    def has_weights(self) -> bool:
+        return bool(self.weight_files())
+
+    def check_bin_files(self) -> None:
+        """Every .bin file loads with weights_only=True (tensors only), or a ConfigError line: never unpickled."""
+        import pickle
+
+        import torch
+
+        for f in self.weight_files():
+            if f.suffix != ".bin":
+                continue
+            try:
+                torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as exc:
+                raise ConfigError(f"{f}: refused, it does not load with torch.load(weights_only=True) (it holds more than "
+                                  "tensors, and unpickling it could run code); convert it to safetensors") from exc
+
+    def tensors(self, names: set[str] | None = None) -> Iterator[tuple[str, Any]]:
+        """(name, tensor) from the files one file at a time, only `names` if given: at most one file's
+        tensors (safetensors: one tensor) in memory beside what the caller keeps."""
+        import torch
+
+        for f in self.weight_files():
+            if f.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(f, framework="pt") as handle:
+                    for name in handle.keys():
+                        if names is None or name in names:
+                            yield name, handle.get_tensor(name)
+            else:
+                state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                for name, tensor in state.items():
+                    if names is None or name in names:
+                        yield name, tensor
+
+    def rows(self, name: str, start: int, stop: int) -> Any:
+        """Rows [start, stop) of tensor `name` (dim 0), reading only those bytes from a safetensors file."""
+        import torch
+
+        for f in self.weight_files():
+            if f.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(f, framework="pt") as handle:
+                    if name in handle.keys():
+                        return handle.get_slice(name)[start:stop]
+            else:
+                state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                if name in state:
+                    return state[name][start:stop]
+        raise KeyError(name)
+
+    def names(self) -> set[str]:
+        """The tensor names the files hold."""
+        out: set[str] = set()
+        for f in self.weight_files():
+            if f.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(f, framework="pt") as handle:
+                    out.update(handle.keys())
+            else:
+                import torch
+
+                out.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True).keys())
+        return out
+
+
+def resolve_model(model: ModelConfig) -> None:
+    """For `model.path=DIR`: check the directory, choose the init, and fill the model group from its config.json.
+    A preset (no path) is left as it is."""
+    if model.path is None:
+        return
+    d = ModelDir.open(model.path)
+    if model.init is not None:
+        require(model.init in INITS, f"model.init={model.init!r} is not supported; allowed: {', '.join(INITS)}")
+    weights = d.has_weights
+    init = model.init or ("pretrained" if weights else "random")
+    require(init == "random" or weights,
+            f"model.init=pretrained but model.path={model.path} holds no weights (model.safetensors, an index of "
+            "shards, or pytorch_model.bin); use model.init=random to train it from scratch")
+    if init == "pretrained":
+        d.check_bin_files()
+    cfg = d.config(trust_remote_code=model.trust_remote_code, dropout=model.dropout)
+    model.init = init
+    model.path = str(d.path)
+    if model.name in ("hf", "", None):
+        model.name = d.path.name
+    model.arch = str(cfg.model_type)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    model.num_layers = int(text.num_hidden_layers)
+    model.hidden_size = int(text.hidden_size)
+    model.num_heads = int(text.num_attention_heads)
+    model.num_kv_heads = getattr(text, "num_key_value_heads", None)
+    model.ffn_hidden_size = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None)
+    model.vocab_size = int(text.vocab_size)
+    model.max_seq_len = int(getattr(text, "max_position_embeddings", 0) or model.max_seq_len)
+    model.tie_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+
+
+def materialize(model: Any, model_dir: ModelDir, device: Any) -> None:
+    """Give a model built on meta, and sharded since, real storage on `device` and fill it from the files: each
+    rank reads only the rows of its own shard (safetensors' slices), so set-up never holds the whole model.
+
+    The non-persistent buffers (rotary frequencies) are recomputed by transformers' own init of the modules that
+    hold them (`to_empty` leaves garbage there, transformers#34234); every parameter and saved buffer then comes
+    from the files. A tied head shares the embedding's parameter, which is loaded once.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            if next(module.buffers(recurse=False), None) is not None:
+                model._init_weights(module)
+        saved = model_dir.names()
+        targets = dict(model.named_parameters())
+        targets.update({n: b for n, b in model.named_buffers() if n in saved})
+        missing = sorted(n for n in targets if n not in saved)
+        if missing:
+            raise ValueError(f"{model_dir.path}: no weights for {len(missing)} of the model's tensors, e.g. "
+                             f"{missing[0]!r} (the files hold {len(saved)}, e.g. {sorted(saved)[0]!r})")
+        for name, target in targets.items():
+            if not isinstance(target, DTensor):
+                target.copy_(model_dir.rows(name, 0, target.shape[0]) if target.dim() else _whole(model_dir, name))
+                continue
+            placements = target.placements
+            if not all(isinstance(p, (Shard, Replicate)) and (not isinstance(p, Shard) or p.dim == 0)
+                       for p in placements):
+                raise NotImplementedError(f"{name}: loading a shard placed {placements} is not supported")
+            local = target.to_local()
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, placements)
+            if shape[0]:
+                local.copy_(model_dir.rows(name, offset[0], offset[0] + shape[0]))
+
+
+def _whole(model_dir: ModelDir, name: str) -> Any:
+    for key, tensor in model_dir.tensors({name}):
+        return tensor
+    raise KeyError(name)
