@@ -112,7 +112,11 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     from dist_train.config import PRECISIONS
 
     t = run.train
-    model = build_model(run.model, seed=t.seed)
+    meta = on_meta(run)
+    model = build_model(run.model, seed=t.seed, meta=meta)
+    if run.model.path is not None:
+        log.info("model.path=%s: %s weights, %s", run.model.path, run.model.init,
+                 "built on meta, each rank reads its own shard from the files" if meta else "built whole on each rank")
     if run.peft.name != "none":  # a model transform, like checkpointing: before any wrapping
         compute_dtype = getattr(torch, PRECISIONS[run.precision.name][0])  # QLoRA's 4-bit layers compute in it
         apply_lora(model, run.peft, seed=t.seed, compute_dtype=compute_dtype)
@@ -130,6 +134,7 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     ctx = StrategyContext(
         runtime=runtime, train=t, precision=run.precision, optimizer=OptimizerFactory(run.optimizer, t, device=runtime.device),
         ddp_comm_hook=tracker.ddp_comm_hook if tracker is not None else None,
+        materialize=_materializer(run, runtime) if meta else None,
     )
     strategy = build_strategy(run.strategy, ctx)
     strategy.setup(model)
@@ -137,6 +142,20 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
         tracker.name_groups(getattr(strategy, "mesh_groups", dict)())
     neftune = apply_neftune(model, alpha=t.neftune_alpha, seed=t.seed) if t.neftune_alpha > 0 else None
     return strategy, num_params, num_trainable, fpt, neftune
+
+
+def on_meta(run: RunConfig) -> bool:
+    """Whether the model is built on meta and each rank loads only its shard: a pretrained directory under a
+    strategy that shards on meta (fsdp). LoRA's adapters are made on the built model: it is loaded whole."""
+    m = run.model
+    return m.path is not None and m.init == "pretrained" and run.peft.name == "none" and run.strategy.builds_on_meta
+
+
+def _materializer(run: RunConfig, runtime: Any) -> Any:
+    from dist_train.pretrained import ModelDir, materialize
+
+    model_dir = ModelDir.open(run.model.path)
+    return lambda wrapped: materialize(wrapped, model_dir, runtime.device)
 
 
 def _telemetry(session: Session, tracker: Any, *, saved: dict[str, Any], device_name: str) -> Any:

@@ -35,6 +35,9 @@ class StrategyContext:
     optimizer: OptimizerFactory
     # A DDP comm hook through which telemetry sees the reducer's all-reduces (None: telemetry off).
     ddp_comm_hook: Callable[..., Any] | None = None
+    # A model built on meta (strategy trait builds_on_meta): called on the wrapped model to give it storage and
+    # weights, before the optimizer is built.
+    materialize: Callable[[nn.Module], None] | None = None
 
 
 def check_tensor_parallel(run: RunConfig, tp: int, *, what: str) -> None:

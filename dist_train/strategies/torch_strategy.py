@@ -38,6 +38,8 @@ class TorchStrategy:
     def setup(self, model: nn.Module) -> None:
         self.model = model
         self.wrapped = self.wrapper.wrap(model)
+        if self.ctx.materialize is not None:  # built on meta: storage and weights now that it is sharded
+            self.ctx.materialize(self.wrapped)
         # After wrapping: FSDP2's parameters are DTensor shards only from here on.
         self.opt = LocalOptimizer(self.ctx, list(self.wrapped.parameters()))
 

@@ -85,6 +85,7 @@ class Telemetry:
     skipped_steps: int = 0  # fp16: steps the loss scaler skipped
     first_step_wall: float | None = None  # wall clock (epoch s) when this process finished its first step
     _checkpoint_s: float = 0.0  # time the window's steps waited for checkpoint saves
+    _setup_peaks: dict[str, int] = field(default_factory=dict)  # memory/setup_peak_*: set-up's peaks, read at start
 
     def restore(self, *, losses: list[float], history: list[list[dict[str, Any]]], skipped_steps: int = 0) -> None:
         """Continue a resumed run's record: the losses of the steps before it, and the windows metrics.jsonl holds."""
@@ -101,6 +102,7 @@ class Telemetry:
         self._reset_peaks()
 
     def start(self) -> None:
+        self._setup_peaks = setup_peaks(self.strategy.devices)  # before the first step: what set-up itself held
         self._reset_peaks()
         if self.tracker is not None:
             self.tracker.drain()  # set-up traffic (DDP's initial broadcast, ...) is not a step's
@@ -181,6 +183,7 @@ class Telemetry:
                 rec["memory/weight_copies_bytes"] = self.activations.weights_peak_bytes
         rec.update(cuda_peaks(self.strategy.devices))
         rec["memory/peak_rss_bytes"] = self._host.peak_bytes()
+        rec.update(self._setup_peaks)
         if self.tracker is not None:
             calls: dict[str, Any] = {}
             group_sizes: dict[str, int] = {}
@@ -329,4 +332,18 @@ def synchronize(devices: list[torch.device]) -> bool:
     for d in cuda:
         torch.cuda.synchronize(d)
     return bool(cuda)
+
+
+def setup_peaks(devices: list[torch.device]) -> dict[str, int]:
+    """This process's peaks from its start to now (the end of set-up): resident host memory (the kernel's own
+    high-water mark, imports included) and, on CUDA, the allocator's."""
+    import resource
+    import sys
+
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {"memory/setup_peak_rss_bytes": maxrss if sys.platform == "darwin" else maxrss * 1024}
+    cuda = [d for d in devices if d.type == "cuda"]
+    if cuda:
+        out["memory/setup_peak_allocated_bytes"] = max(torch.cuda.max_memory_allocated(d) for d in cuda)
+    return out
 
