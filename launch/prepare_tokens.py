@@ -1,6 +1,6 @@
 """Tokenize a local text file or dataset into a token file for `data=tokens` (nanoGPT's .bin: raw uint16/uint32 ids).
 
-    python launch/prepare_tokens.py SOURCE OUT.bin [--tokenizer byte|NAME|DIR] [--append-eos]
+    python launch/prepare_tokens.py SOURCE OUT.bin [--tokenizer byte|NAME|DIR] [--model DIR] [--append-eos]
                                     [--split train] [--text-column text]
 
 SOURCE is a local text file, or a local Hugging Face `datasets` dataset: a directory that `save_to_disk`
@@ -12,7 +12,11 @@ one already in the local Hugging Face cache. Nothing is downloaded: a tokenizer 
 offline is one error line. OUT.json beside OUT.bin records the dtype, the vocabulary size, the tokenizer and
 the token count; training checks the model's vocabulary against it.
 
-Then: `python launch/train.py data=tokens data.path=OUT.bin model.vocab_size=<at least the vocabulary>`.
+`--model DIR` names the model directory you will train (`model=hf model.path=DIR`): its tokenizer is then the
+default.
+
+Then: `python launch/train.py data=tokens data.path=OUT.bin model.vocab_size=<at least the vocabulary>`, or with
+your own model `python launch/train.py model=hf model.path=DIR data=tokens data.path=OUT.bin`.
 """
 
 import argparse
@@ -26,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from dist_train.entry import report_config_error  # noqa: E402
 
-USAGE = "python launch/prepare_tokens.py SOURCE OUT.bin [--tokenizer byte|NAME|DIR] [--append-eos] [--split S] " \
+USAGE = "python launch/prepare_tokens.py SOURCE OUT.bin [--tokenizer byte|NAME|DIR] [--model DIR] [--append-eos] [--split S] " \
         "[--text-column C]"
 
 
@@ -62,6 +66,16 @@ def tokenize(documents: list[str], tokenizer_name: str, *, append_eos: bool) -> 
         if append_eos and tok.eos_token_id is not None:
             ids.append(tok.eos_token_id)
     return ids, len(tok), getattr(tok, "name_or_path", tokenizer_name)
+
+
+def model_tokenizer(model: Path | None) -> str:
+    """The tokenizer of the model directory you will train (`--model`), else the byte tokenizer."""
+    if model is None:
+        return "byte"
+    if not (model / "tokenizer.json").is_file() and not (model / "tokenizer_config.json").is_file():
+        raise ValueError(f"--model={model}: no tokenizer files there (tokenizer.json or tokenizer_config.json); "
+                         "pass --tokenizer=DIR|byte")
+    return str(model)
 
 
 def read_documents(source: Path, *, split: str, text_column: str) -> list[str]:
@@ -108,7 +122,10 @@ def main() -> int:
     parser = _OneLineParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("source", type=Path, help="a local text file, or a directory datasets' save_to_disk wrote")
     parser.add_argument("out", type=Path, help="the token file to write (OUT.bin; OUT.json beside it)")
-    parser.add_argument("--tokenizer", default="byte", help="byte, a local tokenizer directory, or a cached name")
+    parser.add_argument("--tokenizer", default=None,
+                        help="byte, a local tokenizer directory, or a cached name (default: --model's, else byte)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="the model directory you will train (model=hf model.path=DIR): its tokenizer by default")
     parser.add_argument("--append-eos", action="store_true", help="end each document with the tokenizer's EOS token")
     parser.add_argument("--split", default="train", help="a dataset's split (a DatasetDict)")
     parser.add_argument("--text-column", default="text", help="a dataset's column of documents")
@@ -116,13 +133,15 @@ def main() -> int:
     if args.out.suffix != ".bin":
         return report_config_error(f"out={args.out}: name the token file *.bin (its metadata goes to *.json)")
     try:
+        tokenizer = args.tokenizer or model_tokenizer(args.model)
         documents = read_documents(args.source, split=args.split, text_column=args.text_column)
-        ids, vocab, name = tokenize(documents, args.tokenizer, append_eos=args.append_eos)
+        ids, vocab, name = tokenize(documents, tokenizer, append_eos=args.append_eos)
     except ValueError as exc:
         return report_config_error(str(exc))
     meta = write(ids, args.out, vocab_size=vocab, tokenizer=name, source=str(args.source))
+    how = f"model=hf model.path={args.model}" if args.model is not None else f"model.vocab_size={vocab}"
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, vocabulary {vocab:,}, tokenizer {name}) to "
-          f"{args.out}; train with: data=tokens data.path={args.out} model.vocab_size>={vocab}")
+          f"{args.out}; train with: data=tokens data.path={args.out} {how}")
     return 0
 
 

@@ -104,6 +104,16 @@ def test_export_loads_in_transformers_and_reproduces_the_next_loss(strategy, str
         micro = [forward_loss(model, mb.input_ids, mb.labels) for mb in batch.split(2)]
     loss = float(sum(micro) / len(micro))
     assert rel_diff(loss, straight["losses"][4]) < 1e-5, (loss, straight["losses"][4])
+    if strategy == "zero3":  # a ZeRO run trains on in dist_train: its export is a model directory (model=hf)
+        from tests.helpers import FAST, train_ok
+
+        on = train_ok(["strategy=single", "logger=none", *FAST, "train.steps=1", "model=hf", f"model.path={out}"],
+                      run_dir=tmp_path / "on")
+        first = GlobalBatches(build_dataset(DataConfig(), vocab_size=256, seq_len=t.seq_len, seed=t.seed),
+                              global_batch_size=8, dp_rank=0, dp_size=1).local_batch(0)
+        with torch.no_grad():
+            micro = [forward_loss(model, mb.input_ids, mb.labels) for mb in first.split(2)]
+        assert rel_diff(on["losses"][0], float(sum(micro) / len(micro))) < 1e-5
 
 
 @pytest.mark.multiproc

@@ -142,6 +142,11 @@ class PipelineConfig(StrategyConfig):
         return self.microbatches(train, world_size)
 
     def check_run(self, run: "RunConfig", world_size: int) -> None:
+        require(
+            run.model.arch in ("gpt2", "llama"),
+            f"strategy={self.name} splits gpt2 and llama models into stages (their layouts are written out in "
+            f"strategies/pipeline_stages.py), not model.arch={run.model.arch}; use fsdp, ddp or a ZeRO stage",
+        )
         stages, layers = self.num_stages(world_size), run.model.num_layers
         dp = self.data_parallel_size(world_size)
         require(

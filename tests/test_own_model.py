@@ -1,0 +1,222 @@
+"""Your own model (`model=hf model.path=DIR`): a local transformers directory the tests make with save_pretrained,
+checked, loaded and trained; nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_train.config import ConfigError, DataConfig, ModelConfig
+from dist_train.pretrained import ModelDir, resolve_model
+from dist_train.rundir import register_resolvers
+from dist_train.strategies.registry import register_configs
+
+register_configs()
+register_resolvers()
+
+SEQ = 32
+ARCHS = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16),
+    "gemma": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4),
+}
+
+
+def make_model_dir(root: Path, arch: str = "llama", *, weights: str = "safetensors", shard: bool = False,
+                   tie: bool = False) -> Path:
+    """A small pretrained-looking directory: config.json and weights from save_pretrained."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(arch, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=tie,
+                               **ARCHS[arch])
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # weights unlike any fresh init: a loader that ignored the files would show
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    out = root / f"{arch}-{weights}{'-sharded' if shard else ''}"
+    model.save_pretrained(out, max_shard_size="60KB" if shard else "5GB")
+    if weights == "bin":  # the older format, as torch.save writes it (transformers now saves safetensors only)
+        for f in out.glob("model*.safetensors*"):
+            f.unlink()
+        torch.save(model.state_dict(), out / "pytorch_model.bin")
+    return out
+
+
+def batch_of_step_one(path: Path, *, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from dist_train.data import GlobalBatches, build_dataset
+
+    ds = build_dataset(DataConfig(), vocab_size=256, seq_len=SEQ, seed=1234)
+    b = GlobalBatches(ds, global_batch_size=global_batch, dp_rank=0, dp_size=1).local_batch(0)
+    return b.input_ids, b.labels
+
+
+def reference_loss(path: Path, *, global_batch: int) -> float:
+    """transformers' own loading of the directory, on the batch dist_train trains first."""
+    from transformers import AutoModelForCausalLM
+
+    from dist_train.model import forward_loss
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    ids, labels = batch_of_step_one(path, global_batch=global_batch)
+    with torch.no_grad():
+        return float(forward_loss(model, ids, labels))
+
+
+# ---------------------------------------------------------------------------------------------- the directory
+
+
+def test_a_directory_fills_the_model_group_from_its_config(tmp_path):
+    d = make_model_dir(tmp_path, "qwen2")
+    m = ModelConfig(name="hf", path=str(d))
+    resolve_model(m)
+    assert (m.arch, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size, m.vocab_size) == \
+        ("qwen2", 2, 64, 4, 2, 128, 256)
+    assert m.init == "pretrained" and m.name == d.name
+
+
+@pytest.mark.parametrize(
+    ("path", "needle"),
+    [
+        ("meta-llama/Llama-3.2-1B", "looks like a hub name, and dist_train downloads nothing"),
+        ("/nonexistent/model", "is not a local directory"),
+    ],
+)
+def test_what_is_not_a_local_model_directory_is_one_line(path, needle):
+    with pytest.raises(ConfigError) as err:
+        resolve_model(ModelConfig(name="hf", path=path))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_directory_without_config_or_weights_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="has no config.json: not a transformers model directory"):
+        resolve_model(ModelConfig(name="hf", path=str(tmp_path)))
+    d = make_model_dir(tmp_path, "llama")
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    m = ModelConfig(name="hf", path=str(d))
+    resolve_model(m)
+    assert m.init == "random"  # config only: random weights by default
+    with pytest.raises(ConfigError, match="model.init=pretrained but .* holds no weights"):
+        resolve_model(ModelConfig(name="hf", path=str(d), init="pretrained"))
+
+
+def test_custom_modelling_code_runs_only_when_trusted(tmp_path):
+    d = make_model_dir(tmp_path, "llama")
+    raw = json.loads((d / "config.json").read_text())
+    raw["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (d / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="modelling code shipped with the directory .* model.trust_remote_code=true"):
+        resolve_model(ModelConfig(name="hf", path=str(d)))
+
+
+class _NotATensor:  # what a malicious pickle would carry: anything but tensors
+    pass
+
+
+def test_a_bin_file_that_holds_more_than_tensors_is_refused_never_unpickled(tmp_path):
+    d = make_model_dir(tmp_path, "llama", weights="bin")
+    assert ModelDir.open(str(d)).weight_files()[0].suffix == ".bin"
+    resolve_model(ModelConfig(name="hf", path=str(d)))  # tensors only: accepted
+    torch.save({"model.embed_tokens.weight": torch.zeros(1), "x": _NotATensor()}, d / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match="refused, it does not load with torch.load.weights_only=True"):
+        resolve_model(ModelConfig(name="hf", path=str(d)))
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_the_loaded_model_gives_transformers_first_loss(arch, tmp_path):
+    """build_model reads the directory as from_pretrained does, for each architecture."""
+    from dist_train.model import build_model, forward_loss
+
+    d = make_model_dir(tmp_path, arch, tie=arch == "gpt2")
+    m = ModelConfig(name="hf", path=str(d))
+    resolve_model(m)
+    model = build_model(m, seed=1234)
+    ids, labels = batch_of_step_one(d, global_batch=4)
+    with torch.no_grad():
+        loss = float(forward_loss(model.eval(), ids, labels))
+    assert loss == pytest.approx(reference_loss(d, global_batch=4), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {"llama": make_model_dir(root, "llama", shard=True),  # an index of 9 safetensors shards
+            "gpt2": make_model_dir(root, "gpt2", tie=True), "qwen3": make_model_dir(root, "qwen3"),
+            "gemma": make_model_dir(root, "gemma")}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("strategy", "arch"), [("fsdp", "llama"), ("fsdp", "gpt2"), ("fsdp", "qwen3"),
+                                                ("fsdp", "gemma"), ("ddp", "llama"), ("zero3", "llama"),
+                                                ("gpipe", "llama")])
+def test_every_strategy_starts_from_the_directorys_weights(strategy, arch, model_dirs, tmp_path):
+    """2 ranks: the first step's loss is transformers' own on the same batch (fp32, 1e-5); fsdp builds on meta and
+    each rank reads only its shard's rows from the files."""
+    from tests.helpers import train_ok
+
+    d = model_dirs[arch]
+    s = train_ok([f"strategy={strategy}", "model=hf", f"model.path={d}", "logger=none", "train.steps=2",
+                  "train.log_every=1", f"train.seq_len={SEQ}"], run_dir=tmp_path, nproc=2)
+    assert s["losses"][0] == pytest.approx(reference_loss(d, global_batch=4), rel=1e-5)
+    assert all(r["memory/setup_peak_rss_bytes"] > 0 for r in s["ranks"])
+    built = "built on meta" if strategy == "fsdp" else "built whole"
+    assert built in (tmp_path / "logs" / "rank1.log").read_text()
+
+
+def test_strategies_that_cannot_split_an_architecture_say_so_before_starting(model_dirs):
+    from hydra import compose, initialize_config_dir
+
+    from dist_train.checks import validate
+    from dist_train.train import to_run_config
+    from tests.helpers import ROOT
+
+    for strategy, needle in (("gpipe", "strategy=gpipe splits gpt2 and llama models into stages"),
+                             ("tp", "strategy=tp supports model.arch gpt2 or llama, not qwen3")):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[f"strategy={strategy}", "model=hf",
+                                                           f"model.path={model_dirs['qwen3']}"])
+        with pytest.raises(ConfigError, match=needle):
+            validate(to_run_config(cfg), 2)
+
+
+def test_prepare_tokens_uses_the_model_directorys_tokenizer(tmp_path):
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dist_train.checks import validate
+    from tests.helpers import ROOT, env
+    from tests.test_config import run_config
+    from tests.test_data import TEXT, _local_tokenizer
+
+    d = tmp_path / "model"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=320, **ARCHS["llama"])).save_pretrained(d)
+    _local_tokenizer(d)  # its tokenizer beside its weights, as a hub download has it
+    text, out = tmp_path / "t.txt", tmp_path / "t.bin"
+    text.write_text(TEXT)
+    proc = subprocess.run([sys.executable, "launch/prepare_tokens.py", str(text), str(out), f"--model={d}"], cwd=ROOT,
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.with_suffix(".json").read_text())["tokenizer"] == str(d)
+    assert f"train with: data=tokens data.path={out} model=hf model.path={d}" in proc.stdout
+    _, run = run_config("model=hf", f"model.path={d}", "data=tokens", f"data.path={out}", "train.seq_len=16")
+    validate(run, 1)  # the directory's vocabulary holds the tokenizer's
