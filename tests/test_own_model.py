@@ -220,3 +220,15 @@ def test_prepare_tokens_uses_the_model_directorys_tokenizer(tmp_path):
     assert f"train with: data=tokens data.path={out} model=hf model.path={d}" in proc.stdout
     _, run = run_config("model=hf", f"model.path={d}", "data=tokens", f"data.path={out}", "train.seq_len=16")
     validate(run, 1)  # the directory's vocabulary holds the tokenizer's
+
+
+def test_the_setup_peak_is_this_processs_own_not_its_launchers():
+    """Linux's ru_maxrss survives exec, so a rank would report the RSS of a launcher that held a model; VmHWM not."""
+    import subprocess
+    import sys
+
+    hold = torch.ones(2**30 // 4)  # 1 GiB resident in this process, the "launcher"
+    hold.add_(1)
+    code = "from dist_train.telemetry.recorder import peak_rss_bytes; print(peak_rss_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert child < 600 * 2**20 < float(hold.sum()) * 4  # the child's imports only (about 250 MiB with torch)

@@ -334,14 +334,26 @@ def synchronize(devices: list[torch.device]) -> bool:
     return bool(cuda)
 
 
-def setup_peaks(devices: list[torch.device]) -> dict[str, int]:
-    """This process's peaks from its start to now (the end of set-up): resident host memory (the kernel's own
-    high-water mark, imports included) and, on CUDA, the allocator's."""
+def peak_rss_bytes() -> int:
+    """The kernel's high-water mark of this process's resident memory: VmHWM, which starts again at exec. (Linux's
+    ru_maxrss does not: it keeps the RSS of the process that forked this one, such as a launcher holding a model.)"""
     import resource
     import sys
 
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = {"memory/setup_peak_rss_bytes": maxrss if sys.platform == "darwin" else maxrss * 1024}
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+
+def setup_peaks(devices: list[torch.device]) -> dict[str, int]:
+    """This process's peaks from its start to now (the end of set-up): resident host memory (the kernel's own
+    high-water mark, imports included) and, on CUDA, the allocator's."""
+    out = {"memory/setup_peak_rss_bytes": peak_rss_bytes()}
     cuda = [d for d in devices if d.type == "cuda"]
     if cuda:
         out["memory/setup_peak_allocated_bytes"] = max(torch.cuda.max_memory_allocated(d) for d in cuda)

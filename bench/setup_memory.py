@@ -1,0 +1,88 @@
+"""Set-up memory of your own model: each rank's peak before its first step, by strategy, for a pretrained directory.
+
+    python bench/setup_memory.py                    # writes the 'setup' section of docs/BENCHMARKS.md
+    python bench/setup_memory.py --nproc 4 --layers 12 --hidden 768
+
+Makes a Llama-shaped directory with `save_pretrained` (safetensors, an index of shards), then trains one step of
+`model=hf model.path=DIR` under each strategy and reads every rank's `memory/setup_peak_rss_bytes` from
+summary.json (the kernel's high-water mark of the process before its first step). The import baseline is the same
+launch of the `tiny` preset on one process: what any process holds before a model exists. The target (issue 22):
+the worst sharding rank's peak above that baseline is at most half of what one process needs to load the model
+whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import PYTHON, TORCHRUN, md_table, run, write_section  # noqa: E402
+
+MIB = 2**20
+
+
+def make_model(out: Path, *, layers: int, hidden: int, vocab: int) -> int:
+    """A Llama-shaped pretrained directory; returns its parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out, max_shard_size="100MB")
+    return sum(p.numel() for p in model.parameters())
+
+
+def setup_peaks(strategy: str, nproc: int, overrides: list[str], run_dir: Path) -> list[int]:
+    launcher = [PYTHON] if nproc == 0 else [*TORCHRUN, f"--nproc_per_node={nproc}"]
+    run([*launcher, "launch/train.py", f"strategy={strategy}", *overrides, "logger=none", "train.steps=1",
+         "train.seq_len=64", "train.micro_batch_size=1", "optimizer=sgd", "telemetry.activations=false",
+         f"hydra.run.dir={run_dir}"], timeout=1800)
+    ranks = json.loads((run_dir / "summary.json").read_text())["ranks"]
+    return [r["memory/setup_peak_rss_bytes"] for r in ranks]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--strategies", default="fsdp,ddp,zero3,gpipe")
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="dist_train_setup_"))
+    model_dir = scratch / "model"
+    params = make_model(model_dir, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
+    baseline = setup_peaks("single", 0, ["model=tiny"], scratch / "baseline")[0]
+    hf = ["model=hf", f"model.path={model_dir}"]
+    whole = setup_peaks("single", 0, hf, scratch / "single")[0] - baseline
+    rows = [["single (1 process, whole)", f"{(whole + baseline) / MIB:,.0f}", f"{whole / MIB:,.0f}", "1.00"]]
+    for strategy in args.strategies.split(","):
+        peaks = setup_peaks(strategy, args.nproc, hf, scratch / strategy)
+        worst = max(peaks) - baseline
+        rows.append([f"{strategy} ({args.nproc} ranks)", f"{max(peaks) / MIB:,.0f}", f"{worst / MIB:,.0f}",
+                     f"{worst / whole:.2f}"])
+        print(md_table(["strategy", "worst rank's set-up peak, MiB", "above the import baseline, MiB",
+                        "of one process loading it whole"], rows[-1:]), flush=True)
+    body = md_table(["strategy", "worst rank's set-up peak, MiB", "above the import baseline, MiB",
+                     "of one process loading it whole"], rows)
+    note = (f"A Llama-shaped directory of {params / 1e6:.0f}M parameters ({args.layers} layers, hidden {args.hidden}, "
+            f"vocabulary {args.vocab:,}; fp32 safetensors, 100 MB shards): {4 * params / MIB:,.0f} MiB of weights. "
+            f"Import baseline (the `tiny` preset, one process): {baseline / MIB:,.0f} MiB. Peak RSS is the kernel's "
+            "high-water mark (ru_maxrss) before the first step. fsdp builds on meta and each rank reads only its "
+            "shard's rows; the other strategies load the whole model on every rank, then wrap, partition or split "
+            "it. Target: fsdp, zero3 and the pipelines at most 0.50.")
+    cmd = (f"python bench/setup_memory.py --nproc {args.nproc} --layers {args.layers} --hidden {args.hidden} "
+           f"--vocab {args.vocab} --strategies {args.strategies}")
+    write_section("setup", "Set-up memory of a pretrained directory", body, command=cmd, note=note)
+
+
+if __name__ == "__main__":
+    main()
