@@ -229,6 +229,6 @@ def test_the_setup_peak_is_this_processs_own_not_its_launchers():
 
     hold = torch.ones(2**30 // 4)  # 1 GiB resident in this process, the "launcher"
     hold.add_(1)
-    code = "from dist_train.telemetry.recorder import peak_rss_bytes; print(peak_rss_bytes())"
+    code = "from dist_train.telemetry.memory import HostPeak; print(HostPeak().peak_bytes())"
     child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert child < 600 * 2**20 < float(hold.sum()) * 4  # the child's imports only (about 250 MiB with torch)

@@ -102,7 +102,7 @@ class Telemetry:
         self._reset_peaks()
 
     def start(self) -> None:
-        self._setup_peaks = setup_peaks(self.strategy.devices)  # before the first step: what set-up itself held
+        self._setup_peaks = setup_peaks(self._host, self.strategy.devices)  # before the first step: what set-up itself held
         self._reset_peaks()
         if self.tracker is not None:
             self.tracker.drain()  # set-up traffic (DDP's initial broadcast, ...) is not a step's
@@ -334,26 +334,12 @@ def synchronize(devices: list[torch.device]) -> bool:
     return bool(cuda)
 
 
-def peak_rss_bytes() -> int:
-    """The kernel's high-water mark of this process's resident memory: VmHWM, which starts again at exec. (Linux's
-    ru_maxrss does not: it keeps the RSS of the process that forked this one, such as a launcher holding a model.)"""
-    import resource
-    import sys
-
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return maxrss if sys.platform == "darwin" else maxrss * 1024
-
-
-def setup_peaks(devices: list[torch.device]) -> dict[str, int]:
-    """This process's peaks from its start to now (the end of set-up): resident host memory (the kernel's own
-    high-water mark, imports included) and, on CUDA, the allocator's."""
-    out = {"memory/setup_peak_rss_bytes": peak_rss_bytes()}
+def setup_peaks(host: HostPeak, devices: list[torch.device]) -> dict[str, int]:
+    """This process's peaks from its start to now (the end of set-up; nothing reset them yet): resident host memory
+    (VmHWM, imports included: it starts again at exec, where Linux's ru_maxrss keeps the launcher's) and, on CUDA,
+    the allocator's. Weights a loader memory-maps count only once touched: a model mapped whole but read by the
+    first step shows in that step's memory/peak_rss_bytes."""
+    out = {"memory/setup_peak_rss_bytes": host.peak_bytes()}
     cuda = [d for d in devices if d.type == "cuda"]
     if cuda:
         out["memory/setup_peak_allocated_bytes"] = max(torch.cuda.max_memory_allocated(d) for d in cuda)
