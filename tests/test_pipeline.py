@@ -152,9 +152,9 @@ def test_bad_pipeline_config_is_one_line(strategy, model, train, precision, worl
 
 
 def test_good_pipeline_configs_validate():
-    validate(RunConfig(strategy=PipelineConfig(num_microbatches=8)), 2)
+    validate(RunConfig(strategy=PipelineConfig(num_microbatches=8), train=TrainConfig(global_batch_size=8)), 2)
     validate(RunConfig(strategy=PipelineConfig(split_points=[1, 3])), 3)
-    validate(RunConfig(strategy=PipelineConfig(name="1f1b", schedule="1f1b")), 4)  # 8 // 2 = 4 micro-batches
+    validate(RunConfig(strategy=PipelineConfig(name="1f1b", schedule="1f1b")), 4)  # null: 2 x 4 = 8, 4 micro-batches
     validate(RunConfig(strategy=PipelineConfig(name="pp_dp", pp=2, dp_mode="fsdp")), 4)
 
 

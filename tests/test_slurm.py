@@ -162,7 +162,8 @@ def test_a_sweep_of_jobs_is_collected_into_one_report(slurm, tmp_path):
     def multirun(strategies: str, tasks: int, subdir: str) -> None:
         cmd = [sys.executable, str(TRAIN), "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=1",
                f"hydra.launcher.tasks_per_node={tasks}", "hydra.launcher.timeout_min=10", f"strategy={strategies}",
-               "logger=none", "model=tiny", "train.steps=3", f"hydra.sweep.dir={sweep / subdir}"]
+               "logger=none", "model=tiny", "train.steps=3", "train.global_batch_size=8",  # one batch for 1 and 2
+               f"hydra.sweep.dir={sweep / subdir}"]
         proc = subprocess.run(cmd, cwd=ROOT, env=slurm, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -37,7 +37,7 @@ MICRO_PER_RANK = 2  # FAST: global batch 8 = 2 ranks x 2 micro-batches x 2 sampl
 def _ds(zero: ZeroConfig | None = None, **train: Any) -> dict[str, Any]:
     return deepspeed_config(
         zero=zero or ZeroConfig(name="zero2", stage=2),
-        train=TrainConfig(**train),
+        train=TrainConfig(**{"global_batch_size": 8, **train}),  # resolved, as validation leaves it
         precision=PrecisionConfig(name="fp32"),
         data_parallel_size=N_RANKS,
     )
@@ -61,7 +61,7 @@ def test_gradient_clipping_follows_train_grad_clip(clip):
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_precision_maps_to_deepspeed_sections(precision):
     cfg = deepspeed_config(
-        zero=ZeroConfig(name="zero1", stage=1), train=TrainConfig(),
+        zero=ZeroConfig(name="zero1", stage=1), train=TrainConfig(global_batch_size=8),
         precision=PrecisionConfig(name=precision), data_parallel_size=1,
     )
     assert cfg["bf16"]["enabled"] == (precision == "bf16")
