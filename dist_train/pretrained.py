@@ -11,9 +11,9 @@ validation, FLOPs and the estimator see the same model the strategies build.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,15 +81,20 @@ class ModelDir:
         return cfg
 
     # ------------------------------------------------------------------ weights
-    def weight_files(self) -> list[Path]:
-        """The weight files, in the index's order where there is one; [] when the directory holds none."""
+    @functools.cached_property
+    def _layout(self) -> tuple[list[Path], dict[str, str] | None]:
+        """(the weight files, in the index's order where there is one; the index's weight_map, or None)."""
         for index, single in ((SAFETENSORS_INDEX, SAFETENSORS), (BIN_INDEX, BIN)):
             if (self.path / index).is_file():
                 weight_map = json.loads((self.path / index).read_text()).get("weight_map", {})
-                return [self.path / name for name in dict.fromkeys(weight_map.values())]
+                return [self.path / name for name in dict.fromkeys(weight_map.values())], weight_map
             if (self.path / single).is_file():
-                return [self.path / single]
-        return sorted(self.path.glob("*.safetensors"))
+                return [self.path / single], None
+        return sorted(self.path.glob("*.safetensors")), None
+
+    def weight_files(self) -> list[Path]:
+        """The weight files; [] when the directory holds none."""
+        return self._layout[0]
 
     @property
     def has_weights(self) -> bool:
@@ -99,67 +104,56 @@ class ModelDir:
         """Every .bin file loads with weights_only=True (tensors only), or a ConfigError line: never unpickled."""
         import pickle
 
-        import torch
-
         for f in self.weight_files():
             if f.suffix != ".bin":
                 continue
             try:
-                torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                _open(f)
             except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as exc:
                 raise ConfigError(f"{f}: refused, it does not load with torch.load(weights_only=True) (it holds more than "
                                   "tensors, and unpickling it could run code); convert it to safetensors") from exc
 
-    def tensors(self, names: set[str] | None = None) -> Iterator[tuple[str, Any]]:
-        """(name, tensor) from the files one file at a time, only `names` if given: at most one file's
-        tensors (safetensors: one tensor) in memory beside what the caller keeps."""
-        import torch
-
-        for f in self.weight_files():
-            if f.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                with safe_open(f, framework="pt") as handle:
-                    for name in handle.keys():
-                        if names is None or name in names:
-                            yield name, handle.get_tensor(name)
-            else:
-                state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-                for name, tensor in state.items():
-                    if names is None or name in names:
-                        yield name, tensor
-
-    def rows(self, name: str, start: int, stop: int) -> Any:
-        """Rows [start, stop) of tensor `name` (dim 0), reading only those bytes from a safetensors file."""
-        import torch
-
-        for f in self.weight_files():
-            if f.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                with safe_open(f, framework="pt") as handle:
-                    if name in handle.keys():
-                        return handle.get_slice(name)[start:stop]
-            else:
-                state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-                if name in state:
-                    return state[name][start:stop]
-        raise KeyError(name)
-
-    def names(self) -> set[str]:
-        """The tensor names the files hold."""
-        out: set[str] = set()
-        for f in self.weight_files():
-            if f.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                with safe_open(f, framework="pt") as handle:
-                    out.update(handle.keys())
-            else:
-                import torch
-
-                out.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True).keys())
+    @functools.cached_property
+    def locations(self) -> dict[str, Path]:
+        """Which file holds each tensor, found once: the index's weight_map where there is one, else each file's
+        own list of names (safetensors' header; a .bin is loaded memory-mapped)."""
+        files, weight_map = self._layout
+        if weight_map is not None:
+            return {name: self.path / file for name, file in weight_map.items()}
+        out: dict[str, Path] = {}
+        for f in files:
+            out.update(dict.fromkeys(self._handle(f).keys(), f))
         return out
+
+    @functools.cached_property
+    def _handles(self) -> dict[Path, Any]:
+        return {}
+
+    def _handle(self, f: Path) -> Any:
+        """Each file opened once: safetensors' lazy reader, or a .bin's state dict loaded memory-mapped."""
+        if f not in self._handles:
+            self._handles[f] = _open(f)
+        return self._handles[f]
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> Any:
+        """Tensor `name` from its file, or only its rows [start, stop) (dim 0): from safetensors, only those bytes
+        are read."""
+        handle = self._handle(self.locations[name])
+        if start is None:
+            return handle.get_tensor(name) if hasattr(handle, "get_tensor") else handle[name]
+        return handle.get_slice(name)[start:stop] if hasattr(handle, "get_slice") else handle[name][start:stop]
+
+
+def _open(f: Path) -> Any:
+    """A safetensors file's lazy reader (its pages mapped, read when a tensor or slice is asked for), or a .bin's
+    state dict loaded memory-mapped (tensors only)."""
+    if f.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        return safe_open(f, framework="pt")
+    import torch
+
+    return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
 
 
 def resolve_model(model: ModelConfig) -> None:
@@ -210,7 +204,7 @@ def materialize(model: Any, model_dir: ModelDir, device: Any) -> None:
         for module in model.modules():
             if next(module.buffers(recurse=False), None) is not None:
                 model._init_weights(module)
-        saved = model_dir.names()
+        saved = model_dir.locations
         targets = dict(model.named_parameters())
         targets.update({n: b for n, b in model.named_buffers() if n in saved})
         missing = sorted(n for n in targets if n not in saved)
@@ -219,21 +213,14 @@ def materialize(model: Any, model_dir: ModelDir, device: Any) -> None:
                              f"{missing[0]!r} (the files hold {len(saved)}, e.g. {sorted(saved)[0]!r})")
         for name, target in targets.items():
             if not isinstance(target, DTensor):
-                target.copy_(model_dir.rows(name, 0, target.shape[0]) if target.dim() else _whole(model_dir, name))
+                target.copy_(model_dir.read(name))
                 continue
             placements = target.placements
             if not all(isinstance(p, (Shard, Replicate)) and (not isinstance(p, Shard) or p.dim == 0)
                        for p in placements):
                 raise NotImplementedError(f"{name}: loading a shard placed {placements} is not supported")
-            local = target.to_local()
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
             shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, placements)
             if shape[0]:
-                local.copy_(model_dir.rows(name, offset[0], offset[0] + shape[0]))
-
-
-def _whole(model_dir: ModelDir, name: str) -> Any:
-    for key, tensor in model_dir.tensors({name}):
-        return tensor
-    raise KeyError(name)
+                target.to_local().copy_(model_dir.read(name, offset[0], offset[0] + shape[0]))
