@@ -332,12 +332,10 @@ def default_global_batch(train: TrainConfig, world_size: int) -> int:
     return train.micro_batch_size * world_size
 
 
-def resolve_global_batch(run: RunConfig, world_size: int) -> bool:
-    """Fill train.global_batch_size when it is null (see TrainConfig); True when it was derived here."""
-    if run.train.global_batch_size is not None:
-        return False
-    run.train.global_batch_size = default_global_batch(run.train, world_size)
-    return True
+def resolve_global_batch(run: RunConfig, world_size: int) -> None:
+    """Fill train.global_batch_size when it is null (see TrainConfig)."""
+    if run.train.global_batch_size is None:
+        run.train.global_batch_size = default_global_batch(run.train, world_size)
 
 
 def describe_batch(run: RunConfig, world_size: int) -> str:

@@ -35,7 +35,7 @@ def init_runtime(*, needs_group: bool, timeout_s: float = 600.0, device_type: st
     world_size = _env_int("WORLD_SIZE", 1)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
 
-    device = pick_device(want=device_type, local_rank=local_rank, local_world_size=local_world_size)
+    device = this_process_device(device_type)
     backend = "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -65,6 +65,13 @@ def init_runtime(*, needs_group: bool, timeout_s: float = 600.0, device_type: st
     nodes: list[str] = [""] * dist.get_world_size()
     dist.all_gather_object(nodes, node)
     return Runtime(rank, local_rank, world_size, local_world_size, device, backend, timeout_s, node, tuple(nodes))
+
+
+def this_process_device(want: str) -> torch.device:
+    """`pick_device` for this process's LOCAL_RANK and LOCAL_WORLD_SIZE (torchrun's; WORLD_SIZE without one)."""
+    world_size = _env_int("WORLD_SIZE", 1)
+    return pick_device(want=want, local_rank=_env_int("LOCAL_RANK", 0),
+                       local_world_size=_env_int("LOCAL_WORLD_SIZE", world_size))
 
 
 def pick_device(*, want: str, local_rank: int, local_world_size: int, env: Any = os.environ) -> torch.device:

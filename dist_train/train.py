@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
-import os
 import sys
 import traceback
 from dataclasses import dataclass
@@ -42,9 +42,8 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
         check_device(run)
         # The derived global batch (train.global_batch_size=null) is what config.yaml, W&B and checkpoints record.
         cfg.train.global_batch_size = run.train.global_batch_size
-        for key in ("name", "arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                    "vocab_size", "max_seq_len", "tie_embeddings", "path", "init"):  # model=hf: what config.json said
-            cfg.model[key] = getattr(run.model, key)
+        for f in dataclasses.fields(run.model):  # model=hf: what the directory's config.json said
+            cfg.model[f.name] = getattr(run.model, f.name)
         fault = fault_from_env()
         resume = resume_point(run, world_size=world_size, run_dir=Path(hydra_run_dir()))
     except ConfigError as exc:
@@ -62,10 +61,9 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
 
 def check_device(run: RunConfig) -> None:
     """The device choice's ConfigError (more local processes than GPUs, ...), before any group starts."""
-    from dist_train.runtime import pick_device
+    from dist_train.runtime import this_process_device
 
-    pick_device(want=run.runtime.device, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
+    this_process_device(run.runtime.device)
 
 
 def fault_from_env() -> Any:
