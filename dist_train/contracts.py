@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ContextManager, Protocol
 
 import torch
 from torch import nn
@@ -84,6 +84,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of `t` this rank stores (a DTensor's local shard, otherwise `t` itself)."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def whole_numel(t: torch.Tensor) -> int:
+    """Elements of a parameter as the model sees it: a ZeRO-3 partitioned one (zero.Init) holds none locally and
+    carries its whole count as `ds_numel`; a DTensor's numel is already the whole tensor's."""
+    return int(getattr(t, "ds_numel", None) or t.numel())
 
 
 def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[tuple[int, int], tuple[int, torch.dtype]]:
@@ -184,6 +190,10 @@ class Strategy(Protocol):
 
     def setup(self, model: nn.Module) -> None:
         """Wrap/shard/split `model` (built on the CPU, identical on every rank) and build the optimizer."""
+
+    def empty_model_context(self) -> ContextManager[Any]:
+        """Where a model is built without weights when this strategy's config `loads_own_shard` (the meta device,
+        DeepSpeed's zero.Init); `setup` then has each rank fill only what it holds (StrategyContext.materialize)."""
 
     def train_step(self, batch: Batch) -> StepOutput:
         """One optimizer step over this rank's share of the global batch."""

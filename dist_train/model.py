@@ -6,41 +6,48 @@ This module knows nothing of distribution: strategies wrap, shard or split what 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dist_train.config import ModelConfig
-from dist_train.contracts import local_tensor
+from dist_train.contracts import local_tensor, whole_numel
 
 
-def build_model(cfg: ModelConfig, *, seed: int, meta: bool = False) -> nn.Module:
+def build_model(cfg: ModelConfig, *, seed: int, empty: ContextManager[Any] | None = None) -> nn.Module:
     """Build the model on the CPU in fp32 with weights drawn from `seed` (identical on every rank), or, for a model
     directory with `model.init=pretrained`, its weights read from the files.
 
-    meta: build on the meta device instead (a pretrained directory only): the strategy shards it, then each rank
-    reads only its own slices (pretrained.materialize)."""
+    empty: build the structure only (a pretrained directory only), inside this context: the strategy's
+    `empty_model_context()` (the meta device, or DeepSpeed's zero.Init). The strategy shards or splits it, then each
+    rank reads only what it holds from the files (pretrained.materialize)."""
     torch.manual_seed(seed)
     if cfg.path is not None:
-        model = _build_from_dir(cfg, meta=meta)
+        model = _build_from_dir(cfg, empty=empty)
     else:
         model = _build_gpt2(cfg) if cfg.arch == "gpt2" else _build_llama(cfg)
     model.train()
     return model
 
 
-def _build_from_dir(cfg: ModelConfig, *, meta: bool) -> nn.Module:
+def _build_from_dir(cfg: ModelConfig, *, empty: ContextManager[Any] | None) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from dist_train.pretrained import ModelDir
 
     d = ModelDir.open(cfg.path)
     hf = d.config(trust_remote_code=cfg.trust_remote_code, dropout=cfg.dropout)
-    if meta:
-        assert cfg.init == "pretrained", "a meta build is filled from the files only"
-        with torch.device("meta"):
+    if empty is not None:
+        assert cfg.init == "pretrained", "a model built without weights is filled from the files only"
+        # The architecture's code is imported first, outside the context: zero.Init patches torch.Tensor.__new__,
+        # and an import under it (transformers' lazy modules import torch._dynamo) fails.
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        if type(hf) in MODEL_FOR_CAUSAL_LM_MAPPING:
+            MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
+        with empty:
             return AutoModelForCausalLM.from_config(hf, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
     if cfg.init == "pretrained":
         return AutoModelForCausalLM.from_pretrained(
@@ -132,7 +139,7 @@ def compile_blocks(model: nn.Module) -> None:
 def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:
     """Distinct parameters (a tied weight counts once); only those that train, if asked."""
     distinct = {id(p): p for p in model.parameters()}.values()
-    return sum(p.numel() for p in distinct if p.requires_grad or not trainable_only)
+    return sum(whole_numel(p) for p in distinct if p.requires_grad or not trainable_only)
 
 
 class NEFTune:

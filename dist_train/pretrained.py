@@ -189,38 +189,93 @@ def resolve_model(model: ModelConfig) -> None:
 
 
 def materialize(model: Any, model_dir: ModelDir, device: Any) -> None:
-    """Give a model built on meta, and sharded since, real storage on `device` and fill it from the files: each
-    rank reads only the rows of its own shard (safetensors' slices), so set-up never holds the whole model.
+    """Fill a model built without weights (`build_model(empty=True)`) from the files, each rank reading only what
+    it holds, so set-up never holds the whole model: a model on meta, sharded or split since, gets storage on
+    `device` (`_fill_meta`); a model built under DeepSpeed's zero.Init gets its ZeRO-3 partitions (`_fill_partitions`)."""
+    import torch
+
+    with torch.no_grad():
+        if any(hasattr(p, "ds_tensor") for p in model.parameters()):
+            _fill_partitions(model, model_dir)
+        else:
+            _fill_meta(model, model_dir, device)
+
+
+def _saved_name(model: Any, name: str, saved: dict[str, Path]) -> str | None:
+    """The name under which the files hold `name`: itself, or for a tied head whose embedding this process does not
+    hold (a pipeline's last stage), the embedding it is tied to (transformers' `_tied_weights_keys`)."""
+    if name in saved:
+        return name
+    tied = getattr(model, "_tied_weights_keys", None)
+    source = tied.get(name) if isinstance(tied, dict) and getattr(model.config, "tie_word_embeddings", False) else None
+    return source if source in saved else None
+
+
+def _targets(model: Any, model_dir: ModelDir, tensors: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    """{model's name: (name in the files, tensor)}, or one error naming a tensor the files do not hold."""
+    saved = model_dir.locations
+    out, missing = {}, []
+    for name, tensor in tensors.items():
+        source = _saved_name(model, name, saved)
+        if source is None:
+            missing.append(name)
+        else:
+            out[name] = (source, tensor)
+    if missing:
+        raise ValueError(f"{model_dir.path}: no weights for {len(missing)} of the model's tensors, e.g. "
+                         f"{sorted(missing)[0]!r} (the files hold {len(saved)}, e.g. {sorted(saved)[0]!r})")
+    return out
+
+
+def _fill_meta(model: Any, model_dir: ModelDir, device: Any) -> None:
+    """Storage on `device` for a model built on meta, filled from the files: a DTensor shard (FSDP2, dim 0) reads only
+    its rows (safetensors' slices); a plain tensor (a pipeline stage's own layers) is read whole.
 
     The non-persistent buffers (rotary frequencies) are recomputed by transformers' own init of the modules that
     hold them (`to_empty` leaves garbage there, transformers#34234); every parameter and saved buffer then comes
     from the files. A tied head shares the embedding's parameter, which is loaded once.
     """
-    import torch
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     model.to_empty(device=device)
-    with torch.no_grad():
-        for module in model.modules():
-            if next(module.buffers(recurse=False), None) is not None:
-                model._init_weights(module)
-        saved = model_dir.locations
-        targets = dict(model.named_parameters())
-        targets.update({n: b for n, b in model.named_buffers() if n in saved})
-        missing = sorted(n for n in targets if n not in saved)
-        if missing:
-            raise ValueError(f"{model_dir.path}: no weights for {len(missing)} of the model's tensors, e.g. "
-                             f"{missing[0]!r} (the files hold {len(saved)}, e.g. {sorted(saved)[0]!r})")
-        for name, target in targets.items():
-            if not isinstance(target, DTensor):
-                target.copy_(model_dir.read(name))
-                continue
-            placements = target.placements
-            if not all(isinstance(p, (Shard, Replicate)) and (not isinstance(p, Shard) or p.dim == 0)
-                       for p in placements):
-                raise NotImplementedError(f"{name}: loading a shard placed {placements} is not supported")
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    for module in model.modules():
+        if next(module.buffers(recurse=False), None) is not None:
+            model._init_weights(module)
+    tensors = dict(model.named_parameters())
+    tensors.update({n: b for n, b in model.named_buffers() if n in model_dir.locations})
+    for name, (source, target) in _targets(model, model_dir, tensors).items():
+        if not isinstance(target, DTensor):
+            target.copy_(model_dir.read(source))
+            continue
+        placements = target.placements
+        if not all(isinstance(p, (Shard, Replicate)) and (not isinstance(p, Shard) or p.dim == 0) for p in placements):
+            raise NotImplementedError(f"{name}: loading a shard placed {placements} is not supported")
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, placements)
+        if shape[0]:
+            target.to_local().copy_(model_dir.read(source, offset[0], offset[0] + shape[0]))
 
-            shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, placements)
-            if shape[0]:
-                target.to_local().copy_(model_dir.read(name, offset[0], offset[0] + shape[0]))
+
+def _fill_partitions(model: Any, model_dir: ModelDir) -> None:
+    """ZeRO-3 partitions of a model built under zero.Init, filled from the files. DeepSpeed lays each parameter out
+    flat, padded to a multiple of its group's size, and rank r holds elements [r p, (r + 1) p) (its `ds_tensor`):
+    each rank reads only the rows of the file that cover its elements. Buffers are not partitioned: the saved ones
+    are read whole."""
+    import torch.distributed as dist
+
+    params = {n: p for n, p in model.named_parameters()}
+    buffers = {n: b for n, b in model.named_buffers() if n in model_dir.locations}
+    for name, (source, param) in _targets(model, model_dir, params).items():
+        local = param.ds_tensor
+        size = local.ds_numel
+        lo = size * dist.get_rank(group=param.ds_process_group)
+        hi = min(lo + size, param.ds_numel)
+        local.zero_()  # the padding past the last element
+        if lo >= hi:
+            continue
+        row = param.ds_numel // param.ds_shape[0] if len(param.ds_shape) else 1
+        first, last = lo // row, -(-hi // row)
+        rows = model_dir.read(source, first, last) if len(param.ds_shape) else model_dir.read(source)
+        local[: hi - lo].copy_(rows.reshape(-1)[lo - first * row: hi - first * row])
+    for name, (source, buffer) in _targets(model, model_dir, buffers).items():
+        buffer.copy_(model_dir.read(source))

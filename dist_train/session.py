@@ -112,11 +112,17 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     from dist_train.config import PRECISIONS
 
     t = run.train
-    meta = on_meta(run)
-    model = build_model(run.model, seed=t.seed, meta=meta)
+    sharded = loads_own_shard(run)
+    ctx = StrategyContext(
+        runtime=runtime, train=t, precision=run.precision, optimizer=OptimizerFactory(run.optimizer, t, device=runtime.device),
+        ddp_comm_hook=tracker.ddp_comm_hook if tracker is not None else None,
+        materialize=_materializer(run, runtime) if sharded else None,
+    )
+    strategy = build_strategy(run.strategy, ctx)
+    model = build_model(run.model, seed=t.seed, empty=strategy.empty_model_context() if sharded else None)
     if run.model.path is not None:
         log.info("model.path=%s: %s weights, %s", run.model.path, run.model.init,
-                 "built on meta, each rank reads its own shard from the files" if meta else "built whole on each rank")
+                 "each rank reads only what it holds from the files" if sharded else "built whole on each rank")
     if run.peft.name != "none":  # a model transform, like checkpointing: before any wrapping
         compute_dtype = getattr(torch, PRECISIONS[run.precision.name][0])  # QLoRA's 4-bit layers compute in it
         apply_lora(model, run.peft, seed=t.seed, compute_dtype=compute_dtype)
@@ -131,12 +137,6 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
         num_params=num_params, num_embedding_params=embedding_params(model),
         num_layers=run.model.num_layers, hidden_size=run.model.hidden_size, seq_len=t.seq_len,
     )
-    ctx = StrategyContext(
-        runtime=runtime, train=t, precision=run.precision, optimizer=OptimizerFactory(run.optimizer, t, device=runtime.device),
-        ddp_comm_hook=tracker.ddp_comm_hook if tracker is not None else None,
-        materialize=_materializer(run, runtime) if meta else None,
-    )
-    strategy = build_strategy(run.strategy, ctx)
     strategy.setup(model)
     if tracker is not None:  # collectives also counted per device-mesh dimension (tp, dp) where there is a mesh
         tracker.name_groups(getattr(strategy, "mesh_groups", dict)())
@@ -144,11 +144,12 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     return strategy, num_params, num_trainable, fpt, neftune
 
 
-def on_meta(run: RunConfig) -> bool:
-    """Whether the model is built on meta and each rank loads only its shard: a pretrained directory under a
-    strategy that shards on meta (fsdp). LoRA's adapters are made on the built model: it is loaded whole."""
+def loads_own_shard(run: RunConfig) -> bool:
+    """Whether the model is built without weights and each rank loads only what it holds: a pretrained directory
+    under a strategy that can (fsdp, zero3, the pipelines). LoRA's adapters are made on the built model: it is
+    loaded whole."""
     m = run.model
-    return m.path is not None and m.init == "pretrained" and run.peft.name == "none" and run.strategy.builds_on_meta
+    return m.path is not None and m.init == "pretrained" and run.peft.name == "none" and run.strategy.loads_own_shard
 
 
 def _materializer(run: RunConfig, runtime: Any) -> Any:

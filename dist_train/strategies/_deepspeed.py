@@ -249,18 +249,34 @@ class ZeroStrategy:
         self._grads_bytes = 0  # peak gradient bytes of the last step, counted at the boundary
         self._grads_seen = 0  # the same, during the step
         self.peaks = TransientPeaks()
+        self._config: dict[str, Any] | None = None
+
+    def _start(self) -> dict[str, Any]:
+        """DeepSpeed's comm over the runtime's process group, once; the DeepSpeed config of this run."""
+        rt = self.ctx.runtime
+        if self._config is None:
+            use_extensions_cache()  # for the ops DeepSpeed may still compile (an optimizer from `strategy.extra`)
+            skip_inference_comm_op()
+            # DeepSpeed insists on LOCAL_RANK, which a plain `python launch/train.py` run does not set.
+            os.environ.setdefault("LOCAL_RANK", str(rt.local_rank))
+            init_deepspeed_comm(rt.backend)
+            self._config = deepspeed_config(
+                zero=self.cfg, train=self.ctx.train, precision=self.ctx.precision,
+                data_parallel_size=self.cfg.data_parallel_size(rt.world_size),
+            )
+        return self._config
+
+    def empty_model_context(self) -> Any:
+        """DeepSpeed's zero.Init (stage 3): each module's parameters are partitioned as soon as it is built, so no
+        rank ever holds more than one module whole; `setup` then fills each rank's partitions from the files."""
+        import deepspeed
+
+        return deepspeed.zero.Init(config_dict_or_path=self._start())
 
     def setup(self, model: nn.Module) -> None:
-        use_extensions_cache()  # for the ops DeepSpeed may still compile (an optimizer from `strategy.extra`)
-        rt = self.ctx.runtime
-        skip_inference_comm_op()
-        # DeepSpeed insists on LOCAL_RANK, which a plain `python launch/train.py` run does not set.
-        os.environ.setdefault("LOCAL_RANK", str(rt.local_rank))
-        init_deepspeed_comm(rt.backend)
-        config = deepspeed_config(
-            zero=self.cfg, train=self.ctx.train, precision=self.ctx.precision,
-            data_parallel_size=self.cfg.data_parallel_size(rt.world_size),
-        )
+        config = self._start()
+        if self.ctx.materialize is not None:  # built under zero.Init: this rank's partitions from the files
+            self.ctx.materialize(model)
         optimizer = self.ctx.optimizer.build(model.parameters(), on_device=not self.cfg.offload_optimizer)
         self.engine = self._initialize(model, optimizer, self.ctx.optimizer.scheduler(optimizer), config)
         self._watch_transients()

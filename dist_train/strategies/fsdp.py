@@ -30,7 +30,7 @@ class FSDPConfig(StrategyConfig):
     reshard_after_forward: bool = True
 
     compiles_blocks: ClassVar[bool] = True  # compiled before fully_shard, as torchtitan does
-    builds_on_meta: ClassVar[bool] = True  # fully_shard on meta, then each rank loads its rows
+    loads_own_shard: ClassVar[bool] = True  # fully_shard on meta, then each rank loads its rows
 
     @property
     def optimizer_sees_whole_tensors(self) -> bool:

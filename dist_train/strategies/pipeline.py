@@ -44,7 +44,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
@@ -97,6 +97,8 @@ class PipelineConfig(StrategyConfig):
     # replicas of the pipeline (strategy=pp_dp), each stage replicated or sharded over them (dp_mode).
     pp: Optional[int] = None
     dp_mode: str = "replicate"
+
+    loads_own_shard: ClassVar[bool] = True  # split on meta, then each stage loads its own layers
 
     @property
     def optimizer_sees_whole_tensors(self) -> bool:
@@ -303,6 +305,9 @@ class PipelineStrategy:
         self._tied_group: Any = None
 
     # ------------------------------------------------------------------ set-up
+    def empty_model_context(self) -> Any:
+        return torch.device("meta")  # split on meta; materialize gives each stage its own layers
+
     def setup(self, model: nn.Module) -> None:
         first_extra, block_params, last_extra = param_counts(model)
         if self.cfg.split_points is not None:
@@ -314,10 +319,14 @@ class PipelineStrategy:
         self._log_split(bounds, block_params=block_params, first_extra=first_extra, last_extra=last_extra)
         tied = is_tied(model)
         layout = LAYOUTS[arch_of(model)]
-        self.module = build_stage(model, bounds=bounds, stage_index=self.stage_index).to(self.device)
+        self.module = build_stage(model, bounds=bounds, stage_index=self.stage_index)
+        if self.ctx.materialize is None:
+            self.module.to(self.device)
         pp_group = None  # the default group: one pipeline over every rank
         if self.dp_size > 1:
             pp_group = self._data_parallel(self.module)
+        if self.ctx.materialize is not None:  # built on meta: this stage's layers (its shard of them) from the files
+            self.ctx.materialize(self.module.model)
         if tied:
             self._tied_group = self._tied_pair_group()
             holder = layout.embedding if self.is_first else layout.head if self.is_last else None

@@ -35,6 +35,9 @@ class TorchStrategy:
         self.wrapped: nn.Module | None = None
         self.opt: LocalOptimizer | None = None
 
+    def empty_model_context(self) -> ContextManager[Any]:
+        return torch.device("meta")  # fully_shard on meta; materialize gives each rank its rows
+
     def setup(self, model: nn.Module) -> None:
         self.model = model
         self.wrapped = self.wrapper.wrap(model)

@@ -40,6 +40,10 @@ class ZeroConfig(StrategyConfig):
         return "deepspeed"
 
     @property
+    def loads_own_shard(self) -> bool:  # type: ignore[override]
+        return self.stage == 3  # built under zero.Init, then each rank loads its partitions
+
+    @property
     def optimizer_sees_whole_tensors(self) -> bool:
         return False  # DeepSpeed's flat partitions
 

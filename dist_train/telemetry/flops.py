@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from dist_train.contracts import whole_numel
+
 # Dense (no sparsity) peak FLOP/s per device, keyed by the name torch.cuda.get_device_name() reports (matched as
 # whole words, see _entry). Some datasheets print tensor-core figures with sparsity only (marked * below): the dense
 # one is half, rounded down to a whole TFLOP/s (1,979* -> 989); dense figures printed as such are kept (362.05 as
@@ -37,7 +39,7 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 
 def embedding_params(model: nn.Module) -> int:
     """Parameters of lookup tables (token and position embeddings): they cost no matmul FLOPs."""
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    return sum(whole_numel(m.weight) for m in model.modules() if isinstance(m, nn.Embedding))
 
 
 def flops_per_token(*, num_params: int, num_embedding_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
