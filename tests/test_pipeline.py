@@ -112,6 +112,55 @@ def test_chained_stages_equal_the_full_model(cfg):
     assert is_tied(full) == cfg.tie_embeddings
 
 
+# Sliding windows shorter than the sequence and alternating layer types, so a stage that indexed its layers' types
+# or masks from 0 would show; Gemma scales its embeddings, Qwen3 normalises q and k, Qwen2 has q/k/v biases.
+OTHER_ARCHS = {
+    "mistral": dict(sliding_window=5),
+    "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    "qwen3": dict(layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                  use_sliding_window=True, sliding_window=5, head_dim=16),
+    "gemma": dict(head_dim=16),
+}
+
+
+@pytest.mark.parametrize("arch", list(OTHER_ARCHS))
+def test_stages_of_any_model_with_a_pipeline_plan_equal_the_full_model(arch):
+    """The model's own forward, cut by transformers' base_model_pp_plan: the same logits bit for bit and the same
+    gradients for every parameter, through 3 stages of 4 blocks (placeholder and hook included)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(arch, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               tie_word_embeddings=False, **OTHER_ARCHS[arch])  # tied: the gpt2-tied case above
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(7)
+        return AutoModelForCausalLM.from_config(cfg)
+
+    full = build()
+    ids = torch.randint(128, (2, 16))
+    full(input_ids=ids).logits.sum().backward()
+    stages = [build_stage(build(), bounds=[1, 3], stage_index=s) for s in range(3)]
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    assert torch.allclose(x, full(input_ids=ids).logits, rtol=0, atol=1e-6)
+    x.sum().backward()
+    grads = {n: p.grad for s in stages for n, p in s.model.named_parameters()}
+    assert set(grads) == {n for n, _ in full.named_parameters()}  # every parameter on exactly one stage
+    for name, p in full.named_parameters():
+        assert torch.allclose(grads[name], p.grad, rtol=1e-5, atol=1e-6), name
+
+
+def test_a_model_without_a_pipeline_plan_is_refused_saying_why():
+    from transformers import AutoConfig
+
+    from dist_train.strategies.pipeline_stages import layout_of
+
+    with pytest.raises(ValueError, match="model.arch=opt has no pipeline plan"):
+        layout_of(AutoConfig.for_model("opt"))
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad input: one line naming the key, before any process group.
 # --------------------------------------------------------------------------------------------------

@@ -126,32 +126,67 @@ class Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, partition, inputs, outputs)
 
 
-def tp_plan(arch: str, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """Per transformer block: which projection is split how (paths relative to the block).
+class HeadNorm(ParallelStyle):
+    """transformers' `replicated_with_grad_allreduce` for a norm applied per attention head (Qwen3's q_norm and
+    k_norm): its weight stays whole on every rank (a `Replicate` DTensor), its input is this rank's heads, marked
+    split on the heads dimension, so the weight's gradient, a sum over every rank's heads, is all-reduced."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, _ in list(mod.named_parameters(recurse=False)):
+                _distribute(mod, pname, mesh, Replicate(), None)
+
+        def inputs(mod: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+            x = args[0]
+            return (DTensor.from_local(x, mesh, [Shard(x.ndim - 2)], run_check=False), *args[1:])
+
+        def outputs(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
+def tp_plan(config: Any, block: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """Per transformer block: which projection is split how (paths relative to the block), from transformers'
+    own plan for the architecture (GPT-2's written here).
 
     With sequence parallelism the residual stream between the projections is split by sequence: the
     norms run on each rank's tokens (torch's `SequenceParallel`), attention's and the MLP's input is
     all-gathered on entry, and the row-parallel outputs are reduce-scattered instead of all-reduced."""
+    from dist_train.strategies.base import block_tp_plan
+
     row = {"output_layouts": Shard(1)} if sequence_parallel else {}
-    if arch == "llama":
-        plan: dict[str, ParallelStyle] = {
-            "self_attn.q_proj": Colwise(), "self_attn.k_proj": Colwise(), "self_attn.v_proj": Colwise(),
-            "self_attn.o_proj": Rowwise(**row),
-            "mlp.gate_proj": Colwise(), "mlp.up_proj": Colwise(), "mlp.down_proj": Rowwise(**row),
-        }
+    if config.model_type == "gpt2":
+        # attn.c_attn is fused and handled by FusedColwiseConv1D.
+        plan: dict[str, ParallelStyle] = {"attn.c_proj": Rowwise(**row), "mlp.c_fc": Colwise(), "mlp.c_proj": Rowwise(**row)}
         if sequence_parallel:
-            plan |= {
-                "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-                # HF's Llama passes attention its input by keyword
-                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-                "mlp": _gather_input(),
-            }
+            plan |= {"ln_1": SequenceParallel(), "ln_2": SequenceParallel(), "attn": _gather_input(), "mlp": _gather_input()}
         return plan
-    # GPT-2: attn.c_attn is fused and handled by FusedColwiseConv1D.
-    plan = {"attn.c_proj": Rowwise(**row), "mlp.c_fc": Colwise(), "mlp.c_proj": Rowwise(**row)}
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    plan = {}
+    for path, style in block_tp_plan(config).items():
+        if style == "colwise":
+            plan[path] = Colwise()
+        elif style == "rowwise":
+            plan[path] = Rowwise(**row)
+        else:  # replicated_with_grad_allreduce
+            weight = block.get_submodule(path).weight
+            if weight.shape != (head_dim,):
+                raise ValueError(f"{config.model_type}: {path} ({style}) normalises {tuple(weight.shape)}, not one "
+                                 f"attention head ({head_dim}): splitting it is not supported")
+            plan[path] = HeadNorm()
     if sequence_parallel:
-        plan |= {"ln_1": SequenceParallel(), "ln_2": SequenceParallel(), "attn": _gather_input(), "mlp": _gather_input()}
+        names = {"input_layernorm", "post_attention_layernorm", "self_attn", "mlp"}
+        if not names <= {name for name, _ in block.named_children()}:
+            raise ValueError(f"{config.model_type}: sequence parallelism needs blocks laid out as Llama's "
+                             f"({', '.join(sorted(names))}); use strategy.sequence_parallel=false")
+        plan |= {
+            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+            # transformers' decoder layers pass attention its input by keyword
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "mlp": _gather_input(),
+        }
     return plan
 
 
@@ -171,16 +206,18 @@ def _split_sequence(mesh: DeviceMesh) -> Any:
     return hook
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, arch: str, sequence_parallel: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> nn.Module:
     """Shard each block's projections over `mesh` (1-D) and replicate the rest, in place.
 
     Sequence parallelism: the first block takes its rank's slice of the sequence, the final norm runs on
     it too, and its output is gathered whole for the head (and for GPT-2's reshape before it)."""
-    tp = mesh.size()
+    from dist_train.strategies.pipeline_stages import model_layout
+
+    tp, config = mesh.size(), model.config
     blocks = transformer_blocks(model)
     for block in blocks:
         inner = _resolved(block)
-        if arch == "gpt2":
+        if config.model_type == "gpt2":
             attn = inner.attn
             # Each rank runs its heads: split_size is what the fused output is cut into (q, k, v).
             attn.c_attn = FusedColwiseConv1D(attn.c_attn, mesh, parts=3, src_data_rank=None)
@@ -188,10 +225,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, arch: str, sequence_paral
             attn.num_heads //= tp
             attn.embed_dim //= tp
         # Every rank built the same weights from the seed: nothing to broadcast.
-        parallelize_module(inner, mesh, tp_plan(arch, sequence_parallel=sequence_parallel), src_data_rank=None)
+        parallelize_module(inner, mesh, tp_plan(config, inner, sequence_parallel=sequence_parallel), src_data_rank=None)
     if sequence_parallel:
         _resolved(blocks[0]).register_forward_pre_hook(_split_sequence(mesh))
-        norm = model.transformer.ln_f if arch == "gpt2" else model.model.norm
+        norm = model.get_submodule(model_layout(model).last[0])  # the final norm
         parallelize_module(norm, mesh, SequenceParallel(), src_data_rank=None)
         parallelize_module(norm, mesh, PrepareModuleOutput(
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))

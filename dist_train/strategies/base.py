@@ -17,7 +17,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from dist_train.config import PrecisionConfig, RunConfig, TrainConfig, require
+from dist_train.config import ConfigError, PrecisionConfig, RunConfig, TrainConfig, require
 from dist_train.contracts import Batch, ModelState, Runtime
 from dist_train.faults import overflow_if_injected
 from dist_train.model import forward_loss
@@ -40,10 +40,39 @@ class StrategyContext:
     materialize: Callable[[nn.Module], None] | None = None
 
 
+# Styles of transformers' per-block TP plans (`base_model_tp_plan`) that tensor parallelism here applies.
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+
+
+def block_tp_plan(config: Any) -> dict[str, str]:
+    """{path inside a transformer block: style} from transformers' own plan for this architecture
+    (`base_model_tp_plan`'s `layers.*.` entries); GPT-2 has none and is split by hand (strategies/_tensor_parallel.py).
+    ValueError, saying why, for a model without a plan or with a style not applied here."""
+    if config.model_type == "gpt2":
+        return {}
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    block = {key.split(".*.", 1)[1]: style for key, style in plan.items() if ".*." in key}
+    if not block:
+        raise ValueError(f"model.arch={config.model_type} has no tensor-parallel plan in transformers "
+                         "(base_model_tp_plan), so its projections cannot be split")
+    other = sorted({style for style in block.values() if style not in TP_STYLES})
+    if other:
+        raise ValueError(f"model.arch={config.model_type}'s tensor-parallel plan uses {', '.join(other)}, which is not "
+                         f"applied here (only {', '.join(TP_STYLES)})")
+    return block
+
+
 def check_tensor_parallel(run: RunConfig, tp: int, *, what: str) -> None:
-    """ConfigError unless the model can be split `tp` ways by tensor parallelism (heads, KV heads, MLP width)."""
+    """ConfigError unless the model can be split `tp` ways by tensor parallelism: a plan for its blocks, and heads,
+    KV heads and MLP width that divide."""
     m = run.model
-    require(m.arch in ("gpt2", "llama"), f"{what} supports model.arch gpt2 or llama, not {m.arch}")
+    if m.path is not None:
+        from dist_train.pretrained import ModelDir
+
+        try:
+            block_tp_plan(ModelDir.open(m.path).config(trust_remote_code=m.trust_remote_code))
+        except ValueError as exc:
+            raise ConfigError(f"{what}: {exc}; use fsdp, ddp, a ZeRO stage or a pipeline") from exc
     kv = m.num_kv_heads or m.num_heads
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     for field, value in (("num_heads", m.num_heads), ("num_kv_heads", kv), ("ffn_hidden_size", ffn)):

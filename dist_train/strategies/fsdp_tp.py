@@ -69,7 +69,7 @@ class FSDPTPWrapper:
         # One group over the whole mesh, so that the gradient norm (partial on both dimensions) is one
         # all-reduce, not two in sequence whose reduction order could differ between ranks (torch warns).
         self.mesh["dp", "tp"]._flatten("dp_tp")
-        parallelize(model.to(rt.device), self.mesh["tp"], arch=model.config.model_type)
+        parallelize(model.to(rt.device), self.mesh["tp"])
         return shard(model, self.mesh["dp"], reshard_after_forward=self.cfg.reshard_after_forward,
                      precision=self.ctx.precision)
 

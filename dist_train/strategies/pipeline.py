@@ -62,17 +62,31 @@ from dist_train.strategies.base import (
     torch_state_dict,
 )
 from dist_train.strategies.pipeline_stages import (
-    LAYOUTS,
     Stage,
-    arch_of,
     build_stage,
     is_tied,
+    layout_of,
+    model_layout,
     param_counts,
     split_layers,
     stage_ranges,
 )
 
 log = logging.getLogger("dist_train")
+
+
+def check_splittable(run: RunConfig, *, what: str) -> None:
+    """ConfigError, saying why, unless the model can be cut into stages (the presets can: GPT-2 and Llama)."""
+    if run.model.path is None:
+        return
+    from dist_train.config import ConfigError
+    from dist_train.pretrained import ModelDir
+
+    config = ModelDir.open(run.model.path).config(trust_remote_code=run.model.trust_remote_code)
+    try:
+        layout_of(config)
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {exc}; use fsdp, ddp or a ZeRO stage") from exc
 
 
 def _schedule_class(name: str) -> Any:
@@ -144,11 +158,7 @@ class PipelineConfig(StrategyConfig):
         return self.microbatches(train, world_size)
 
     def check_run(self, run: "RunConfig", world_size: int) -> None:
-        require(
-            run.model.arch in ("gpt2", "llama"),
-            f"strategy={self.name} splits gpt2 and llama models into stages (their layouts are written out in "
-            f"strategies/pipeline_stages.py), not model.arch={run.model.arch}; use fsdp, ddp or a ZeRO stage",
-        )
+        check_splittable(run, what=f"strategy={self.name}")
         stages, layers = self.num_stages(world_size), run.model.num_layers
         dp = self.data_parallel_size(world_size)
         require(
@@ -318,7 +328,7 @@ class PipelineStrategy:
             )
         self._log_split(bounds, block_params=block_params, first_extra=first_extra, last_extra=last_extra)
         tied = is_tied(model)
-        layout = LAYOUTS[arch_of(model)]
+        layout = model_layout(model)
         self.module = build_stage(model, bounds=bounds, stage_index=self.stage_index)
         if self.ctx.materialize is None:
             self.module.to(self.device)

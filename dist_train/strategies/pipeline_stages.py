@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,7 +73,7 @@ def stage_ranges(bounds: Sequence[int], *, num_layers: int) -> list[tuple[int, i
 
 
 # --------------------------------------------------------------------------------------------------
-# Where the parts of each architecture live (dotted paths inside the HF model).
+# Where the parts of a model live (dotted paths inside the HF model).
 # --------------------------------------------------------------------------------------------------
 
 
@@ -83,25 +84,31 @@ class Layout:
     last: tuple[str, ...]  # only the last stage runs these (final norm, LM head)
     embedding: str  # the input embedding (tied to the head when tie_word_embeddings)
     head: str
+    generic: bool = True  # the stage runs the model's own forward (False: GPT-2's, written out below)
 
 
-LAYOUTS = {
-    "gpt2": Layout(
-        first=("transformer.wte", "transformer.wpe", "transformer.drop"),
-        blocks="transformer.h",
-        last=("transformer.ln_f", "lm_head"),
-        embedding="transformer.wte",
-        head="lm_head",
-    ),
-    # rotary_emb holds buffers only: every stage keeps its own (it is neither first nor last).
-    "llama": Layout(
-        first=("model.embed_tokens",),
-        blocks="model.layers",
-        last=("model.norm", "lm_head"),
-        embedding="model.embed_tokens",
-        head="lm_head",
-    ),
-}
+# GPT-2 has no pipeline plan in transformers; its forward is mirrored by hand (Stage._gpt2).
+GPT2 = Layout(first=("transformer.wte", "transformer.wpe", "transformer.drop"), blocks="transformer.h",
+              last=("transformer.ln_f", "lm_head"), embedding="transformer.wte", head="lm_head", generic=False)
+
+
+def layout_of(config: Any, *, prefix: str = "model") -> Layout:
+    """Where the parts of a model of this config live: GPT-2's, or what transformers' pipeline plan says
+    (`base_model_pp_plan`, in order: what runs before the blocks, the block list (the entry that takes the attention
+    mask), what runs after), under the base model's attribute `prefix`, and the head `lm_head`. ValueError, saying
+    why, for a model that has no such plan."""
+    if config.model_type == "gpt2":
+        return GPT2
+    plan = dict(getattr(config, "base_model_pp_plan", None) or {})
+    names = list(plan)
+    blocks = [i for i, name in enumerate(names) if "attention_mask" in plan[name][0]]
+    if len(blocks) != 1 or blocks[0] == 0 or blocks[0] == len(names) - 1:
+        raise ValueError(f"model.arch={config.model_type} has no pipeline plan of the form embeddings, blocks, final "
+                         f"norm in transformers (base_model_pp_plan: {names or 'none'}), so it cannot be cut into stages")
+    at = blocks[0]
+    path = [f"{prefix}.{name}" for name in names]
+    return Layout(first=tuple(path[:at]), blocks=path[at], last=(*path[at + 1:], "lm_head"), embedding=path[0],
+                  head="lm_head")
 
 
 def _get(model: nn.Module, path: str) -> nn.Module:
@@ -121,11 +128,11 @@ def _num_params(modules: Sequence[nn.Module]) -> int:
     return sum(p.numel() for p in params.values())
 
 
-def arch_of(model: nn.Module) -> str:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in LAYOUTS:
-        raise TypeError(f"{type(model).__name__}: pipeline stages exist for {sorted(LAYOUTS)}, not {model_type!r}")
-    return model_type
+def model_layout(model: nn.Module) -> Layout:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"{type(model).__name__}: not a transformers model (no config), no pipeline layout")
+    return layout_of(config, prefix=getattr(model, "base_model_prefix", "model") or "model")
 
 
 def param_counts(model: nn.Module) -> tuple[int, list[int], int]:
@@ -133,7 +140,7 @@ def param_counts(model: nn.Module) -> tuple[int, list[int], int]:
 
     A tied head counts on the last stage too: that stage holds its own copy of the embedding matrix.
     """
-    layout = LAYOUTS[arch_of(model)]
+    layout = model_layout(model)
     blocks = _get(model, layout.blocks)
     first = _num_params([_get(model, p) for p in layout.first])
     last = _num_params([_get(model, p) for p in layout.last])
@@ -141,7 +148,7 @@ def param_counts(model: nn.Module) -> tuple[int, list[int], int]:
 
 
 def is_tied(model: nn.Module) -> bool:
-    layout = LAYOUTS[arch_of(model)]
+    layout = model_layout(model)
     return _get(model, layout.embedding).weight is _get(model, layout.head).weight
 
 
@@ -155,45 +162,92 @@ class Stage(nn.Module):
 
     Input: token ids [batch, seq] (first stage) or hidden states [batch, seq, hidden].
     Output: hidden states, or logits [batch, seq, vocab] on the last stage.
+
+    A model with a pipeline plan runs its own forward: the block list holds only this stage's blocks (under their
+    own indices), the final norm is an identity before the last stage, and a later stage feeds the model a
+    placeholder of zeros whose place the received activations take at the stage's first block. So masks (sliding
+    windows per layer type), rotary embeddings, embedding scales and logit caps are the model's own code.
     """
 
     def __init__(self, model: nn.Module, *, start: int, end: int, is_first: bool, is_last: bool) -> None:
         super().__init__()
-        self.arch = arch_of(model)
-        layout = LAYOUTS[self.arch]
+        self.layout = layout = model_layout(model)
         num_layers = len(_get(model, layout.blocks))
         for path in () if is_first else layout.first:
             _drop(model, path)
         for path in () if is_last else layout.last:
             _drop(model, path)
-        for i in [*range(start), *range(end, num_layers)]:
-            _drop(model, f"{layout.blocks}.{i}")
-        self.model = model  # pruned in place: parameter names stay those of the full model
         self.start, self.end, self.is_first, self.is_last = start, end, is_first, is_last
+        self._received: torch.Tensor | None = None
+        if layout.generic:
+            self._keep_own_blocks(model, num_layers)
+        else:
+            for i in [*range(start), *range(end, num_layers)]:
+                _drop(model, f"{layout.blocks}.{i}")
+        self.model = model  # pruned in place: parameter names stay those of the full model
         self.config = model.config
 
+    def _keep_own_blocks(self, model: nn.Module, num_layers: int) -> None:
+        """The block list keeps this stage's blocks only, under their indices in the full model (the names of
+        their parameters); the model's config says as many layers, and the layer types of those (the model's
+        forward indexes `config.layer_types` from 0)."""
+        import copy
+
+        blocks = _get(model, self.layout.blocks)
+        for i in [*range(self.start), *range(self.end, num_layers)]:
+            del blocks._modules[str(i)]
+        whole = model.config
+        config = copy.deepcopy(whole)
+        config.num_hidden_layers = self.end - self.start
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[self.start:self.end]
+        for module in model.modules():
+            if getattr(module, "config", None) is whole:
+                module.config = config
+        # What holds no parameter between the embedding and the blocks (a dropout), and the final norm, run only on
+        # the first and last stage: elsewhere the model's forward finds identities there.
+        for path in (self.layout.first[1:] if not self.is_first else ()) + (self.layout.last[:-1] if not self.is_last else ()):
+            parent, _, name = path.rpartition(".")
+            setattr(_get(model, parent), name, nn.Identity())
+        if not self.is_first:
+            next(iter(blocks)).register_forward_pre_hook(self._take_received, with_kwargs=True)
+
+    def _take_received(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        assert self._received is not None
+        if args:
+            return (self._received, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self._received}
+
     def blocks(self) -> list[nn.Module]:
-        layout = LAYOUTS[self.arch]
-        module_list = _get(self.model, layout.blocks)
+        module_list = _get(self.model, self.layout.blocks)
+        if self.layout.generic:
+            return list(module_list)
         return [module_list[i] for i in range(self.start, self.end)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gpt2(x) if self.arch == "gpt2" else self._llama(x)
+        if not self.layout.generic:
+            return self._gpt2(x)
+        base = _get(self.model, self.layout.blocks.rpartition(".")[0])
+        if self.is_first:
+            inputs: dict[str, Any] = {"input_ids": x}
+        else:  # the placeholder's values are never used: the first block takes `x` instead
+            inputs = {"inputs_embeds": torch.zeros_like(x)}
+            self._received = x
+        try:
+            if self.is_last:
+                return self.model(**inputs, use_cache=False).logits
+            return base(**inputs, use_cache=False).last_hidden_state
+        finally:
+            self._received = None
 
     @staticmethod
     def _positions(x: torch.Tensor) -> torch.Tensor:
         return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
 
-    def _mask(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        from transformers.masking_utils import create_causal_mask
-
-        # As the full model builds it (with sdpa and no padding mask: None, causal by `is_causal`).
-        return create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
-        )
-
     # Mirrors GPT2Model.forward + GPT2LMHeadModel.forward (transformers 5.x), no cache, no padding.
     def _gpt2(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
         t = self.model.transformer
         positions = self._positions(x)
         if self.is_first:
@@ -202,7 +256,9 @@ class Stage(nn.Module):
             hidden = t.drop(hidden)
         else:
             hidden = x
-        mask = self._mask(hidden, positions)
+        # As the full model builds it (with sdpa and no padding mask: None, causal by `is_causal`).
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=None, position_ids=positions)
         for block in self.blocks():
             hidden = block(
                 hidden, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=positions
@@ -211,27 +267,10 @@ class Stage(nn.Module):
             return hidden
         return self.model.lm_head(t.ln_f(hidden))
 
-    # Mirrors LlamaModel.forward + LlamaForCausalLM.forward (transformers 5.x), no cache, no padding.
-    def _llama(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.model.model
-        hidden = m.embed_tokens(x) if self.is_first else x
-        positions = self._positions(hidden)
-        mask = self._mask(hidden, positions)
-        rotary = m.rotary_emb(hidden, position_ids=positions)
-        for block in self.blocks():
-            hidden = block(
-                hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions,
-                past_key_values=None, use_cache=False,
-            )
-        if not self.is_last:
-            return hidden
-        return self.model.lm_head(m.norm(hidden))
-
 
 def build_stage(model: nn.Module, *, bounds: Sequence[int], stage_index: int) -> Stage:
     """Stage `stage_index` of len(bounds) + 1; prunes `model` in place to what that stage runs."""
-    layout = LAYOUTS[arch_of(model)]
-    num_layers = len(_get(model, layout.blocks))
+    num_layers = len(_get(model, model_layout(model).blocks))
     ranges = stage_ranges(bounds, num_layers=num_layers)
     start, end = ranges[stage_index]
     return Stage(model, start=start, end=end, is_first=stage_index == 0, is_last=stage_index == len(ranges) - 1)

@@ -70,7 +70,7 @@ class TPWrapper:
 
         rt = self.ctx.runtime
         self.mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",))
-        return parallelize(model.to(rt.device), self.mesh, arch=model.config.model_type,
+        return parallelize(model.to(rt.device), self.mesh,
                            sequence_parallel=self.cfg.sequence_parallel)
 
     def mesh_groups(self) -> dict[str, list[int]]:
