@@ -4,9 +4,9 @@
     python bench/setup_memory.py --nproc 4 --layers 12 --hidden 768
 
 Makes a Llama-shaped directory with `save_pretrained` (safetensors, an index of shards), then trains one step of
-`model=hf model.path=DIR` under each strategy and reads every rank's `memory/setup_peak_rss_bytes` from
-summary.json (the kernel's high-water mark of the process before its first step) and its peak through the first
-step. The baseline is the same launch of the `tiny` preset on one process: what any process holds without a model.
+`model=hf model.path=DIR` under each strategy and reads from summary.json, for every rank, what it held before
+building the model (`memory/setup_baseline_rss_bytes`), its peak once its weights were in
+(`memory/load_peak_rss_bytes`) and before its first step (`memory/setup_peak_rss_bytes`), and through the first step.
 The target (issue 22): the worst sharding rank's set-up peak above the baseline is at most half the weights' bytes.
 """
 
@@ -39,15 +39,21 @@ def make_model(out: Path, *, layers: int, hidden: int, vocab: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def peaks(strategy: str, nproc: int, overrides: list[str], run_dir: Path) -> tuple[int, int]:
-    """(the worst rank's set-up peak, the worst rank's peak through the first step), bytes."""
+def peaks(strategy: str, nproc: int, overrides: list[str], run_dir: Path) -> dict[str, int]:
+    """The worst rank's figures, bytes: its baseline (resident before the model was built), load peak and set-up
+    peak above that baseline, and its peak through the first step."""
     launcher = [PYTHON] if nproc == 0 else [*TORCHRUN, f"--nproc_per_node={nproc}"]
     run([*launcher, "launch/train.py", f"strategy={strategy}", *overrides, "logger=none", "train.steps=1",
          "train.seq_len=64", "train.micro_batch_size=1", "optimizer=sgd", "telemetry.activations=false",
          f"hydra.run.dir={run_dir}"], timeout=1800)
     ranks = json.loads((run_dir / "summary.json").read_text())["ranks"]
-    setup = max(r["memory/setup_peak_rss_bytes"] for r in ranks)
-    return setup, max(max(r["memory/setup_peak_rss_bytes"], r["memory/peak_rss_bytes"]) for r in ranks)
+
+    def above(key: str) -> int:
+        return max(r[key] - r["memory/setup_baseline_rss_bytes"] for r in ranks)
+
+    return {"baseline": max(r["memory/setup_baseline_rss_bytes"] for r in ranks),
+            "load": above("memory/load_peak_rss_bytes"), "setup": above("memory/setup_peak_rss_bytes"),
+            "step": max(max(r["memory/setup_peak_rss_bytes"], r["memory/peak_rss_bytes"]) for r in ranks)}
 
 
 def main() -> None:
@@ -61,31 +67,30 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="dist_train_setup_"))
     model_dir = scratch / "model"
     params = make_model(model_dir, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
-    base_setup, base_step = peaks("single", 0, ["model=tiny"], scratch / "baseline")
     hf = ["model=hf", f"model.path={model_dir}"]
     weights = 4 * params
-    headers = ["strategy", "worst rank's set-up peak, MiB", "above the baseline, MiB", "of the weights",
-               "worst rank's peak through step 1, MiB", "above the baseline, MiB"]
+    headers = ["strategy", "baseline, MiB", "load peak above it, MiB", "of the weights", "set-up peak above it, MiB",
+               "of the weights", "peak through step 1, MiB"]
     rows = []
     for strategy in ["single", *args.strategies.split(",")]:
         nproc = 0 if strategy == "single" else args.nproc
-        setup, step = peaks(strategy, nproc, hf, scratch / strategy)
-        rows.append([f"{strategy} ({max(nproc, 1)} process{'es' if nproc > 1 else ''})", f"{setup / MIB:,.0f}",
-                     f"{(setup - base_setup) / MIB:,.0f}", f"{(setup - base_setup) / weights:.2f}",
-                     f"{step / MIB:,.0f}", f"{(step - base_step) / MIB:,.0f}"])
+        p = peaks(strategy, nproc, hf, scratch / strategy)
+        rows.append([f"{strategy} ({max(nproc, 1)} process{'es' if nproc > 1 else ''})", f"{p['baseline'] / MIB:,.0f}",
+                     f"{p['load'] / MIB:,.0f}", f"{p['load'] / weights:.2f}", f"{p['setup'] / MIB:,.0f}",
+                     f"{p['setup'] / weights:.2f}", f"{p['step'] / MIB:,.0f}"])
         print(md_table(headers, rows[-1:]), flush=True)
     body = md_table(headers, rows)
     note = (f"A Llama-shaped directory of {params / 1e6:.0f}M parameters ({args.layers} layers, hidden {args.hidden}, "
             f"vocabulary {args.vocab:,}; fp32 safetensors, 100 MB shards): {4 * params / MIB:,.0f} MiB of weights. "
-            f"Baseline (the `tiny` preset, one process): {base_setup / MIB:,.0f} MiB at the end of set-up, "
-            f"{base_step / MIB:,.0f} MiB through its first step. Peaks are the kernel's high-water mark of each process "
-            "(VmHWM): memory/setup_peak_rss_bytes before the first step, and the larger of it and step 1's "
-            "memory/peak_rss_bytes (training's own memory added: gradients, activations, gathered parameters). "
-            "transformers memory-maps safetensors: weights loaded whole become resident when a step first reads them "
-            "(single's low set-up figure), and a pipeline stage never reads the layers it drops. fsdp builds on meta "
-            "and each rank reads only its shard's rows; the others load the whole model on every rank, then wrap, "
-            "partition or split it (ddp's broadcast and DeepSpeed's flattening read it all during set-up). Target "
-            "(issue 22): the set-up of fsdp, zero3 and the pipelines at most 0.50 of the weights above the baseline.")
+            "Worst rank of each run, from summary.json's ranks[]. Baseline: memory/setup_baseline_rss_bytes, what the "
+            "process held just before it built the model (imports, process group, the strategy's own libraries: "
+            "DeepSpeed's for zero3). Load peak: memory/load_peak_rss_bytes, the kernel's high-water mark (VmHWM) once "
+            "the rank's weights are in. Set-up peak: memory/setup_peak_rss_bytes, VmHWM before the first step, which "
+            "adds what a strategy allocates for training at set-up (DeepSpeed's engine: its fp32 master and gradient "
+            "partitions, a quarter of the weights each here). fsdp and the pipelines build on meta and zero3 under "
+            "zero.Init; each rank then reads only what it holds from the files. single and ddp load the whole model "
+            "(transformers memory-maps safetensors: pages become resident as they are read). Target (issue 22): the "
+            "set-up of fsdp, zero3 and the pipelines at most 0.50 of the weights above the baseline.")
     cmd = (f"python bench/setup_memory.py --nproc {args.nproc} --layers {args.layers} --hidden {args.hidden} "
            f"--vocab {args.vocab} --strategies {args.strategies}")
     write_section("setup", "Set-up memory of a pretrained directory", body, command=cmd, note=note)

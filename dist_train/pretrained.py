@@ -43,6 +43,15 @@ class ModelDir:
                    f"`huggingface-cli download {path} --local-dir DIR`) and pass model.path=DIR" if hub else "")
             )
         require(p.is_dir(), f"model.path={path!r} is a file, not a model directory")
+        adapter = p / "adapter_config.json"
+        if adapter.is_file() and not (p / "config.json").is_file():
+            base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+            raise ConfigError(
+                f"model.path={path!r} holds a LoRA adapter (peft's format"
+                + (f", over {base}" if base else "")
+                + "), not a model: export the run with `launch/export.py CHECKPOINT OUT --merge` and pass "
+                "model.path=OUT, or load the adapter with peft's PeftModel.from_pretrained(base, DIR)"
+            )
         require((p / "config.json").is_file(),
                 f"model.path={path!r} has no config.json: not a transformers model directory (save_pretrained writes one)")
         return cls(p.resolve())
@@ -134,6 +143,20 @@ class ModelDir:
         if f not in self._handles:
             self._handles[f] = _open(f)
         return self._handles[f]
+
+    def by_file(self, targets: dict[str, tuple[str, Any]]) -> Any:
+        """`targets` ({name: (name in the files, tensor)}) one file at a time, each file closed once its tensors are
+        read: the pages of the files mapped at once stay within one file's."""
+        order = sorted(targets.items(), key=lambda item: str(self.locations[item[1][0]]))
+        current = None
+        for name, (source, tensor) in order:
+            f = self.locations[source]
+            if current is not None and f != current:
+                self._handles.pop(current, None)
+            current = f
+            yield name, source, tensor
+        if current is not None:
+            self._handles.pop(current, None)
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> Any:
         """Tensor `name` from its file, or only its rows [start, stop) (dim 0): from safetensors, only those bytes
@@ -244,7 +267,7 @@ def _fill_meta(model: Any, model_dir: ModelDir, device: Any) -> None:
             model._init_weights(module)
     tensors = dict(model.named_parameters())
     tensors.update({n: b for n, b in model.named_buffers() if n in model_dir.locations})
-    for name, (source, target) in _targets(model, model_dir, tensors).items():
+    for name, source, target in model_dir.by_file(_targets(model, model_dir, tensors)):
         if not isinstance(target, DTensor):
             target.copy_(model_dir.read(source))
             continue
@@ -265,7 +288,7 @@ def _fill_partitions(model: Any, model_dir: ModelDir) -> None:
 
     params = {n: p for n, p in model.named_parameters()}
     buffers = {n: b for n, b in model.named_buffers() if n in model_dir.locations}
-    for name, (source, param) in _targets(model, model_dir, params).items():
+    for name, source, param in model_dir.by_file(_targets(model, model_dir, params)):
         local = param.ds_tensor
         size = local.ds_numel
         lo = size * dist.get_rank(group=param.ds_process_group)
@@ -277,5 +300,5 @@ def _fill_partitions(model: Any, model_dir: ModelDir) -> None:
         first, last = lo // row, -(-hi // row)
         rows = model_dir.read(source, first, last) if len(param.ds_shape) else model_dir.read(source)
         local[: hi - lo].copy_(rows.reshape(-1)[lo - first * row: hi - first * row])
-    for name, (source, buffer) in _targets(model, model_dir, buffers).items():
+    for name, source, buffer in model_dir.by_file(_targets(model, model_dir, buffers)):
         buffer.copy_(model_dir.read(source))

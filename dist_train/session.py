@@ -69,7 +69,7 @@ def build_session(
     tracker = None
     if run.telemetry.comm:
         tracker = CommTracker(cuda_events=runtime.device.type == "cuda", nodes=runtime.nodes).install()
-    strategy, num_params, num_trainable, fpt, neftune = _strategy(run, runtime, tracker)
+    strategy, num_params, num_trainable, fpt, neftune, setup_memory = _strategy(run, runtime, tracker)
     checkpointer = Checkpointer.build(
         run.checkpoint, root=checkpoint_root(run, run_dir), runtime=runtime, io=strategy.checkpoint_io(),
         total_steps=t.steps, tracker=tracker,
@@ -93,13 +93,17 @@ def build_session(
     )
     device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
     session.telemetry = _telemetry(session, tracker, saved=saved, device_name=device_name)
+    session.telemetry.setup_memory = setup_memory
     log.info("model=%s params=%s %s", run.model.name, f"{num_params:,}", describe_batch(run, runtime.world_size))
     return session
 
 
-def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int, float, Any]:
+def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int, float, Any, dict[str, int]]:
     """The model (built identically on every rank), transformed, then set up by the strategy; its size and
-    FLOPs per token are read before any wrapping shards it."""
+    FLOPs per token are read before any wrapping shards it. Last: set-up's memory milestones, resident bytes
+    just before the model was built (`memory/setup_baseline_rss_bytes`: imports, process group, the strategy's own
+    libraries) and the peak once this rank's weights were in (`memory/load_peak_rss_bytes`), before a strategy
+    allocates its training state (DeepSpeed's engine does at set-up)."""
     from dist_train.model import (apply_activation_checkpointing, apply_lora, apply_neftune, build_model,
                                   compile_blocks, count_params)
     from dist_train.optim import OptimizerFactory
@@ -113,13 +117,23 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
 
     t = run.train
     sharded = loads_own_shard(run)
+    memory: dict[str, int] = {}  # set-up's memory milestones (filled below, and by the materializer)
     ctx = StrategyContext(
         runtime=runtime, train=t, precision=run.precision, optimizer=OptimizerFactory(run.optimizer, t, device=runtime.device),
         ddp_comm_hook=tracker.ddp_comm_hook if tracker is not None else None,
-        materialize=_materializer(run, runtime) if sharded else None,
+        materialize=_materializer(run, runtime, memory) if sharded else None,
     )
     strategy = build_strategy(run.strategy, ctx)
-    model = build_model(run.model, seed=t.seed, empty=strategy.empty_model_context() if sharded else None)
+    empty = strategy.empty_model_context() if sharded else None  # DeepSpeed's is made (and imported) here
+    import transformers  # noqa: F401  (what every model build imports, counted in the baseline)
+
+    from dist_train.telemetry.memory import HostPeak
+
+    host = HostPeak()
+    memory["memory/setup_baseline_rss_bytes"] = host.current_bytes()
+    model = build_model(run.model, seed=t.seed, empty=empty)
+    if not sharded:  # the weights are all in: what loading them cost
+        memory["memory/load_peak_rss_bytes"] = host.peak_bytes()
     if run.model.path is not None:
         log.info("model.path=%s: %s weights, %s", run.model.path, run.model.init,
                  "each rank reads only what it holds from the files" if sharded else "built whole on each rank")
@@ -141,7 +155,7 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     if tracker is not None:  # collectives also counted per device-mesh dimension (tp, dp) where there is a mesh
         tracker.name_groups(getattr(strategy, "mesh_groups", dict)())
     neftune = apply_neftune(model, alpha=t.neftune_alpha, seed=t.seed) if t.neftune_alpha > 0 else None
-    return strategy, num_params, num_trainable, fpt, neftune
+    return strategy, num_params, num_trainable, fpt, neftune, memory
 
 
 def loads_own_shard(run: RunConfig) -> bool:
@@ -152,11 +166,17 @@ def loads_own_shard(run: RunConfig) -> bool:
     return m.path is not None and m.init == "pretrained" and run.peft.name == "none" and run.strategy.loads_own_shard
 
 
-def _materializer(run: RunConfig, runtime: Any) -> Any:
+def _materializer(run: RunConfig, runtime: Any, memory: dict[str, int]) -> Any:
     from dist_train.pretrained import ModelDir, materialize
+    from dist_train.telemetry.memory import HostPeak
 
     model_dir = ModelDir.open(run.model.path)
-    return lambda wrapped: materialize(wrapped, model_dir, runtime.device)
+
+    def fill(wrapped: Any) -> None:
+        materialize(wrapped, model_dir, runtime.device)
+        memory["memory/load_peak_rss_bytes"] = HostPeak().peak_bytes()  # this rank's part is in: what loading cost
+
+    return fill
 
 
 def _telemetry(session: Session, tracker: Any, *, saved: dict[str, Any], device_name: str) -> Any:

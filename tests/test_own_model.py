@@ -110,6 +110,12 @@ def test_a_directory_without_config_or_weights_is_one_line(tmp_path):
     assert m.init == "random"  # config only: random weights by default
     with pytest.raises(ConfigError, match="model.init=pretrained but .* holds no weights"):
         resolve_model(ModelConfig(name="hf", path=str(d), init="pretrained"))
+    adapter = tmp_path / "adapter"  # what launch/export.py writes for a LoRA run without --merge
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base"}))
+    with pytest.raises(ConfigError, match=r"holds a LoRA adapter \(peft's format, over /models/base\), not a model: "
+                                          r"export the run with .* --merge"):
+        resolve_model(ModelConfig(name="hf", path=str(adapter)))
 
 
 def test_custom_modelling_code_runs_only_when_trusted(tmp_path):
@@ -166,9 +172,11 @@ def model_dirs(tmp_path_factory):
 @pytest.mark.multiproc
 # Each strategy that loads only its own shard, on kinds of model that matter to it: sharded files (llama), a tied
 # head (gpt2: zero3 partitions it once; a pipeline's last stage reads it under the embedding's name), Gemma's
-# scaled embedding. ddp loads as single does, which the in-process test covers.
+# scaled embedding; Qwen3 (q/k norms) split by its own pipeline and TP plans (whole on each rank before tp splits
+# it). ddp loads as single does, which the in-process test covers.
 @pytest.mark.parametrize(("strategy", "arch"), [("fsdp", "llama"), ("fsdp", "gemma"), ("zero3", "llama"),
-                                                ("zero3", "gpt2"), ("gpipe", "gpt2")])
+                                                ("zero3", "gpt2"), ("gpipe", "gpt2"), ("1f1b", "qwen3"),
+                                                ("tp", "qwen3")])
 def test_every_strategy_starts_from_the_directorys_weights(strategy, arch, model_dirs, tmp_path):
     """2 ranks: the first step's loss is transformers' own on the same batch (fp32, 1e-5); fsdp and the pipelines
     build on meta, zero3 under zero.Init, and each rank reads only what it holds from the files."""
@@ -179,23 +187,56 @@ def test_every_strategy_starts_from_the_directorys_weights(strategy, arch, model
                   "train.log_every=1", f"train.seq_len={SEQ}"], run_dir=tmp_path, nproc=2)
     assert s["losses"][0] == pytest.approx(reference_loss(d, global_batch=4), rel=1e-5)
     assert all(r["memory/setup_peak_rss_bytes"] > 0 for r in s["ranks"])
-    assert "each rank reads only what it holds from the files" in (tmp_path / "logs" / "rank1.log").read_text()
+    how = "built whole on each rank" if strategy == "tp" else "each rank reads only what it holds from the files"
+    assert how in (tmp_path / "logs" / "rank1.log").read_text()
 
 
-def test_strategies_that_cannot_split_an_architecture_say_so_before_starting(model_dirs):
+def test_strategies_that_cannot_split_an_architecture_say_so_before_starting(tmp_path):
+    """OPT has neither a pipeline nor a tensor-parallel plan in transformers: one line each, before any process
+    group; fsdp takes it."""
     from hydra import compose, initialize_config_dir
+    from transformers import AutoConfig
 
     from dist_train.checks import validate
     from dist_train.train import to_run_config
     from tests.helpers import ROOT
 
-    for strategy, needle in (("gpipe", "strategy=gpipe splits gpt2 and llama models into stages"),
-                             ("tp", "strategy=tp supports model.arch gpt2 or llama, not qwen3")):
+    d = tmp_path / "opt"
+    AutoConfig.for_model("opt", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         ffn_dim=128, max_position_embeddings=128).save_pretrained(d)
+
+    def check(strategy: str) -> None:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[f"strategy={strategy}", "model=hf",
-                                                           f"model.path={model_dirs['qwen3']}"])
+            cfg = compose(config_name="config", overrides=[f"strategy={strategy}", "model=hf", f"model.path={d}"])
+        validate(to_run_config(cfg), 2)
+
+    for strategy, needle in (("gpipe", "strategy=gpipe: model.arch=opt has no pipeline plan"),
+                             ("tp", "strategy=tp: model.arch=opt has no tensor-parallel plan")):
         with pytest.raises(ConfigError, match=needle):
-            validate(to_run_config(cfg), 2)
+            check(strategy)
+    check("fsdp")
+
+
+@pytest.mark.multiproc
+def test_tensor_parallelism_follows_each_architectures_own_plan(tmp_path):
+    """2 ranks, every tested architecture, with and without sequence parallelism: the loss and every parameter's
+    gradient (gathered whole) as the unsplit model's. Qwen3's q/k norms see only each rank's heads: their gradient
+    is summed over the ranks (without that it is off by 1e-2, measured)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, env
+
+    dirs = [str(make_model_dir(tmp_path, arch)) for arch in ARCHS]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "tests/scripts/tp_archs.py", *dirs], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(diffs) == set(ARCHS)
+    for arch, by_mode in diffs.items():
+        for mode, (loss, grad) in by_mode.items():
+            assert loss < 1e-5 and grad < 1e-6, (arch, mode, loss, grad)
 
 
 def test_prepare_tokens_uses_the_model_directorys_tokenizer(tmp_path):

@@ -190,6 +190,23 @@ def init_deepspeed_comm(backend: str | None) -> None:
         cdb.reduce_scatter_function = lambda *a, **kw: dist.reduce_scatter_tensor(*a, **kw)
 
 
+def unmap_large_frees() -> None:
+    """Have glibc give every freed block over 128 KiB back to the kernel at once, from now on in this process.
+
+    Under zero.Init each module's tensors are made whole, then partitioned and freed. glibc raises its mmap
+    threshold as large blocks are freed (up to 32 MiB), so later layers' tensors come from the heap, and freed heap
+    memory stays resident: measured on 4 ranks of a 162M-parameter model, loading held 0.72 of the weights above the
+    baseline instead of 0.42 (the rank's partition and one module). A fixed threshold (glibc's default value)
+    turns the raising off. Nothing happens where the C library has no mallopt."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD (malloc.h)
+
+
 # --------------------------------------------------------------------------------------------------
 # The strategy.
 # --------------------------------------------------------------------------------------------------
@@ -271,6 +288,7 @@ class ZeroStrategy:
         rank ever holds more than one module whole; `setup` then fills each rank's partitions from the files."""
         import deepspeed
 
+        unmap_large_frees()
         return deepspeed.zero.Init(config_dict_or_path=self._start())
 
     def setup(self, model: nn.Module) -> None:

@@ -36,6 +36,14 @@ class HostPeak:
         except OSError:
             self.resettable = False
 
+    def current_bytes(self) -> int:
+        """Resident set size now (VmRSS); 0 where /proc is not there."""
+        if self._STATUS.exists():
+            for line in self._STATUS.read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
     def peak_bytes(self) -> int:
         if self._STATUS.exists():
             for line in self._STATUS.read_text().splitlines():

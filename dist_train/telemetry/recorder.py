@@ -86,6 +86,8 @@ class Telemetry:
     first_step_wall: float | None = None  # wall clock (epoch s) when this process finished its first step
     _checkpoint_s: float = 0.0  # time the window's steps waited for checkpoint saves
     _setup_peaks: dict[str, int] = field(default_factory=dict)  # memory/setup_peak_*: set-up's peaks, read at start
+    # Set-up's memory milestones (session._strategy): resident bytes before the model was built, peak once loaded.
+    setup_memory: dict[str, int] = field(default_factory=dict)
 
     def restore(self, *, losses: list[float], history: list[list[dict[str, Any]]], skipped_steps: int = 0) -> None:
         """Continue a resumed run's record: the losses of the steps before it, and the windows metrics.jsonl holds."""
@@ -103,6 +105,7 @@ class Telemetry:
 
     def start(self) -> None:
         self._setup_peaks = setup_peaks(self._host, self.strategy.devices)  # before the first step: what set-up itself held
+        self._setup_peaks.update(self.setup_memory)
         self._reset_peaks()
         if self.tracker is not None:
             self.tracker.drain()  # set-up traffic (DDP's initial broadcast, ...) is not a step's
