@@ -1,9 +1,14 @@
 """Export a dist_train checkpoint (any strategy) as a `transformers` save_pretrained directory.
 
-    python launch/export.py CHECKPOINT OUT_DIR
+    python launch/export.py CHECKPOINT OUT_DIR [--merge]
 
 CHECKPOINT is one checkpoint (`.../checkpoints/step-00000100`) or a directory of them (its newest complete
 one). OUT_DIR then loads with `AutoModelForCausalLM.from_pretrained(OUT_DIR)`.
+
+A LoRA run (peft=lora | qlora) is exported as its adapter in peft's format (adapter_config.json +
+adapter_model.safetensors: `PeftModel.from_pretrained(base_model, OUT_DIR)`). With --merge the adapters are
+folded into the base weights (QLoRA: dequantized to fp32) and OUT_DIR holds that plain model, which
+`from_pretrained(OUT_DIR)` and `model=hf model.path=OUT_DIR` load; the adapter then goes to OUT_DIR/adapter.
 """
 
 import argparse
@@ -14,25 +19,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from dist_train.entry import report_config_error  # noqa: E402
 
+USAGE = "python launch/export.py CHECKPOINT OUT_DIR [--merge]"
+
 
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse prints usage + error; one line is enough
-        sys.exit(report_config_error(f"{message} (usage: python launch/export.py CHECKPOINT OUT_DIR)"))
+        sys.exit(report_config_error(f"{message} (usage: {USAGE})"))
 
 
 def main() -> int:
     parser = _OneLineParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint (step-NNNNNNNN) or a directory of them")
-    parser.add_argument("out_dir", type=Path, help="where to write config.json and the weights")
+    parser.add_argument("out_dir", type=Path, help="where to write the model (config.json + weights), or a LoRA run's adapter")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA/QLoRA run: also merge the adapters into the base weights and write that full "
+                             "model to OUT_DIR (the adapter then to OUT_DIR/adapter)")
     args = parser.parse_args()
     from dist_train.export import export_pretrained
 
     try:
-        source = export_pretrained(args.checkpoint, args.out_dir)
+        done = export_pretrained(args.checkpoint, args.out_dir, merge=args.merge)
     except ValueError as exc:
         return report_config_error(str(exc))
-    print(f"exported {source} -> {args.out_dir} (AutoModelForCausalLM.from_pretrained({str(args.out_dir)!r}))")
+    print(f"exported {done.checkpoint} -> {describe(done)}")
     return 0
+
+
+def describe(done) -> str:
+    """What was written and how each part loads, on one line."""
+    parts = []
+    if done.adapter_dir is not None:
+        base = f"AutoModelForCausalLM.from_pretrained({done.base!r})" if done.base else \
+            "the run's base model (dist_train's model.build_model of its config)"
+        parts.append(f"peft={done.peft} adapter {done.adapter_dir} (peft.PeftModel.from_pretrained(base, "
+                     f"{str(done.adapter_dir)!r}), base = {base})")
+    if done.model_dir is not None:
+        what = "merged model" if done.adapter_dir is not None else "model"
+        parts.append(f"{what} {done.model_dir} (AutoModelForCausalLM.from_pretrained({str(done.model_dir)!r}); "
+                     f"in dist_train: model=hf model.path={done.model_dir})")
+    elif done.adapter_dir is not None:
+        parts.append("no merged model (add --merge for one)")
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":
