@@ -186,6 +186,19 @@ class DataConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation on held-out data: the loss (and perplexity) of `batches` global batches, forward only, every
+    `every_steps` optimizer steps and after the last; the same batches every time and under every strategy."""
+
+    every_steps: int = 0  # 0 = never
+    batches: int = 2  # global batches of train.global_batch_size samples
+    # A text or token file of the same kind as data.path to evaluate on. None: a held-out split of the training
+    # data: a file's last `holdout` fraction (training then reads only the rest), or synthetic data's own stream.
+    path: Optional[str] = None
+    holdout: float = 0.05
+
+
+@dataclass
 class PeftConfig:
     """Parameter-efficient fine-tuning: `lora` freezes the model and trains low-rank adapters (peft)."""
 
@@ -307,6 +320,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
@@ -389,6 +403,7 @@ def validate_fields(run: RunConfig) -> None:
     )
 
     _validate_data(run)
+    _validate_eval(run)
     choice("optimizer.name", run.optimizer.name, OPTIMIZERS)
     _validate_peft(run.peft)
     require(len(run.optimizer.betas) == 2, f"optimizer.betas={run.optimizer.betas} needs two values")
@@ -445,6 +460,23 @@ def _validate_token_file(run: RunConfig) -> None:
         f"data.path={d.path!r} was tokenized with {meta.get('tokenizer')!r} ({vocab} tokens) but model.vocab_size="
         f"{run.model.vocab_size}; set model.vocab_size>={vocab}",
     )
+
+
+def _validate_eval(run: RunConfig) -> None:
+    e, d = run.eval, run.data
+    require(e.every_steps >= 0, f"eval.every_steps={e.every_steps} must be >= 0 (0 = never)")
+    require(e.batches >= 1, f"eval.batches={e.batches} must be >= 1")
+    require(0 < e.holdout < 1, f"eval.holdout={e.holdout} must be in (0, 1): the fraction of data.path held out")
+    if e.path is not None:
+        require(d.name != "synthetic", f"eval.path={e.path!r} is a file of the same kind as data.path, but "
+                                       "data=synthetic reads none (its held-out batches are a stream of their own)")
+        require(os.path.isfile(e.path), f"eval.path={e.path!r} is not a readable file")
+    elif e.every_steps and d.name != "synthetic" and d.path and os.path.isfile(d.path):
+        seq, size = run.train.seq_len + 1, os.path.getsize(d.path)
+        tokens = size if d.name == "textfile" else size // (4 if (d.dtype or token_file_meta(d.path).get("dtype")) == "uint32" else 2)
+        require(int(tokens * e.holdout) >= seq,
+                f"eval.holdout={e.holdout} of data.path={d.path!r} is {int(tokens * e.holdout)} tokens, fewer than one "
+                f"sample of train.seq_len + 1 = {seq}; raise eval.holdout or pass eval.path=FILE")
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:

@@ -198,6 +198,10 @@ class Strategy(Protocol):
     def train_step(self, batch: Batch) -> StepOutput:
         """One optimizer step over this rank's share of the global batch."""
 
+    def eval_step(self, batch: Batch) -> StepOutput:
+        """The loss of this rank's share of a held-out global batch: forward only, no gradient, the model in eval
+        mode; `loss_sum` None where this rank computes no loss (a pipeline's earlier stages)."""
+
     def model_state(self) -> ModelState:
         """The parameters, gradients and optimizer state this rank holds (local shards only)."""
 

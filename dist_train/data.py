@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from dist_train.config import DataConfig, token_file_meta
+from dist_train.config import DataConfig, EvalConfig, token_file_meta
 from dist_train.contracts import Batch
 
 
@@ -65,31 +65,66 @@ class WindowDataset:
         return torch.stack([self.sample(step * size + i) for i in range(size)])
 
 
+def _file_tokens(kind: str, path: str, dtype: str | None) -> np.ndarray:
+    """A text file's bytes, or a token file's ids memory-mapped."""
+    if kind == "textfile":
+        return np.frombuffer(Path(path).read_bytes(), dtype=np.uint8)
+    return np.memmap(path, dtype=np.dtype(dtype or token_file_meta(path).get("dtype", "uint16")), mode="r")
+
+
 class TextFileDataset(WindowDataset):
     """Byte-level tokens of a local text file (vocabulary 256)."""
 
     def __init__(self, *, path: str, seq_len: int, seed: int) -> None:
-        super().__init__(np.frombuffer(Path(path).read_bytes(), dtype=np.uint8), seq_len=seq_len, seed=seed)
+        super().__init__(_file_tokens("textfile", path, None), seq_len=seq_len, seed=seed)
 
 
 class TokenFileDataset(WindowDataset):
     """A token file as nanoGPT writes it (`launch/prepare_tokens.py` too): raw uint16 or uint32 token ids,
     memory-mapped, so a file larger than memory costs only the windows each batch reads."""
 
-    def __init__(self, *, path: str, dtype: str, seq_len: int, seed: int) -> None:
-        super().__init__(np.memmap(path, dtype=np.dtype(dtype), mode="r"), seq_len=seq_len, seed=seed)
+    def __init__(self, *, path: str, dtype: str | None, seq_len: int, seed: int) -> None:
+        super().__init__(_file_tokens("tokens", path, dtype), seq_len=seq_len, seed=seed)
 
+
+class HeldOutStream:
+    """Synthetic data's held-out batches: the same distribution, from generator streams training never draws
+    (batch i is the dataset's batch -(i + 1))."""
+
+    def __init__(self, dataset: SyntheticDataset) -> None:
+        self.dataset = dataset
+
+    def batch(self, step: int, size: int) -> torch.Tensor:
+        return self.dataset.batch(-(step + 1), size)
 
 
 def build_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int) -> Dataset:
-    if cfg.name == "textfile":
-        assert cfg.path is not None  # validated before start-up
-        return TextFileDataset(path=cfg.path, seq_len=seq_len, seed=seed)
-    if cfg.name == "tokens":
-        assert cfg.path is not None
-        dtype = cfg.dtype or token_file_meta(cfg.path).get("dtype", "uint16")
-        return TokenFileDataset(path=cfg.path, dtype=dtype, seq_len=seq_len, seed=seed)
-    return SyntheticDataset(vocab_size=vocab_size, seq_len=seq_len, seed=seed, noise=cfg.noise)
+    """The training data, whole (no evaluation split)."""
+    return build_datasets(cfg, None, vocab_size=vocab_size, seq_len=seq_len, seed=seed)[0]
+
+
+def build_datasets(cfg: DataConfig, evaluation: EvalConfig | None, *, vocab_size: int, seq_len: int,
+                   seed: int) -> tuple[Dataset, Dataset | None]:
+    """(training data, held-out data or None). With evaluation on and no eval.path, a file's last eval.holdout
+    fraction is held out (training reads the rest); synthetic data holds out streams of its own."""
+    on = evaluation is not None and evaluation.every_steps > 0
+    if cfg.name == "synthetic":
+        train = SyntheticDataset(vocab_size=vocab_size, seq_len=seq_len, seed=seed, noise=cfg.noise)
+        return train, HeldOutStream(train) if on else None
+    assert cfg.path is not None  # validated before start-up
+    kind = cfg.name
+    if not on:
+        if kind == "textfile":
+            return TextFileDataset(path=cfg.path, seq_len=seq_len, seed=seed), None
+        return TokenFileDataset(path=cfg.path, dtype=cfg.dtype, seq_len=seq_len, seed=seed), None
+    assert evaluation is not None
+    tokens = _file_tokens(kind, cfg.path, cfg.dtype)
+    if evaluation.path is not None:
+        held_out = _file_tokens(kind, evaluation.path, cfg.dtype)
+    else:
+        cut = len(tokens) - int(len(tokens) * evaluation.holdout)
+        tokens, held_out = tokens[:cut], tokens[cut:]
+    return WindowDataset(tokens, seq_len=seq_len, seed=seed), WindowDataset(held_out, seq_len=seq_len, seed=seed)
 
 
 class GlobalBatches:

@@ -6,6 +6,7 @@ This module knows nothing of distribution: strategies wrap, shard or split what 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, ContextManager
 
 import torch
@@ -97,18 +98,61 @@ def _build_llama(cfg: ModelConfig) -> nn.Module:
     return LlamaForCausalLM(hf)
 
 
+@dataclass(frozen=True)
+class Layout:
+    first: tuple[str, ...]  # only the first stage runs these (embeddings)
+    blocks: str  # the nn.ModuleList of transformer blocks
+    last: tuple[str, ...]  # only the last stage runs these (final norm, LM head)
+    embedding: str  # the input embedding (tied to the head when tie_word_embeddings)
+    head: str
+    generic: bool = True  # a pipeline stage runs the model's own forward (False: GPT-2's, written out by hand)
+
+
+# GPT-2 has no pipeline plan in transformers; a pipeline stage mirrors its forward by hand
+# (strategies/pipeline_stages.py, Stage._gpt2).
+GPT2 = Layout(first=("transformer.wte", "transformer.wpe", "transformer.drop"), blocks="transformer.h",
+              last=("transformer.ln_f", "lm_head"), embedding="transformer.wte", head="lm_head", generic=False)
+
+
+def layout_of(config: Any, *, prefix: str = "model") -> Layout:
+    """Where the parts of a model of this config live: GPT-2's, or what transformers' pipeline plan says
+    (`base_model_pp_plan`, in order: what runs before the blocks, the block list (the entry that takes the attention
+    mask), what runs after), under the base model's attribute `prefix`, and the head `lm_head`. ValueError, saying
+    why, for a model that has no such plan."""
+    if config.model_type == "gpt2":
+        return GPT2
+    plan = dict(getattr(config, "base_model_pp_plan", None) or {})
+    names = list(plan)
+    blocks = [i for i, name in enumerate(names) if "attention_mask" in plan[name][0]]
+    if len(blocks) != 1 or blocks[0] == 0 or blocks[0] == len(names) - 1:
+        raise ValueError(f"model.arch={config.model_type} has no pipeline plan of the form embeddings, blocks, final "
+                         f"norm in transformers (base_model_pp_plan: {names or 'none'}), so it cannot be cut into stages")
+    at = blocks[0]
+    path = [f"{prefix}.{name}" for name in names]
+    return Layout(first=tuple(path[:at]), blocks=path[at], last=(*path[at + 1:], "lm_head"), embedding=path[0],
+                  head="lm_head")
+
+
+def model_layout(model: nn.Module) -> Layout:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"{type(model).__name__}: not a transformers model (no config), no pipeline layout")
+    return layout_of(config, prefix=getattr(model, "base_model_prefix", "model") or "model")
+
+
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
-    """The repeated blocks: the unit of FSDP sharding, pipeline splitting and activation checkpointing."""
-    for path in ("transformer.h", "model.layers"):
-        module = model
-        try:
-            for part in path.split("."):
-                module = getattr(module, part)
-        except AttributeError:
-            continue
-        if isinstance(module, nn.ModuleList):
-            return module
-    raise TypeError(f"{type(model).__name__}: no transformer block list (looked for transformer.h, model.layers)")
+    """The repeated blocks: the unit of FSDP sharding, pipeline splitting and activation checkpointing. Where the
+    model's layout says they are; for a model without a pipeline plan, the list of the modules transformers keeps
+    whole (`_no_split_modules`)."""
+    try:
+        return model.get_submodule(model_layout(model).blocks)
+    except ValueError:
+        whole = set(getattr(model, "_no_split_modules", None) or ())
+        for name, module in model.named_modules():
+            if isinstance(module, nn.ModuleList) and len(module) and all(type(b).__name__ in whole for b in module):
+                return module
+        raise TypeError(f"{type(model).__name__}: no list of transformer blocks (no pipeline plan, and no list of "
+                        f"its _no_split_modules {sorted(whole)})") from None
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -40,6 +40,7 @@ class Session:
     start_step: int = 0  # steps done before this process started (resumed from a checkpoint)
     resumed_from: Path | None = None
     progress: Any = None  # Progress: the step being trained, for failure messages
+    eval_batches: Any = None  # the held-out batches (eval.every_steps > 0), sliced per data-parallel rank
 
 
 def build_session(
@@ -51,7 +52,7 @@ def build_session(
     import torch
 
     from dist_train.checkpoint.manager import Checkpointer
-    from dist_train.data import GlobalBatches, Prefetcher, build_dataset
+    from dist_train.data import GlobalBatches, Prefetcher, build_datasets
     from dist_train.rundir import agree_on_run_dir
     from dist_train.runtime import agree
     from dist_train.telemetry.comm import CommTracker
@@ -78,17 +79,18 @@ def build_session(
     if resume is not None:
         log.info("resumed from %s: step %d done, training steps %d..%d", resume, saved["step"], saved["step"] + 1, t.steps)
     dp = run.strategy.data_parallel_size(runtime.world_size)
-    batches: Any = GlobalBatches(
-        build_dataset(run.data, vocab_size=run.model.vocab_size, seq_len=t.seq_len, seed=t.seed),
-        global_batch_size=t.global_batch_size,
-        dp_rank=run.strategy.data_parallel_rank(runtime.rank, runtime.world_size), dp_size=dp,
-    )
+    dp_rank = run.strategy.data_parallel_rank(runtime.rank, runtime.world_size)
+    train_data, held_out = build_datasets(run.data, run.eval, vocab_size=run.model.vocab_size, seq_len=t.seq_len,
+                                          seed=t.seed)
+    batches: Any = GlobalBatches(train_data, global_batch_size=t.global_batch_size, dp_rank=dp_rank, dp_size=dp)
+    eval_batches = None if held_out is None else GlobalBatches(
+        held_out, global_batch_size=t.global_batch_size, dp_rank=dp_rank, dp_size=dp)
     if run.data.prefetch:
         batches = Prefetcher(batches, pin=runtime.device.type == "cuda", last_step=t.steps)
     session = Session(
         run=run, cfg=cfg, runtime=runtime, run_dir=run_dir, strategy=strategy, batches=batches, telemetry=None,
         checkpointer=checkpointer, num_params=num_params, num_trainable_params=num_trainable, flops_per_token=fpt,
-        fault=fault, neftune=neftune,
+        fault=fault, neftune=neftune, eval_batches=eval_batches,
         start_step=saved.get("step", 0), resumed_from=resume,
     )
     device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
@@ -206,7 +208,8 @@ def _telemetry(session: Session, tracker: Any, *, saved: dict[str, Any], device_
         skips_allowed=run.precision.loss_scaling,
     )
     if saved:
-        telemetry.restore(losses=saved.get("losses", []), history=history, skipped_steps=saved.get("skipped_steps", 0))
+        telemetry.restore(losses=saved.get("losses", []), history=history, skipped_steps=saved.get("skipped_steps", 0),
+                          eval_losses=saved.get("eval_losses", []))
     return telemetry
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import json
 import logging
+import math
 import sys
 import traceback
 from dataclasses import dataclass
@@ -186,10 +187,20 @@ def train_one_step(session: Session, step: int) -> None:
     save = checkpointer.due(step)
     # The warm-up closes a window of its own, so that the steady figures of summary.json leave it out exactly.
     warmed_up = step == session.start_step + warmup_steps(session)
-    if save or step % t.log_every == 0 or step == t.steps or warmed_up:
+    evaluate = eval_due(session, step)
+    if save or step % t.log_every == 0 or step == t.steps or warmed_up or evaluate:
+        if evaluate:  # before the window closes, so that its records carry eval/loss
+            telemetry.evaluate(step, lambda: [session.strategy.eval_step(session.eval_batches.local_batch(i))
+                                              for i in range(session.run.eval.batches)])
         telemetry.log(step)  # a checkpoint step is always a logged one: a NaN run is never saved
     if save:
         telemetry.add_checkpoint_time(checkpointer.save(step, _trainer_state(session, step)))
+
+
+def eval_due(session: Session, step: int) -> bool:
+    """Evaluate after every eval.every_steps optimizer steps and after the last (eval.every_steps=0: never)."""
+    every = session.run.eval.every_steps
+    return session.eval_batches is not None and every > 0 and (step % every == 0 or step == session.run.train.steps)
 
 
 def warmup_steps(session: Session) -> int:
@@ -207,6 +218,7 @@ def _trainer_state(session: Session, step: int) -> dict[str, Any]:
         "step": step,
         "samples_seen": step * t.global_batch_size,
         "losses": session.telemetry.step_losses[:step],
+        "eval_losses": [[s, v] for s, v in session.telemetry.eval_losses if s <= step],
         "skipped_steps": session.telemetry.skipped_steps,
         "wandb_run_id": session.wandb.run_id if session.wandb is not None else None,
         "strategy": session.run.strategy.name,
@@ -229,7 +241,10 @@ def _report(session: Session) -> dict[str, Any] | None:
     summary = _summary(session)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     telemetry.sink.finish(summary)
-    log.info("final loss %.6f | mean step %.3f s | summary: %s", summary["final_loss"], summary["mean_step_s"], run_dir / "summary.json")
+    held_out = (f" | eval loss {summary['final_eval_loss']:.6f} (perplexity {summary['final_eval_perplexity']:.2f})"
+                if summary["final_eval_loss"] is not None else "")
+    log.info("final loss %.6f%s | mean step %.3f s | summary: %s", summary["final_loss"], held_out,
+             summary["mean_step_s"], run_dir / "summary.json")
     return summary
 
 
@@ -256,6 +271,10 @@ def _summary(session: Session) -> dict[str, Any]:
         "seq_len": t.seq_len,
         "final_loss": telemetry.step_losses[-1],
         "losses": telemetry.step_losses,
+        # held-out loss: [step, loss] of every evaluation (eval.every_steps), and the last one with its perplexity
+        "eval_losses": [[s, v] for s, v in telemetry.eval_losses],
+        "final_eval_loss": telemetry.eval_losses[-1][1] if telemetry.eval_losses else None,
+        "final_eval_perplexity": math.exp(min(telemetry.eval_losses[-1][1], 80.0)) if telemetry.eval_losses else None,
         # Timing covers the steps this process ran (after a resume: from start_step + 1).
         "start_step": session.start_step,
         "resumed_from": str(session.resumed_from) if session.resumed_from else None,

@@ -123,12 +123,12 @@ def _entry_name(entry: str) -> str:
 
 
 @pytest.mark.multiproc
-def test_config_error_shows_exactly_once_in_6_torchrun_launches(tmp_path):
+def test_config_error_shows_exactly_once_in_4_torchrun_launches(tmp_path):
     """Whichever rank exits first: one line, every time, and compare's failure reason is that line.
 
     Two launches at a time: the machine is loaded as it is in a busy CI, which makes the order in which the
-    ranks exit vary more. (Three at a time on 2 cores took longer than two, measured; 20 launches, then 10, cost
-    the suite time it no longer has: 80 s, then 43 s.)"""
+    ranks exit vary more. (Three at a time on 2 cores took longer than two, measured; 20 launches, then 10, then 6
+    cost the suite time it no longer has: 80 s, 43 s, 49 s.)"""
     spec = StrategySpec.parse("ddp")
 
     def launch(attempt: int):
@@ -136,7 +136,7 @@ def test_config_error_shows_exactly_once_in_6_torchrun_launches(tmp_path):
                             group="bad", timeout_s=120)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(launch, range(6)))
+        results = list(pool.map(launch, range(4)))
     for attempt, result in enumerate(results):
         log = result.log_path.read_text()
         lines = [line for line in log.splitlines() if line.startswith("config error:")]

@@ -23,14 +23,14 @@ from dist_train.checkpoint.layout import (
 )
 from dist_train.config import CheckpointConfig, TrainConfig
 from dist_train.telemetry.sinks import JsonlSink
-from tests.conftest import CHECKPOINTED, RESUMABLE
+from tests.conftest import CHECKPOINTED, EVALUATED, RESUMABLE
 from tests.helpers import FAST, ROOT, env, launch, metrics, rel_diff, train_ok
 
 STEP4 = step_dir_name(4)
 
 
 def _resume(strategy: str, checkpoint: Path, run_dir: Path, nproc: int, *extra: str) -> dict:
-    return train_ok([f"strategy={strategy}", "logger=none", *FAST, "train.steps=8",
+    return train_ok([f"strategy={strategy}", "logger=none", *FAST, "train.steps=8", *EVALUATED,
                      f"checkpoint.resume={checkpoint}", *extra], run_dir=run_dir, nproc=nproc)
 
 
@@ -52,6 +52,7 @@ def test_resume_reproduces_every_step_bit_for_bit(strategy, straight_run, tmp_pa
 
     resumed = _resume(strategy, ckpt, tmp_path, RESUMABLE[strategy])
     assert resumed["losses"] == straight["losses"]  # 4 restored, 4 recomputed: bit-exact
+    assert resumed["eval_losses"] == straight["eval_losses"]  # step 4's restored, step 8's evaluated again
     assert resumed["start_step"] == 4 and resumed["resumed_from"] == str(ckpt)
     assert sorted({r["step"] for r in metrics(tmp_path)}) == [5, 6, 7, 8]  # a fresh run dir starts at step 5
 

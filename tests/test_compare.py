@@ -26,7 +26,8 @@ def comparison(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     out = tmp_path_factory.mktemp("compare")
     cmd = [sys.executable, str(COMPARE), f"compare.strategies={STRATEGIES}", "compare.nproc=2",
            f"compare.out_dir={out}", "compare.wandb=true", "compare.fit_gpus=[8,1024]",
-           "logger=wandb", "model=tiny", "train.steps=3", "train.log_every=1"]  # W&B offline (tests.helpers.env)
+           "logger=wandb", "model=tiny", "train.steps=3", "train.log_every=1",  # W&B offline (tests.helpers.env)
+           "eval.every_steps=3"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     rows = {r["strategy"]: r for r in json.loads((out / "table.json").read_text())}
@@ -64,6 +65,19 @@ def test_table_holds_measured_numbers_traceable_to_runs(comparison):
     assert rows["ddp"]["comm_all_reduce_s"] > 0
     assert rows["fsdp"]["mem_params_max_bytes"] == pytest.approx(2 * n, rel=0.02)  # half of 4 B/param
     assert rows["fsdp"]["comm_all_gather_bytes"] > 0 and rows["fsdp"]["comm_reduce_scatter_bytes"] == 4 * n
+
+
+def test_the_report_shows_the_held_out_loss_and_each_rows_setup_peak(comparison):
+    out, rows, _ = comparison
+    for name in ("single", "ddp", "fsdp"):
+        row = rows[name]
+        summary = json.loads((Path(row["run_dir"]) / "summary.json").read_text())
+        assert row["final_eval_loss"] == summary["final_eval_loss"] == summary["eval_losses"][-1][1]
+        assert row["final_eval_loss"] == pytest.approx(rows["single"]["final_eval_loss"], rel=1e-5)
+        assert row["mem_setup_peak_rss_max_bytes"] == max(r["memory/setup_peak_rss_bytes"] for r in summary["ranks"])
+    report = (out / "report.md").read_text()
+    assert "| eval loss |" in report and "| set-up peak RSS |" in report
+    assert f"{rows['ddp']['final_eval_loss']:.6f}" in report
 
 
 def test_verdicts_agree_with_single(comparison):

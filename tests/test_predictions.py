@@ -48,7 +48,9 @@ def test_fp32_runs_are_predicted_within_ten_percent(straight_run, tmp_path):
 
 # 1f1b computes in bf16 exactly as gpipe does; only how many micro-batches are in flight differs, which the
 # fp32 runs check. zero1 keeps the same bf16 regime as zero2 (only the gradient partition differs, in fp32 too).
-BF16 = [s for s in STRATEGIES if s not in ("1f1b", "zero1")]
+# The pipelines' bf16 regime is autocast per stage, as single's: their bf16 row is left out for the suite's time
+# (their fp32 rows above, and test_pipeline's bf16 run against single, stay).
+BF16 = [s for s in STRATEGIES if s not in ("1f1b", "zero1", "gpipe")]
 
 
 def test_bf16_and_fp16_runs_are_predicted_within_ten_percent(tmp_path):

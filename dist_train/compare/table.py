@@ -20,8 +20,10 @@ MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
 # Held only for a moment (see dist_train/estimate/memory.py): autocast's weight copies, ZeRO-3's gathered
 # parameters, ZeRO's fp32 gradient partition at the optimizer step. Peaks, like activations.
 TRANSIENT_CATEGORIES = ("weight_copies", "gathered_params", "step_grads")
-# Every memory figure a run reports per rank (memory/<figure>_bytes): the categories, then the process peaks.
-MEMORY_FIGURES = (*MEMORY_CATEGORIES, *TRANSIENT_CATEGORIES, "peak_rss", "peak_allocated")
+# Every memory figure a run reports per rank (memory/<figure>_bytes): the categories, then the process peaks, then
+# set-up's (before the first step: the peak once the weights were in, and the peak of all of set-up).
+MEMORY_FIGURES = (*MEMORY_CATEGORIES, *TRANSIENT_CATEGORIES, "peak_rss", "peak_allocated",
+                  "load_peak_rss", "setup_peak_rss", "setup_peak_allocated")
 from dist_train.telemetry.comm import COMM_OPS  # one list of ops for telemetry and the report
 
 
@@ -60,6 +62,8 @@ def build_row(result: RunResult) -> dict[str, Any]:
     row.update(comm_bytes_columns(ranks))
     row["final_loss"] = summary["final_loss"]
     row["losses"] = summary["losses"]
+    if summary.get("final_eval_loss") is not None:  # eval.every_steps: the held-out loss at the end
+        row["final_eval_loss"] = summary["final_eval_loss"]
     row["config_hash"] = _config_hash(result.run_dir)
     return row
 

@@ -27,7 +27,7 @@ from torch import nn
 from dist_train.config import PrecisionConfig, RunConfig, TrainConfig, importable, require
 from dist_train.contracts import Batch, ModelState, StepOutput, dtype_name, tensor_bytes
 from dist_train.model import forward_loss
-from dist_train.strategies.base import StrategyContext, detached_clone
+from dist_train.strategies.base import StrategyContext, detached_clone, evaluate
 from dist_train.telemetry.memory import optimizer_state_tensors
 
 log = logging.getLogger("dist_train")
@@ -363,6 +363,16 @@ class ZeroStrategy:
         norm = engine.get_global_grad_norm()  # before clipping; a float or a tensor depending on the stage
         grad_norm = None if norm is None else torch.as_tensor(norm, dtype=torch.float32).detach()
         return StepOutput(loss_sum=loss_sum, num_microbatches=len(micro), grad_norm=grad_norm)
+
+    def eval_step(self, batch: Batch) -> StepOutput:
+        assert self.engine is not None, "setup() first"
+        device = self.ctx.runtime.device
+        # DeepSpeed's engine computes in the dtype it cast the model to (bf16 mode), as in training: no autocast.
+        out = evaluate(self.engine, batch.to(device), micro_batch_size=self.ctx.train.micro_batch_size,
+                       precision=None, device=device)
+        if self.cfg.stage == 3:  # a forward no backward follows leaves the last modules' parameters gathered
+            self.engine.empty_partition_cache()
+        return out
 
     # ---------------------------------------------------------------- what this rank holds
     def _params(self) -> list[nn.Parameter]:

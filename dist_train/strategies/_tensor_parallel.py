@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dist_train.model import transformer_blocks
+from dist_train.model import model_layout, transformer_blocks
 from dist_train.strategies.torch_strategy import TorchStrategy
 
 
@@ -211,8 +211,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool =
 
     Sequence parallelism: the first block takes its rank's slice of the sequence, the final norm runs on
     it too, and its output is gathered whole for the head (and for GPT-2's reshape before it)."""
-    from dist_train.strategies.pipeline_stages import model_layout
-
     tp, config = mesh.size(), model.config
     blocks = transformer_blocks(model)
     for block in blocks:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ContextManager
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from dist_train.config import ConfigError, PrecisionConfig, RunConfig, TrainConfig, require
-from dist_train.contracts import Batch, ModelState, Runtime
+from dist_train.contracts import Batch, ModelState, Runtime, StepOutput
 from dist_train.faults import overflow_if_injected
 from dist_train.model import forward_loss
 from dist_train.optim import OptimizerFactory
@@ -206,6 +207,38 @@ def accumulate(
             opt.backward(loss / len(micro))
         loss_sum += loss.detach()
     return loss_sum, len(micro)
+
+
+def evaluate(model: nn.Module, batch: Batch, *, micro_batch_size: int, precision: PrecisionConfig | None,
+             device: torch.device) -> StepOutput:
+    """Forward only over the micro-batches of `batch`, without gradients, the model in eval mode (no dropout, no
+    NEFTune noise), then back in train mode: the loss summed over the micro-batches. The same autocast as
+    training (`precision`; None: the model computes in its own dtype, as DeepSpeed's engine does)."""
+    was_training = model.training
+    model.eval()
+    micro = batch.split(micro_batch_size)
+    loss_sum = torch.zeros((), device=device)
+    try:
+        with torch.no_grad(), autocast(precision, device) if precision is not None else contextlib.nullcontext():
+            for mb in micro:
+                loss_sum += forward_loss(model, mb.input_ids, mb.labels)
+    finally:
+        model.train(was_training)
+        reshard(model)
+    return StepOutput(loss_sum=loss_sum, num_microbatches=len(micro), grad_norm=None)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free what FSDP2 keeps gathered after a forward that no backward follows (an evaluation): the root module
+    stays unsharded after forward, for its backward, and would otherwise hold its whole parameters until the next
+    training step (measured: the embeddings, on every rank)."""
+    if "torch.distributed.fsdp" not in sys.modules:  # nothing can be sharded by FSDP2 in this process
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 @contextlib.contextmanager

@@ -59,6 +59,7 @@ from dist_train.strategies.base import (
     StrategyContext,
     autocast,
     load_torch_state_dict,
+    reshard,
     torch_state_dict,
 )
 from dist_train.strategies.pipeline_stages import (
@@ -466,6 +467,26 @@ class PipelineStrategy:
             for loss in self._losses:  # the same order of additions as `accumulate`
                 loss_sum += loss
         return StepOutput(loss_sum=loss_sum, num_microbatches=self.num_microbatches, grad_norm=grad_norm)
+
+    def eval_step(self, batch: Batch) -> StepOutput:
+        """Forward only through the pipeline (the schedule's eval: the same micro-batches, no backward), without
+        gradients, every stage in eval mode; the loss on the last stage."""
+        assert self.module is not None and self.schedule is not None, "setup() first"
+        self._losses = []
+        args, target = self.stage_inputs(batch)
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                self.schedule.eval(*args, target=target)
+        finally:
+            self.module.train()
+            reshard(self.module)  # pp_dp's FSDP stages
+        loss_sum = None
+        if self.is_last:
+            loss_sum = torch.zeros((), device=self.device)
+            for loss in self._losses:
+                loss_sum += loss
+        return StepOutput(loss_sum=loss_sum, num_microbatches=self.num_microbatches, grad_norm=None)
 
     def _global_norm(self) -> torch.Tensor:
         """L2 norm over every stage's gradients (a tied weight once); all stages clip by it, as one process would."""

@@ -15,11 +15,12 @@ Also here: the balanced split of blocks over stages by parameter count (a pure f
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from dist_train.model import Layout, layout_of, model_layout  # noqa: F401  (layout_of: the pipeline's check)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -77,40 +78,6 @@ def stage_ranges(bounds: Sequence[int], *, num_layers: int) -> list[tuple[int, i
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Layout:
-    first: tuple[str, ...]  # only the first stage runs these (embeddings)
-    blocks: str  # the nn.ModuleList of transformer blocks
-    last: tuple[str, ...]  # only the last stage runs these (final norm, LM head)
-    embedding: str  # the input embedding (tied to the head when tie_word_embeddings)
-    head: str
-    generic: bool = True  # the stage runs the model's own forward (False: GPT-2's, written out below)
-
-
-# GPT-2 has no pipeline plan in transformers; its forward is mirrored by hand (Stage._gpt2).
-GPT2 = Layout(first=("transformer.wte", "transformer.wpe", "transformer.drop"), blocks="transformer.h",
-              last=("transformer.ln_f", "lm_head"), embedding="transformer.wte", head="lm_head", generic=False)
-
-
-def layout_of(config: Any, *, prefix: str = "model") -> Layout:
-    """Where the parts of a model of this config live: GPT-2's, or what transformers' pipeline plan says
-    (`base_model_pp_plan`, in order: what runs before the blocks, the block list (the entry that takes the attention
-    mask), what runs after), under the base model's attribute `prefix`, and the head `lm_head`. ValueError, saying
-    why, for a model that has no such plan."""
-    if config.model_type == "gpt2":
-        return GPT2
-    plan = dict(getattr(config, "base_model_pp_plan", None) or {})
-    names = list(plan)
-    blocks = [i for i, name in enumerate(names) if "attention_mask" in plan[name][0]]
-    if len(blocks) != 1 or blocks[0] == 0 or blocks[0] == len(names) - 1:
-        raise ValueError(f"model.arch={config.model_type} has no pipeline plan of the form embeddings, blocks, final "
-                         f"norm in transformers (base_model_pp_plan: {names or 'none'}), so it cannot be cut into stages")
-    at = blocks[0]
-    path = [f"{prefix}.{name}" for name in names]
-    return Layout(first=tuple(path[:at]), blocks=path[at], last=(*path[at + 1:], "lm_head"), embedding=path[0],
-                  head="lm_head")
-
-
 def _get(model: nn.Module, path: str) -> nn.Module:
     module = model
     for part in path.split("."):
@@ -126,13 +93,6 @@ def _drop(model: nn.Module, path: str) -> None:
 def _num_params(modules: Sequence[nn.Module]) -> int:
     params = {id(p): p for m in modules for p in m.parameters()}
     return sum(p.numel() for p in params.values())
-
-
-def model_layout(model: nn.Module) -> Layout:
-    config = getattr(model, "config", None)
-    if config is None:
-        raise TypeError(f"{type(model).__name__}: not a transformers model (no config), no pipeline layout")
-    return layout_of(config, prefix=getattr(model, "base_model_prefix", "model") or "model")
 
 
 def param_counts(model: nn.Module) -> tuple[int, list[int], int]:

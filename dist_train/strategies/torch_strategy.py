@@ -13,6 +13,7 @@ from dist_train.strategies.base import (
     LocalOptimizer,
     StrategyContext,
     accumulate,
+    evaluate,
     load_torch_state_dict,
     torch_state_dict,
 )
@@ -61,6 +62,12 @@ class TorchStrategy:
         )
         grad_norm = self.opt.step()
         return StepOutput(loss_sum=loss_sum, num_microbatches=n, grad_norm=grad_norm)
+
+    def eval_step(self, batch: Batch) -> StepOutput:
+        assert self.wrapped is not None, "setup() first"
+        device = self.ctx.runtime.device
+        return evaluate(self.wrapped, batch.to(device), micro_batch_size=self.ctx.train.micro_batch_size,
+                        precision=self.ctx.precision, device=device)
 
     def model_state(self) -> ModelState:
         assert self.wrapped is not None and self.opt is not None

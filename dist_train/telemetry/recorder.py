@@ -33,6 +33,7 @@ log = logging.getLogger("dist_train")
 
 GLOBAL_KEYS = (
     "loss", "lr", "grad_norm", "throughput/tokens_per_s", "throughput/samples_per_s", "mfu", "train/skipped_steps",
+    "eval/loss", "eval/perplexity", "time/eval_s",
 )
 
 
@@ -88,12 +89,38 @@ class Telemetry:
     _setup_peaks: dict[str, int] = field(default_factory=dict)  # memory/setup_peak_*: set-up's peaks, read at start
     # Set-up's memory milestones (session._strategy): resident bytes before the model was built, peak once loaded.
     setup_memory: dict[str, int] = field(default_factory=dict)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss) of every evaluation
+    _eval: dict[str, float] = field(default_factory=dict)  # the evaluation at the window's last step, for its records
+    _eval_end_s: float | None = None  # when it ended: the next window starts there
 
-    def restore(self, *, losses: list[float], history: list[list[dict[str, Any]]], skipped_steps: int = 0) -> None:
+    def restore(self, *, losses: list[float], history: list[list[dict[str, Any]]], skipped_steps: int = 0,
+                eval_losses: list[Any] = ()) -> None:
         """Continue a resumed run's record: the losses of the steps before it, and the windows metrics.jsonl holds."""
         self.step_losses = list(losses)
         self.history = list(history)
         self.skipped_steps = skipped_steps
+        self.eval_losses = [(int(s), float(v)) for s, v in eval_losses]
+
+    def evaluate(self, step: int, run: Any) -> float:
+        """Evaluate at `step` (a logged one; every rank calls this before `log`): `run()` gives this rank's
+        eval_step outputs. Their loss over the held-out batches, wherever the losses live, goes into the window's
+        records as `eval/loss` and `eval/perplexity`. The step's own time ends before it (the clock is read after
+        a device sync) and the next window starts after it; its collectives are not counted as training's."""
+        if synchronize(self.strategy.devices):
+            self.step_end_s[-1] = time.perf_counter()
+        start = time.perf_counter()
+        with self.tracker.paused() if self.tracker is not None else contextlib.nullcontext():
+            local = [(float(o.loss_sum.detach().float().cpu()) if o.loss_sum is not None else None, o.num_microbatches)
+                     for o in run()]
+            everyone = self._gather({"parts": local})
+        parts = [part for r in everyone for part in r["parts"] if part[0] is not None]
+        total = sum(n for _, n in parts)
+        loss = sum(s for s, _ in parts) / total if total else float("nan")
+        self._eval_end_s = time.perf_counter()
+        self._eval = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0)),
+                      "time/eval_s": self._eval_end_s - start}
+        self.eval_losses.append((step, loss))
+        return loss
 
     def add_checkpoint_time(self, seconds: float) -> None:
         """A save blocked the training this long; reported in the next window as `time/checkpoint_s` per step.
@@ -132,14 +159,15 @@ class Telemetry:
         """Close the window ending at `step` (1-based); every rank must call it."""
         if not self._window:
             return
-        if synchronize(self.strategy.devices):  # the one sync: at the window's end, not in a step (every GPU of dp)
-            self.step_end_s[-1] = time.perf_counter()
+        if self._eval_end_s is None and synchronize(self.strategy.devices):  # the one sync: at the window's end,
+            self.step_end_s[-1] = time.perf_counter()  # not in a step (every GPU of dp); evaluate() did it already
         first_step = step - len(self._window) + 1
         local = self._local_record(step)
         gathered = self._gather(local)
         self._add_transfers(gathered, len(self._window))
         records, losses, norms = self._add_global(gathered)
-        self._window, self._window_start_s = [], self.step_end_s[-1]
+        self._window, self._window_start_s = [], self._eval_end_s or self.step_end_s[-1]
+        self._eval, self._eval_end_s = {}, None
         self._checkpoint_s = 0.0
         self._reset_peaks()
         if self.runtime.is_main:
@@ -272,6 +300,7 @@ class Telemetry:
             glob["mfu"] = glob["throughput/tokens_per_s"] * w.flops_per_token / (w.peak_flops * w.num_devices)
         if self.skips_allowed:
             glob["train/skipped_steps"] = skipped
+        glob.update(self._eval)
         out = []
         for r in records:
             r = {k: v for k, v in r.items() if not k.startswith("_")}

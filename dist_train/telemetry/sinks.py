@@ -102,8 +102,9 @@ def _keep_through(path: Path, step: int) -> list[list[dict[str, Any]]]:
 
 
 def progress_text(rec: dict[str, Any]) -> str:
+    held_out = f" | eval loss {rec['eval/loss']:.4f} ppl {rec['eval/perplexity']:.2f}" if "eval/loss" in rec else ""
     return (
-        f"loss {rec['loss']:.4f} | {rec['time/step_s'] * 1e3:.0f} ms/step | "
+        f"loss {rec['loss']:.4f}{held_out} | {rec['time/step_s'] * 1e3:.0f} ms/step | "
         f"{rec['throughput/tokens_per_s']:,.0f} tok/s"
     )
 
