@@ -6,7 +6,6 @@ import dataclasses
 import gc
 import json
 import logging
-import math
 import sys
 import traceback
 from dataclasses import dataclass
@@ -249,6 +248,8 @@ def _report(session: Session) -> dict[str, Any] | None:
 
 
 def _summary(session: Session) -> dict[str, Any]:
+    from dist_train.telemetry.recorder import perplexity
+
     run, runtime, telemetry = session.run, session.runtime, session.telemetry
     t = run.train
     dp = run.strategy.data_parallel_size(runtime.world_size)
@@ -274,7 +275,7 @@ def _summary(session: Session) -> dict[str, Any]:
         # held-out loss: [step, loss] of every evaluation (eval.every_steps), and the last one with its perplexity
         "eval_losses": [[s, v] for s, v in telemetry.eval_losses],
         "final_eval_loss": telemetry.eval_losses[-1][1] if telemetry.eval_losses else None,
-        "final_eval_perplexity": math.exp(min(telemetry.eval_losses[-1][1], 80.0)) if telemetry.eval_losses else None,
+        "final_eval_perplexity": perplexity(telemetry.eval_losses[-1][1]) if telemetry.eval_losses else None,
         # Timing covers the steps this process ran (after a resume: from start_step + 1).
         "start_step": session.start_step,
         "resumed_from": str(session.resumed_from) if session.resumed_from else None,

@@ -155,7 +155,7 @@ def test_stages_of_any_model_with_a_pipeline_plan_equal_the_full_model(arch):
 def test_a_model_without_a_pipeline_plan_is_refused_saying_why():
     from transformers import AutoConfig
 
-    from dist_train.strategies.pipeline_stages import layout_of
+    from dist_train.model import layout_of
 
     with pytest.raises(ValueError, match="model.arch=opt has no pipeline plan"):
         layout_of(AutoConfig.for_model("opt"))

@@ -53,7 +53,7 @@ from torch import nn
 from dist_train.checkpoint.dcp_io import DcpIO
 from dist_train.config import RunConfig, StrategyConfig, TrainConfig, choice, require
 from dist_train.contracts import Batch, ModelState, StepOutput, StrategyFamily, local_tensor
-from dist_train.model import causal_lm_loss
+from dist_train.model import causal_lm_loss, layout_of, model_layout
 from dist_train.strategies.base import (
     LocalOptimizer,
     StrategyContext,
@@ -66,8 +66,6 @@ from dist_train.strategies.pipeline_stages import (
     Stage,
     build_stage,
     is_tied,
-    layout_of,
-    model_layout,
     param_counts,
     split_layers,
     stage_ranges,

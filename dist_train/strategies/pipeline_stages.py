@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_train.model import Layout, layout_of, model_layout  # noqa: F401  (layout_of: the pipeline's check)
+from dist_train.model import model_layout
 
 
 # --------------------------------------------------------------------------------------------------

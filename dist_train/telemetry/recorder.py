@@ -113,12 +113,9 @@ class Telemetry:
             local = [(float(o.loss_sum.detach().float().cpu()) if o.loss_sum is not None else None, o.num_microbatches)
                      for o in run()]
             everyone = self._gather({"parts": local})
-        parts = [part for r in everyone for part in r["parts"] if part[0] is not None]
-        total = sum(n for _, n in parts)
-        loss = sum(s for s, _ in parts) / total if total else float("nan")
+        loss = mean_loss([part for r in everyone for part in r["parts"]])
         self._eval_end_s = time.perf_counter()
-        self._eval = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0)),
-                      "time/eval_s": self._eval_end_s - start}
+        self._eval = {"eval/loss": loss, "eval/perplexity": perplexity(loss), "time/eval_s": self._eval_end_s - start}
         self.eval_losses.append((step, loss))
         return loss
 
@@ -278,9 +275,7 @@ class Telemetry:
         num_steps = len(records[0]["_losses"])
         losses, norms = [], []
         for i in range(num_steps):
-            parts = [r["_losses"][i] for r in records if r["_losses"][i][0] is not None]
-            total = sum(n for _, n in parts)
-            losses.append(sum(s for s, _ in parts) / total if total else float("nan"))
+            losses.append(mean_loss([r["_losses"][i] for r in records]))
             # The global norm: every rank that computed it holds the same value.
             norms.append(next((r["_grad_norms"][i] for r in records if r["_grad_norms"][i] is not None), None))
         if self.runtime.is_main:
@@ -364,6 +359,19 @@ def synchronize(devices: list[torch.device]) -> bool:
     for d in cuda:
         torch.cuda.synchronize(d)
     return bool(cuda)
+
+
+def mean_loss(parts: list[tuple[float | None, int]]) -> float:
+    """The mean micro-batch loss over the global batch from each rank's (loss sum, micro-batches): the ranks that
+    hold a loss (all under data parallelism, a pipeline's last stages); NaN if none does."""
+    held = [(s, n) for s, n in parts if s is not None]
+    total = sum(n for _, n in held)
+    return sum(s for s, _ in held) / total if total else float("nan")
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(80) so that a diverged loss reads as a huge number, not an overflow."""
+    return math.exp(min(loss, 80.0))
 
 
 def setup_peaks(host: HostPeak, devices: list[torch.device]) -> dict[str, int]:
