@@ -58,9 +58,9 @@ class StrategyConfig:
     # peft=qlora: the packed 4-bit weights and their scales stay whole on every rank (nothing shards or splits
     # a parameter), and it is tested.
     keeps_packed_weights: ClassVar[bool] = False
-    # A pretrained model directory is built without weights (the strategy's `empty_model_context()`: the meta
-    # device, or zero.Init), sharded or split by this strategy, then each rank reads only what it holds from the
-    # files (pretrained.materialize): set-up never holds the whole model.
+    # The model is built without weights (the strategy's `empty_model_context()`: the meta device, or zero.Init),
+    # sharded or split by this strategy, then each rank fills only what it holds, from a model directory's files
+    # or the seeded random init (weights.materialize): set-up never holds the whole model.
     loads_own_shard: ClassVar[bool] = False
 
     @property

@@ -88,8 +88,41 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def whole_numel(t: torch.Tensor) -> int:
     """Elements of a parameter as the model sees it: a ZeRO-3 partitioned one (zero.Init) holds none locally and
-    carries its whole count as `ds_numel`; a DTensor's numel is already the whole tensor's."""
+    carries its whole count as `ds_numel`; a DTensor's numel is already the whole tensor's; QLoRA's packed 4-bit
+    weight (bitsandbytes' Params4bit) keeps the unpacked shape in its `quant_state`."""
+    state = getattr(t, "quant_state", None)
+    if state is not None and getattr(state, "shape", None) is not None:
+        return int(torch.Size(state.shape).numel())
     return int(getattr(t, "ds_numel", None) or t.numel())
+
+
+def full_of(t: Any) -> torch.Tensor:
+    """A DTensor's whole tensor. Under fsdp_tp a strided bias is sharded twice on one dimension (FSDP2's
+    `_StridedShard(0, 2)` over TP's `_StridedShard(0, 3)`), which `full_tensor()` reassembles in the wrong
+    order in torch 2.13 (measured); gathering the outer mesh dimensions first, one at a time, is right."""
+    from torch.distributed.tensor import Replicate
+
+    placements = list(t.placements)
+    for i in range(len(placements) - 1):
+        placements[i] = Replicate()
+        t = t.redistribute(placements=placements)
+    return t.full_tensor()
+
+
+def place_like(full: torch.Tensor, current: Any) -> Any:
+    """`full` laid out as the DTensor `current` is, each rank keeping its own part (no communication). 1-D (tp,
+    fsdp): DTensor does it. 2-D (dp, tp) of fsdp_tp: TP's split on the inner dimension by DTensor, then FSDP2's
+    dim-0 chunk of that by hand (DTensor's own scatter of the nested placements is wrong too, see `full_of`)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    mesh = current.device_mesh
+    if mesh.ndim == 1:
+        return distribute_tensor(full, mesh, current.placements, src_data_rank=None)
+    inner = mesh[mesh.mesh_dim_names[1]]
+    tp_local = distribute_tensor(full, inner, [current.placements[1]], src_data_rank=None).to_local()
+    local = tp_local.chunk(mesh.size(0), dim=0)[mesh.get_local_rank(0)]
+    return DTensor.from_local(local.contiguous(), mesh, current.placements, run_check=False,
+                              shape=current.shape, stride=current.stride())
 
 
 def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[tuple[int, int], tuple[int, torch.dtype]]:

@@ -1,4 +1,4 @@
-"""Causal LMs from `transformers` configs with random weights (nothing is downloaded), and their loss.
+"""Causal LMs from `transformers` configs or local model directories (nothing is downloaded), and their loss.
 
 This module knows nothing of distribution: strategies wrap, shard or split what it builds.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, ContextManager
 
 import torch
@@ -17,43 +18,82 @@ from dist_train.config import ModelConfig
 from dist_train.contracts import local_tensor, whole_numel
 
 
-def build_model(cfg: ModelConfig, *, seed: int, empty: ContextManager[Any] | None = None) -> nn.Module:
-    """Build the model on the CPU in fp32 with weights drawn from `seed` (identical on every rank), or, for a model
-    directory with `model.init=pretrained`, its weights read from the files.
+def build_model(cfg: ModelConfig, *, seed: int, empty: ContextManager[Any] | None = None,
+                quantize: Callable[[nn.Module, Any], None] | None = None) -> nn.Module:
+    """The model on the CPU in fp32: a model directory's weights (`model.init=pretrained`, read by transformers),
+    or random weights drawn from `seed` block by block (`SeededInit`: the same values whatever a strategy shards).
 
-    empty: build the structure only (a pretrained directory only), inside this context: the strategy's
-    `empty_model_context()` (the meta device, or DeepSpeed's zero.Init). The strategy shards or splits it, then each
-    rank reads only what it holds from the files (pretrained.materialize)."""
-    torch.manual_seed(seed)
-    if cfg.path is not None:
-        model = _build_from_dir(cfg, empty=empty)
+    empty: build the structure only, inside this context: the strategy's `empty_model_context()` (the meta device,
+    or DeepSpeed's zero.Init). The strategy shards or splits it, then each rank fills only what it holds from
+    `weight_source(cfg, seed)` (weights.materialize): the files, or the same seeded draw.
+
+    quantize: QLoRA's base (`qlora_base`), built on meta and quantised as it loads: each projection is read and
+    packed in turn, then the rest is filled; the fp32 model is never held.
+
+    Building never draws from the global generator (under zero.Init, construction initialises real tensors), so
+    what follows starts from `torch.manual_seed(seed)` under every strategy."""
+    assert empty is None or quantize is None, "QLoRA's packed layers are built whole, not sharded"
+    if cfg.path is not None and cfg.init == "pretrained" and empty is None and quantize is None:
+        torch.manual_seed(seed)
+        model = _from_pretrained(cfg)
     else:
-        model = _build_gpt2(cfg) if cfg.arch == "gpt2" else _build_llama(cfg)
+        make = _constructor(cfg)  # the architecture's code imported outside `empty` (see _constructor)
+        with torch.random.fork_rng(devices=[]), (empty if empty is not None else torch.device("meta")):
+            model = make()
+        if empty is None:  # whole: random weights drawn as every strategy draws them, or QLoRA's base
+            from dist_train.weights import materialize
+
+            source = weight_source(cfg, seed)
+            if quantize is not None:
+                quantize(model, source)
+            materialize(model, source, "cpu")
+        torch.manual_seed(seed)
     model.train()
     return model
 
 
-def _build_from_dir(cfg: ModelConfig, *, empty: ContextManager[Any] | None) -> nn.Module:
+def weight_source(cfg: ModelConfig, seed: int) -> Any:
+    """Where the weights of a model built empty come from: the directory's files (`model.init=pretrained`), or
+    the seeded random init drawn on a reference built on meta."""
+    from dist_train.weights import SeededInit
+
+    if cfg.path is not None and cfg.init == "pretrained":
+        from dist_train.pretrained import ModelDir
+
+        return ModelDir.open(cfg.path)
+    make = _constructor(cfg)
+    with torch.device("meta"):
+        reference = make()
+    return SeededInit(reference, seed, blocks=list(transformer_blocks(reference)))
+
+
+def _constructor(cfg: ModelConfig) -> Callable[[], nn.Module]:
+    """A function that builds the architecture (no weights read), its modelling code imported now: zero.Init
+    patches torch.Tensor.__new__, and an import under it (transformers' lazy modules import torch._dynamo) fails."""
+    if cfg.path is None:
+        from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
+
+        return (lambda: _build_gpt2(cfg)) if cfg.arch == "gpt2" else (lambda: _build_llama(cfg))
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from dist_train.pretrained import ModelDir
+
+    hf = ModelDir.open(cfg.path).config(trust_remote_code=cfg.trust_remote_code, dropout=cfg.dropout)
+    if type(hf) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
+    return lambda: AutoModelForCausalLM.from_config(hf, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+
+
+def _from_pretrained(cfg: ModelConfig) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from dist_train.pretrained import ModelDir
 
     d = ModelDir.open(cfg.path)
     hf = d.config(trust_remote_code=cfg.trust_remote_code, dropout=cfg.dropout)
-    if empty is not None:
-        assert cfg.init == "pretrained", "a model built without weights is filled from the files only"
-        # The architecture's code is imported first, outside the context: zero.Init patches torch.Tensor.__new__,
-        # and an import under it (transformers' lazy modules import torch._dynamo) fails.
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-        if type(hf) in MODEL_FOR_CAUSAL_LM_MAPPING:
-            MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
-        with empty:
-            return AutoModelForCausalLM.from_config(hf, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
-    if cfg.init == "pretrained":
-        return AutoModelForCausalLM.from_pretrained(
-            d.path, config=hf, dtype=torch.float32, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
-    return AutoModelForCausalLM.from_config(hf, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+    return AutoModelForCausalLM.from_pretrained(
+        d.path, config=hf, dtype=torch.float32, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
 
 
 def _build_gpt2(cfg: ModelConfig) -> nn.Module:
@@ -276,26 +316,59 @@ LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
                 "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 
 
-def quantize_base(model: nn.Module, targets: list[str], *, quant_type: str, compute_dtype: torch.dtype) -> None:
-    """QLoRA's base (Dettmers et al. 2023): each target projection becomes a bitsandbytes Linear4bit holding
-    the same weight, packed into 4 bits when the strategy moves the model to its device. GPT-2's Conv1D stores
-    its weight as in x out: it is transposed into the Linear layout."""
+def quantize_base(model: nn.Module, targets: list[str], *, quant_type: str, compute_dtype: torch.dtype,
+                  source: Any = None) -> None:
+    """QLoRA's base (Dettmers et al. 2023): each target projection becomes a bitsandbytes Linear4bit holding the
+    same weight, packed into 4 bits. GPT-2's Conv1D stores its weight as in x out: it is transposed into the
+    Linear layout.
+
+    source: a model built on meta, quantised as it loads (the QLoRA promise: the fp32 model is never held): each
+    projection's weight is read from this WeightSource (the files, or the seeded init) one unit at a time,
+    packed at once, and its fp32 copy dropped. Without it, the model's own weights are packed when the strategy
+    moves the model to its device."""
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D
 
-    for name, module in list(model.named_modules()):
-        if name.rsplit(".", 1)[-1] not in targets or not isinstance(module, (nn.Linear, Conv1D)):
-            continue
-        weight = module.weight.detach()
+    chosen = {name: module for name, module in model.named_modules()
+              if name.rsplit(".", 1)[-1] in targets and isinstance(module, (nn.Linear, Conv1D))
+              and not isinstance(module, bnb.nn.Linear4bit)}
+    tensors = {f"{name}.{kind}": module for name, module in chosen.items() for kind in ("weight", "bias")
+               if getattr(module, kind, None) is not None}
+    if source is None:
+        loaded: Any = ((n, n, m) for n, m in tensors.items())
+    else:
+        from dist_train.weights import source_names
+
+        loaded = source.by_unit(source_names(model, source, tensors))
+    values: dict[str, torch.Tensor] = {}
+    for name, held, module in loaded:
+        values[name] = getattr(module, name.rsplit(".", 1)[1]).detach() if source is None else source.read(held)
+        owner = name.rsplit(".", 1)[0]
+        if not all(n in values for n in (f"{owner}.weight", f"{owner}.bias") if n in tensors):
+            continue  # the layer's other tensor comes later (the next one, or from another file)
+        module = chosen[owner]
+        weight, bias = values.pop(f"{owner}.weight"), values.pop(f"{owner}.bias", None)
         if isinstance(module, Conv1D):
             weight = weight.t().contiguous()
         out_features, in_features = weight.shape
-        layer = bnb.nn.Linear4bit(in_features, out_features, bias=module.bias is not None,
-                                  compute_dtype=compute_dtype, quant_type=quant_type, device="cpu")
-        layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type=quant_type)
-        if module.bias is not None:
-            layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=False)
-        model.set_submodule(name, layer)
+        layer = bnb.nn.Linear4bit(in_features, out_features, bias=bias is not None, compute_dtype=compute_dtype,
+                                  quant_type=quant_type, device="meta" if source is not None else "cpu")
+        packed = bnb.nn.Params4bit(weight, requires_grad=False, quant_type=quant_type)
+        layer.weight = packed.to("cpu") if source is not None else packed
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        model.set_submodule(owner, layer)
+
+
+def qlora_base(peft: Any, compute_dtype: torch.dtype) -> Callable[[nn.Module, Any], None]:
+    """build_model's `quantize` for peft=qlora: the target projections of a model on meta, quantised from the
+    weight source as they are read."""
+
+    def quantize(model: nn.Module, source: Any) -> None:
+        targets = list(peft.target_modules or default_lora_targets(model, model.config.model_type))
+        quantize_base(model, targets, quant_type=peft.quant_type, compute_dtype=compute_dtype, source=source)
+
+    return quantize
 
 
 def default_lora_targets(model: nn.Module, arch: str) -> list[str]:

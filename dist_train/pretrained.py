@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dist_train.config import ConfigError, ModelConfig, require
+from dist_train.weights import WeightSource
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -26,7 +27,9 @@ INITS = ("pretrained", "random")
 
 
 @dataclass(frozen=True)
-class ModelDir:
+class ModelDir(WeightSource):
+    """A model directory; as a WeightSource its units are the weight files."""
+
     path: Path
 
     @classmethod
@@ -134,37 +137,8 @@ class ModelDir:
             out.update(dict.fromkeys(self._handle(f).keys(), f))
         return out
 
-    @functools.cached_property
-    def _handles(self) -> dict[Path, Any]:
-        return {}
-
-    def _handle(self, f: Path) -> Any:
-        """Each file opened once: safetensors' lazy reader, or a .bin's state dict loaded memory-mapped."""
-        if f not in self._handles:
-            self._handles[f] = _open(f)
-        return self._handles[f]
-
-    def by_file(self, targets: dict[str, tuple[str, Any]]) -> Any:
-        """`targets` ({name: (name in the files, tensor)}) one file at a time, each file closed once its tensors are
-        read: the pages of the files mapped at once stay within one file's."""
-        order = sorted(targets.items(), key=lambda item: str(self.locations[item[1][0]]))
-        current = None
-        for name, (source, tensor) in order:
-            f = self.locations[source]
-            if current is not None and f != current:
-                self._handles.pop(current, None)
-            current = f
-            yield name, source, tensor
-        if current is not None:
-            self._handles.pop(current, None)
-
-    def read(self, name: str, start: int | None = None, stop: int | None = None) -> Any:
-        """Tensor `name` from its file, or only its rows [start, stop) (dim 0): from safetensors, only those bytes
-        are read."""
-        handle = self._handle(self.locations[name])
-        if start is None:
-            return handle.get_tensor(name) if hasattr(handle, "get_tensor") else handle[name]
-        return handle.get_slice(name)[start:stop] if hasattr(handle, "get_slice") else handle[name][start:stop]
+    def _open_unit(self, key: Any) -> Any:
+        return _open(key)
 
 
 def _open(f: Path) -> Any:
@@ -209,96 +183,3 @@ def resolve_model(model: ModelConfig) -> None:
     model.vocab_size = int(text.vocab_size)
     model.max_seq_len = int(getattr(text, "max_position_embeddings", 0) or model.max_seq_len)
     model.tie_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-
-
-def materialize(model: Any, model_dir: ModelDir, device: Any) -> None:
-    """Fill a model built without weights (`build_model(empty=True)`) from the files, each rank reading only what
-    it holds, so set-up never holds the whole model: a model on meta, sharded or split since, gets storage on
-    `device` (`_fill_meta`); a model built under DeepSpeed's zero.Init gets its ZeRO-3 partitions (`_fill_partitions`)."""
-    import torch
-
-    with torch.no_grad():
-        if any(hasattr(p, "ds_tensor") for p in model.parameters()):
-            _fill_partitions(model, model_dir)
-        else:
-            _fill_meta(model, model_dir, device)
-
-
-def _saved_name(model: Any, name: str, saved: dict[str, Path]) -> str | None:
-    """The name under which the files hold `name`: itself, or for a tied head whose embedding this process does not
-    hold (a pipeline's last stage), the embedding it is tied to (transformers' `_tied_weights_keys`)."""
-    if name in saved:
-        return name
-    tied = getattr(model, "_tied_weights_keys", None)
-    source = tied.get(name) if isinstance(tied, dict) and getattr(model.config, "tie_word_embeddings", False) else None
-    return source if source in saved else None
-
-
-def _targets(model: Any, model_dir: ModelDir, tensors: dict[str, Any]) -> dict[str, tuple[str, Any]]:
-    """{model's name: (name in the files, tensor)}, or one error naming a tensor the files do not hold."""
-    saved = model_dir.locations
-    out, missing = {}, []
-    for name, tensor in tensors.items():
-        source = _saved_name(model, name, saved)
-        if source is None:
-            missing.append(name)
-        else:
-            out[name] = (source, tensor)
-    if missing:
-        raise ValueError(f"{model_dir.path}: no weights for {len(missing)} of the model's tensors, e.g. "
-                         f"{sorted(missing)[0]!r} (the files hold {len(saved)}, e.g. {sorted(saved)[0]!r})")
-    return out
-
-
-def _fill_meta(model: Any, model_dir: ModelDir, device: Any) -> None:
-    """Storage on `device` for a model built on meta, filled from the files: a DTensor shard (FSDP2, dim 0) reads only
-    its rows (safetensors' slices); a plain tensor (a pipeline stage's own layers) is read whole.
-
-    The non-persistent buffers (rotary frequencies) are recomputed by transformers' own init of the modules that
-    hold them (`to_empty` leaves garbage there, transformers#34234); every parameter and saved buffer then comes
-    from the files. A tied head shares the embedding's parameter, which is loaded once.
-    """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    model.to_empty(device=device)
-    for module in model.modules():
-        if next(module.buffers(recurse=False), None) is not None:
-            model._init_weights(module)
-    tensors = dict(model.named_parameters())
-    tensors.update({n: b for n, b in model.named_buffers() if n in model_dir.locations})
-    for name, source, target in model_dir.by_file(_targets(model, model_dir, tensors)):
-        if not isinstance(target, DTensor):
-            target.copy_(model_dir.read(source))
-            continue
-        placements = target.placements
-        if not all(isinstance(p, (Shard, Replicate)) and (not isinstance(p, Shard) or p.dim == 0) for p in placements):
-            raise NotImplementedError(f"{name}: loading a shard placed {placements} is not supported")
-        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, placements)
-        if shape[0]:
-            target.to_local().copy_(model_dir.read(source, offset[0], offset[0] + shape[0]))
-
-
-def _fill_partitions(model: Any, model_dir: ModelDir) -> None:
-    """ZeRO-3 partitions of a model built under zero.Init, filled from the files. DeepSpeed lays each parameter out
-    flat, padded to a multiple of its group's size, and rank r holds elements [r p, (r + 1) p) (its `ds_tensor`):
-    each rank reads only the rows of the file that cover its elements. Buffers are not partitioned: the saved ones
-    are read whole."""
-    import torch.distributed as dist
-
-    params = {n: p for n, p in model.named_parameters()}
-    buffers = {n: b for n, b in model.named_buffers() if n in model_dir.locations}
-    for name, source, param in model_dir.by_file(_targets(model, model_dir, params)):
-        local = param.ds_tensor
-        size = local.ds_numel
-        lo = size * dist.get_rank(group=param.ds_process_group)
-        hi = min(lo + size, param.ds_numel)
-        local.zero_()  # the padding past the last element
-        if lo >= hi:
-            continue
-        row = param.ds_numel // param.ds_shape[0] if len(param.ds_shape) else 1
-        first, last = lo // row, -(-hi // row)
-        rows = model_dir.read(source, first, last) if len(param.ds_shape) else model_dir.read(source)
-        local[: hi - lo].copy_(rows.reshape(-1)[lo - first * row: hi - first * row])
-    for name, source, buffer in model_dir.by_file(_targets(model, model_dir, buffers)):
-        buffer.copy_(model_dir.read(source))

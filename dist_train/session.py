@@ -107,7 +107,7 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     libraries) and the peak once this rank's weights were in (`memory/load_peak_rss_bytes`), before a strategy
     allocates its training state (DeepSpeed's engine does at set-up)."""
     from dist_train.model import (apply_activation_checkpointing, apply_lora, apply_neftune, build_model,
-                                  compile_blocks, count_params)
+                                  compile_blocks, count_params, qlora_base)
     from dist_train.optim import OptimizerFactory
     from dist_train.strategies.base import StrategyContext
     from dist_train.strategies.registry import build_strategy
@@ -133,14 +133,15 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
 
     host = HostPeak()
     memory["memory/setup_baseline_rss_bytes"] = host.current_bytes()
-    model = build_model(run.model, seed=t.seed, empty=empty)
+    compute_dtype = getattr(torch, PRECISIONS[run.precision.name][0])  # QLoRA's 4-bit layers compute in it
+    quantize = qlora_base(run.peft, compute_dtype) if run.peft.name == "qlora" else None
+    model = build_model(run.model, seed=t.seed, empty=empty, quantize=quantize)
     if not sharded:  # the weights are all in: what loading them cost
         memory["memory/load_peak_rss_bytes"] = host.peak_bytes()
     if run.model.path is not None:
         log.info("model.path=%s: %s weights, %s", run.model.path, run.model.init,
-                 "each rank reads only what it holds from the files" if sharded else "built whole on each rank")
+                 "each rank fills only what it holds" if sharded else "built whole on each rank")
     if run.peft.name != "none":  # a model transform, like checkpointing: before any wrapping
-        compute_dtype = getattr(torch, PRECISIONS[run.precision.name][0])  # QLoRA's 4-bit layers compute in it
         apply_lora(model, run.peft, seed=t.seed, compute_dtype=compute_dtype)
         log.info("peft=%s: %s trainable parameters of %s", run.peft.name,
                  f"{count_params(model, trainable_only=True):,}", f"{count_params(model):,}")
@@ -161,21 +162,21 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
 
 
 def loads_own_shard(run: RunConfig) -> bool:
-    """Whether the model is built without weights and each rank loads only what it holds: a pretrained directory
-    under a strategy that can (fsdp, zero3, the pipelines). LoRA's adapters are made on the built model: it is
-    loaded whole."""
-    m = run.model
-    return m.path is not None and m.init == "pretrained" and run.peft.name == "none" and run.strategy.loads_own_shard
+    """Whether the model is built without weights and each rank fills only what it holds, from the files or the
+    seeded random init: under a strategy that can (fsdp, fsdp_tp, tp, zero3, the pipelines). LoRA's adapters are
+    made on the built model: it is built whole."""
+    return run.peft.name == "none" and run.strategy.loads_own_shard
 
 
 def _materializer(run: RunConfig, runtime: Any, memory: dict[str, int]) -> Any:
-    from dist_train.pretrained import ModelDir, materialize
+    from dist_train.model import weight_source
     from dist_train.telemetry.memory import HostPeak
+    from dist_train.weights import materialize
 
-    model_dir = ModelDir.open(run.model.path)
+    source = weight_source(run.model, run.train.seed)
 
     def fill(wrapped: Any) -> None:
-        materialize(wrapped, model_dir, runtime.device)
+        materialize(wrapped, source, runtime.device)
         memory["memory/load_peak_rss_bytes"] = HostPeak().peak_bytes()  # this rank's part is in: what loading cost
 
     return fill

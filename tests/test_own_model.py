@@ -172,13 +172,15 @@ def model_dirs(tmp_path_factory):
 @pytest.mark.multiproc
 # Each strategy that loads only its own shard, on kinds of model that matter to it: sharded files (llama), a tied
 # head (gpt2: zero3 partitions it once; a pipeline's last stage reads it under the embedding's name), Gemma's
-# scaled embedding in a stage that runs the model's own forward; Qwen3's q/k norms under its TP plan (whole on each
-# rank before tp splits it). ddp loads as single does, which the in-process test covers.
+# scaled embedding in a stage that runs the model's own forward; Qwen3's q/k norms under its TP plan; GPT-2's fused
+# q/k/v, strided over the ranks' heads, under fsdp_tp's nested mesh. ddp loads as single does, which the in-process
+# test covers.
 @pytest.mark.parametrize(("strategy", "arch"), [("fsdp", "llama"), ("zero3", "llama"), ("zero3", "gpt2"),
-                                                ("gpipe", "gpt2"), ("1f1b", "gemma"), ("tp", "qwen3")])
+                                                ("gpipe", "gpt2"), ("1f1b", "gemma"), ("tp", "qwen3"),
+                                                ("fsdp_tp", "gpt2")])
 def test_every_strategy_starts_from_the_directorys_weights(strategy, arch, model_dirs, tmp_path):
-    """2 ranks: the first step's loss is transformers' own on the same batch (fp32, 1e-5); fsdp and the pipelines
-    build on meta, zero3 under zero.Init, and each rank reads only what it holds from the files."""
+    """2 ranks: the first step's loss is transformers' own on the same batch (fp32, 1e-5); fsdp, tp, fsdp_tp and
+    the pipelines build on meta, zero3 under zero.Init, and each rank reads only what it holds from the files."""
     from tests.helpers import train_ok
 
     d = model_dirs[arch]
@@ -186,8 +188,7 @@ def test_every_strategy_starts_from_the_directorys_weights(strategy, arch, model
                   "train.log_every=1", f"train.seq_len={SEQ}"], run_dir=tmp_path, nproc=2)
     assert s["losses"][0] == pytest.approx(reference_loss(d, global_batch=4), rel=1e-5)
     assert all(r["memory/setup_peak_rss_bytes"] > 0 for r in s["ranks"])
-    how = "built whole on each rank" if strategy == "tp" else "each rank reads only what it holds from the files"
-    assert how in (tmp_path / "logs" / "rank1.log").read_text()
+    assert "each rank fills only what it holds" in (tmp_path / "logs" / "rank1.log").read_text()
 
 
 def test_strategies_that_cannot_split_an_architecture_say_so_before_starting(tmp_path):
@@ -273,3 +274,31 @@ def test_the_setup_peak_is_this_processs_own_not_its_launchers():
     code = "from dist_train.telemetry.memory import HostPeak; print(HostPeak().peak_bytes())"
     child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert child < 600 * 2**20 < float(hold.sum()) * 4  # the child's imports only (about 250 MiB with torch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_qlora_quantises_each_projection_as_it_loads(arch, tmp_path):
+    """peft=qlora builds on meta and packs each projection as it is read from the files (the fp32 model is never
+    held): the same 4-bit bytes and scales as quantising the loaded model, every other tensor the file's, and the
+    first loss the same. GPT-2's Conv1D is transposed into the Linear layout either way; a layer's weight and bias
+    may sit in two files (the sharded llama)."""
+    import bitsandbytes as bnb
+
+    from dist_train.config import PeftConfig
+    from dist_train.model import build_model, default_lora_targets, forward_loss, qlora_base, quantize_base
+
+    d = make_model_dir(tmp_path, arch, shard=arch == "llama", tie=arch == "gpt2")
+    m = ModelConfig(name="hf", path=str(d))
+    resolve_model(m)
+    peft = PeftConfig(name="qlora")
+    loaded = build_model(m, seed=0, quantize=qlora_base(peft, torch.float32))
+    whole = build_model(m, seed=0)
+    quantize_base(whole, default_lora_targets(whole, arch), quant_type="nf4", compute_dtype=torch.float32)
+    whole.to("cpu")  # packs the 4-bit layers
+    packed = [n for n, mod in loaded.named_modules() if isinstance(mod, bnb.nn.Linear4bit)]
+    assert len(packed) == len([n for n, mod in whole.named_modules() if isinstance(mod, bnb.nn.Linear4bit)]) > 0
+    for name, t in whole.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    ids, labels = batch_of_step_one(d, global_batch=4)
+    with torch.no_grad():
+        assert float(forward_loss(loaded.eval(), ids, labels)) == float(forward_loss(whole.eval(), ids, labels))

@@ -293,7 +293,7 @@ class ZeroStrategy:
 
     def setup(self, model: nn.Module) -> None:
         config = self._start()
-        if self.ctx.materialize is not None:  # built under zero.Init: this rank's partitions from the files
+        if self.ctx.materialize is not None:  # built under zero.Init: this rank's partitions, filled
             self.ctx.materialize(model)
         optimizer = self.ctx.optimizer.build(model.parameters(), on_device=not self.cfg.offload_optimizer)
         self.engine = self._initialize(model, optimizer, self.ctx.optimizer.scheduler(optimizer), config)

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from dist_train.contracts import full_of, place_like
 from dist_train.model import model_layout, transformer_blocks
 from dist_train.strategies.torch_strategy import TorchStrategy
 
@@ -240,38 +241,13 @@ def _strided(t: Any) -> bool:
     return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
 
 
-def _full(t: DTensor) -> torch.Tensor:
-    """The whole tensor. Under fsdp_tp a strided bias is sharded twice on one dimension (FSDP2's
-    `_StridedShard(0, 2)` over TP's `_StridedShard(0, 3)`), which `full_tensor()` reassembles in the wrong
-    order in torch 2.13 (measured); gathering the outer mesh dimensions first, one at a time, is right."""
-    placements = list(t.placements)
-    for i in range(len(placements) - 1):
-        placements[i] = Replicate()
-        t = t.redistribute(placements=placements)
-    return t.full_tensor()
-
-
-def _place(full: torch.Tensor, current: DTensor) -> DTensor:
-    """`full` laid out as `current` is. 1-D (tp): DTensor does it. 2-D (dp, tp) of fsdp_tp: TP's split on the
-    inner dimension by DTensor, then FSDP2's dim-0 chunk of that by hand (DTensor's own scatter of the nested
-    placements is wrong too, see `_full`)."""
-    mesh = current.device_mesh
-    if mesh.ndim == 1:
-        return distribute_tensor(full, mesh, current.placements, src_data_rank=None)
-    inner = mesh[mesh.mesh_dim_names[1]]
-    tp_local = distribute_tensor(full, inner, [current.placements[1]], src_data_rank=None).to_local()
-    local = tp_local.chunk(mesh.size(0), dim=0)[mesh.get_local_rank(0)]
-    return DTensor.from_local(local.contiguous(), mesh, current.placements, run_check=False,
-                              shape=current.shape, stride=current.stride())
-
-
 def contiguous(t: Any) -> Any:
     """A `_StridedShard` DTensor as plain `Shard` on the same dimension (one contiguous block per rank)."""
     if not _strided(t):
         return t
     t = t.detach()
     placements = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements]
-    return distribute_tensor(_full(t), t.device_mesh, placements, src_data_rank=None)
+    return distribute_tensor(full_of(t), t.device_mesh, placements, src_data_rank=None)
 
 
 def like(loaded: Any, current: Any) -> Any:
@@ -279,7 +255,7 @@ def like(loaded: Any, current: Any) -> Any:
     if isinstance(current, dict) and isinstance(loaded, dict):
         return {k: like(v, current.get(k)) for k, v in loaded.items()}
     if _strided(current) and isinstance(loaded, DTensor):
-        return _place(_full(loaded.detach()), current)
+        return place_like(full_of(loaded.detach()), current)
     return loaded
 
 

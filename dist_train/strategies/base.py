@@ -63,6 +63,11 @@ def block_tp_plan(config: Any) -> dict[str, str]:
     return block
 
 
+def onto(model: nn.Module, device: torch.device) -> nn.Module:
+    """The model on this rank's device; one built on meta stays there (sharded first, then filled)."""
+    return model if next(model.parameters()).is_meta else model.to(device)
+
+
 def check_tensor_parallel(run: RunConfig, tp: int, *, what: str) -> None:
     """ConfigError unless the model can be split `tp` ways by tensor parallelism: a plan for its blocks, and heads,
     KV heads and MLP width that divide."""

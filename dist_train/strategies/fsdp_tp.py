@@ -18,7 +18,7 @@ from torch import nn
 
 from dist_train.config import RunConfig, StrategyConfig, require
 from dist_train.contracts import StrategyFamily
-from dist_train.strategies.base import StrategyContext, check_tensor_parallel
+from dist_train.strategies.base import StrategyContext, check_tensor_parallel, onto
 from dist_train.strategies.torch_strategy import TorchStrategy
 
 
@@ -32,6 +32,7 @@ class FSDPTPConfig(StrategyConfig):
     reshard_after_forward: bool = True
 
     splits_projections: ClassVar[bool] = True  # DTensor-sharded projections (config.StrategyConfig)
+    loads_own_shard: ClassVar[bool] = True  # parallelized and sharded on meta, then each rank fills its part
 
     def data_parallel_size(self, world_size: int) -> int:
         return max(world_size // self.tp, 1)
@@ -69,7 +70,7 @@ class FSDPTPWrapper:
         # One group over the whole mesh, so that the gradient norm (partial on both dimensions) is one
         # all-reduce, not two in sequence whose reduction order could differ between ranks (torch warns).
         self.mesh["dp", "tp"]._flatten("dp_tp")
-        parallelize(model.to(rt.device), self.mesh["tp"])
+        parallelize(onto(model, rt.device), self.mesh["tp"])
         return shard(model, self.mesh["dp"], reshard_after_forward=self.cfg.reshard_after_forward,
                      precision=self.ctx.precision)
 

@@ -334,7 +334,7 @@ class PipelineStrategy:
         pp_group = None  # the default group: one pipeline over every rank
         if self.dp_size > 1:
             pp_group = self._data_parallel(self.module)
-        if self.ctx.materialize is not None:  # built on meta: this stage's layers (its shard of them) from the files
+        if self.ctx.materialize is not None:  # built on meta: this stage's layers (its shard of them), filled
             self.ctx.materialize(self.module.model)
         if tied:
             self._tied_group = self._tied_pair_group()

@@ -35,7 +35,7 @@ from torch import nn
 
 from dist_train.config import RunConfig, StrategyConfig
 from dist_train.contracts import StrategyFamily
-from dist_train.strategies.base import StrategyContext, check_tensor_parallel
+from dist_train.strategies.base import StrategyContext, check_tensor_parallel, onto
 from dist_train.strategies.torch_strategy import TorchStrategy
 
 
@@ -49,6 +49,7 @@ class TPConfig(StrategyConfig):
     sequence_parallel: bool = False
 
     splits_projections: ClassVar[bool] = True  # DTensor-sharded projections (config.StrategyConfig)
+    loads_own_shard: ClassVar[bool] = True  # parallelized on meta, then each rank fills its part
 
     def data_parallel_size(self, world_size: int) -> int:
         return 1
@@ -70,8 +71,7 @@ class TPWrapper:
 
         rt = self.ctx.runtime
         self.mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",))
-        return parallelize(model.to(rt.device), self.mesh,
-                           sequence_parallel=self.cfg.sequence_parallel)
+        return parallelize(onto(model, rt.device), self.mesh, sequence_parallel=self.cfg.sequence_parallel)
 
     def mesh_groups(self) -> dict[str, list[int]]:
         return {"tp": list(range(self.ctx.runtime.world_size))}
