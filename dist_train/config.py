@@ -132,6 +132,15 @@ class ModelConfig:
     num_kv_heads: Optional[int] = None
     # None = 4 * hidden_size.
     ffn_hidden_size: Optional[int] = None
+    # Not GPT-2 (whose projections all have biases), set from a directory's config.json: the width of one attention
+    # head where the architecture sets its own (Qwen3, Gemma; None = hidden_size / num_heads), biases on the q, k and
+    # v projections (Qwen2's, or attention_bias), on attention's output projection (attention_bias) and on the MLP's
+    # (mlp_bias), and an RMSNorm of head_dim on each query and key head (Qwen3's q_norm, k_norm).
+    head_dim: Optional[int] = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
     vocab_size: int = 256
     max_seq_len: int = 128
     tie_embeddings: bool = False

@@ -180,6 +180,15 @@ def resolve_model(model: ModelConfig) -> None:
     model.num_heads = int(text.num_attention_heads)
     model.num_kv_heads = getattr(text, "num_key_value_heads", None)
     model.ffn_hidden_size = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None)
+    model.head_dim = getattr(text, "head_dim", None)
+    # attention_bias covers q, k, v and o (Llama, Mistral, Qwen3, Gemma); Qwen2 builds q, k, v with biases always
+    attention_bias = bool(getattr(text, "attention_bias", False))
+    model.qkv_bias = attention_bias or cfg.model_type == "qwen2"
+    model.out_bias = attention_bias
+    model.mlp_bias = bool(getattr(text, "mlp_bias", False))
+    # per-head q/k norms: the entries transformers' tensor-parallel plan keeps whole on every rank (Qwen3)
+    plan = getattr(text, "base_model_tp_plan", None) or {}
+    model.qk_norm = {"layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm"} <= plan.keys()
     model.vocab_size = int(text.vocab_size)
     model.max_seq_len = int(getattr(text, "max_position_embeddings", 0) or model.max_seq_len)
     model.tie_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))

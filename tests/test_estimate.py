@@ -88,6 +88,74 @@ def test_parameter_counts_match_the_built_models():
     assert PRESETS["70b"].num_params == pytest.approx(68.98e9, rel=1e-3)
 
 
+# Small configs of each architecture the estimator counts exactly: head_dim=32 (not hidden / heads = 16) where
+# the architecture takes its own, so a shape that ignored it would miss; gpt2 ties its embeddings by default.
+HF_ARCHS = {
+    "llama": dict(num_key_value_heads=2),  # untied
+    "llama-biased-tied": dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    "mistral": dict(num_key_value_heads=2),
+    "qwen2": dict(num_key_value_heads=2),  # q, k and v projections with biases
+    "qwen3": dict(num_key_value_heads=2, head_dim=32),  # q_norm, k_norm of head_dim in every layer
+    "gemma": dict(num_key_value_heads=2, head_dim=32),  # tied by default
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
+}
+
+
+def _model_dir(case: str, root) -> tuple[object, ModelConfig]:
+    """(transformers' config for `case`, the model group resolve_model fills from its saved config.json)."""
+    from transformers import AutoConfig
+
+    from dist_train.pretrained import resolve_model
+
+    arch = case.split("-")[0]
+    sizes = {} if arch == "gpt2" else dict(max_position_embeddings=128, hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=4)
+    cfg = AutoConfig.for_model(arch, vocab_size=256, **sizes, **HF_ARCHS[case])
+    cfg.save_pretrained(root)
+    model_cfg = ModelConfig(name="hf", path=str(root))
+    resolve_model(model_cfg)
+    return cfg, model_cfg
+
+
+@pytest.mark.parametrize("case", list(HF_ARCHS))
+def test_parameter_counts_of_model_directories(case, tmp_path):
+    """`model=hf model.path=DIR`: the shape resolve_model fills from config.json counts what transformers builds
+    (each tied tensor once). Before head_dim, biases and q/k norms were read, qwen2, qwen3 and gemma were off."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, model_cfg = _model_dir(case, tmp_path)
+    built = AutoModelForCausalLM.from_config(cfg)
+    distinct = {p.data_ptr(): p.numel() for p in built.parameters()}
+    assert ModelShape.from_config(model_cfg).num_params == sum(distinct.values())
+
+
+@pytest.mark.parametrize("case", ["qwen2", "qwen3", "gemma"])
+def test_activations_of_model_directories(case, tmp_path):
+    """The activation formula on a real forward of architectures with their own head_dim (q and attention-out
+    wider than hidden), per-head q/k norms (qwen3) and fp32 norm outputs (gemma): within 3% in fp32, under bf16
+    autocast and with bf16 weights (before, 14-48% low)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dist_train.telemetry.activations import ActivationMeter
+
+    cfg, model_cfg = _model_dir(case, tmp_path)
+    shape = ModelShape.from_config(model_cfg)
+    b, s = 2, 64
+    ids = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(0))
+    for precision, strategy, bf16_weights in (("fp32", "ddp", False), ("bf16", "ddp", False), ("bf16", "fsdp", True)):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).train()
+        if bf16_weights:
+            model.to(torch.bfloat16)
+        meter = ActivationMeter()
+        setup = _setup(strategy, strategy, precision=precision, micro_batch_size=b, seq_len=s)
+        with meter.measuring(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup.autocast_16bit):
+            model(input_ids=ids, labels=ids)
+        predicted = predict_memory(shape, setup)[0].activations
+        assert predicted == pytest.approx(meter.peak_bytes, rel=0.03), (precision, strategy)
+
+
 def test_kv_cache_formula():
     # Llama-2-70B: 2 x batch 1 x 80 layers x 8 kv heads x 128 head_dim x 4096 context x 2 bytes
     assert kv_cache_bytes(PRESETS["70b"], batch=1, context=4096, elem=2) == 2 * 80 * 8 * 128 * 4096 * 2 == 1.25 * 2**30

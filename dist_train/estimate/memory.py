@@ -343,19 +343,21 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len:
     splits the norms' inputs too. The gathered inputs of attention and the MLP stay whole: their
     matmuls keep them for the weight gradients (torch's DTensor does not re-gather them in backward)."""
     s, b, h = seq_len, micro_batch_size, shape.hidden_size
-    q_k_v = h + 2 * shape.kv_dim
+    q_k_v = shape.q_dim + 2 * shape.kv_dim
     # GPT-2: fc output, GELU output, and 3 more ffn-wide tensors that transformers' tanh GELU ("gelu_new",
     # composed of pow/tanh/mul ops, not fused) saves: tanh output, 0.5·x and 1 + tanh.
     # Llama (SwiGLU): gate output, SiLU output, up output, their product.
     mlp = (2 if fused_gelu else 5) * shape.ffn if shape.arch == "gpt2" else 4 * shape.ffn
     # attention in (the q, k and v projections' inputs), MLP in (gate's and up's): one tensor each, except
     # that under autocast Llama's separate projections each keep their own 16-bit cast of it
-    attn_in, mlp_in = (3, 2) if autocast and shape.arch == "llama" else (1, 1)
+    attn_in, mlp_in = (3, 2) if autocast and shape.arch != "gpt2" else (1, 1)
     # attention in, q/k/v, attention out, MLP in, MLP intermediates; and the two norms' saved tensors
-    values = attn_in * h + (q_k_v + h + mlp) / tp + mlp_in * h
+    values = attn_in * h + (q_k_v + shape.q_dim + mlp) / tp + mlp_in * h
     norms = 2 * h / (tp if sequence_parallel else 1)
     masks = 2 * h if shape.dropout > 0 else 0  # attention-output and MLP-output dropout (1 byte each)
     per_token = values * elem + norms * norm_saved_bytes(shape, norm_elem or elem) + masks
+    if shape.qk_norm:  # per-head RMSNorms on q and k: their fp32 input and normalized output, split with the heads
+        per_token += (shape.q_dim + shape.kv_dim) * norm_saved_bytes(shape, elem) / tp
     scores = 0.0
     if attention_scores:  # eager attention: softmax output (+ dropout mask and output)
         scores = shape.num_heads / tp * s * s * b * ((2 * elem + 1) if shape.dropout > 0 else elem)
@@ -363,9 +365,11 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len:
 
 
 def norm_saved_bytes(shape: ModelShape, residual_elem: int) -> int:
-    """Bytes a norm keeps per hidden unit: LayerNorm its input; Llama's RMSNorm an fp32 copy of its input
-    and its normalized output in the residual stream's dtype."""
-    return 4 + residual_elem if shape.arch == "llama" else residual_elem
+    """Bytes a norm keeps per hidden unit: LayerNorm its input; Llama's RMSNorm (and the other architectures')
+    an fp32 copy of its input and its normalized output in the residual stream's dtype (Gemma's in fp32)."""
+    if shape.arch == "gemma":  # Gemma's RMSNorm scales by (1 + weight) in fp32: its normalized output is fp32 too
+        return 4 + 4
+    return residual_elem if shape.arch == "gpt2" else 4 + residual_elem
 
 
 def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int) -> float:

@@ -2,11 +2,14 @@
 
 The counts reproduce what `transformers` builds for `dist_train.model` (GPT-2 with biases and learned
 positions; Llama without biases, SwiGLU MLP, grouped-query attention), so a prediction for `model=tiny`
-uses the same Ψ as the run, and a 70B shape costs no memory to describe.
+uses the same Ψ as the run, and a 70B shape costs no memory to describe. A model directory's Llama-like
+architectures (mistral, qwen2, qwen3, gemma: RMSNorm, a gated 3-matrix MLP) are counted as Llama with what
+their config.json sets: a head_dim of their own, biases (Qwen2's on q, k and v), per-head q/k norms (Qwen3).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -15,7 +18,7 @@ from typing import Any, Optional
 @dataclass(frozen=True)
 class ModelShape:
     name: str
-    arch: str  # gpt2 | llama
+    arch: str  # gpt2 | llama, or another Llama-like model_type from a model directory (mistral, qwen2, ...)
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -25,6 +28,13 @@ class ModelShape:
     ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size
     tie_embeddings: bool = False
     dropout: float = 0.0
+    # Not GPT-2 (see ModelConfig): model.head_dim (None: hidden_size // num_heads), the projections' biases, and
+    # an RMSNorm of head_dim on each query and key head
+    head_size: Optional[int] = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
 
     @classmethod
     def from_config(cls, model: Any) -> "ModelShape":
@@ -36,12 +46,19 @@ class ModelShape:
             vocab_size=int(get("vocab_size")), max_seq_len=int(get("max_seq_len", 2048)),
             num_kv_heads=get("num_kv_heads"), ffn_hidden_size=get("ffn_hidden_size"),
             tie_embeddings=bool(get("tie_embeddings", False)), dropout=float(get("dropout", 0.0) or 0.0),
+            head_size=get("head_dim"), qkv_bias=bool(get("qkv_bias", False)), out_bias=bool(get("out_bias", False)),
+            mlp_bias=bool(get("mlp_bias", False)), qk_norm=bool(get("qk_norm", False)),
         )
 
     # ------------------------------------------------------------------ derived sizes
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries and of attention's output (hidden_size unless head_dim is set apart)."""
+        return self.num_heads * self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -56,15 +73,28 @@ class ModelShape:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
     # ------------------------------------------------------------------ parameter counts
+    def layer_modules(self) -> list[list[tuple[int, ...]]]:
+        """One transformer layer's modules, each as its parameter tensors' shapes, in forward order
+        (transformers' GPT-2 Conv1D stores in x out, nn.Linear out x in)."""
+        h, f, q, kv = self.hidden_size, self.ffn, self.q_dim, self.kv_dim
+        if self.arch == "gpt2":  # LayerNorms (weight + bias), c_attn, c_proj, c_fc, c_proj, all with biases
+            ln = [(h,), (h,)]
+            return [ln, [(h, 3 * h), (3 * h,)], [(h, h), (h,)], ln, [(h, f), (f,)], [(f, h), (h,)]]
+
+        def linear(out: int, inp: int, bias: bool) -> list[tuple[int, ...]]:
+            return [(out, inp), (out,)] if bias else [(out, inp)]
+
+        qk_norm = [[(self.head_dim,)]] if self.qk_norm else []  # after q_proj and after k_proj
+        return [
+            [(h,)],  # RMSNorm (weight only)
+            linear(q, h, self.qkv_bias), *qk_norm, linear(kv, h, self.qkv_bias), *qk_norm, linear(kv, h, self.qkv_bias),
+            linear(h, q, self.out_bias),
+            [(h,)],
+            linear(f, h, self.mlp_bias), linear(f, h, self.mlp_bias), linear(h, f, self.mlp_bias),  # gate, up, down
+        ]
+
     def layer_params(self) -> int:
-        h, f, kv = self.hidden_size, self.ffn, self.kv_dim
-        if self.arch == "gpt2":
-            attn = h * 3 * h + 3 * h + h * h + h  # c_attn, c_proj (with biases)
-            mlp = h * f + f + f * h + h  # c_fc, c_proj
-            return attn + mlp + 2 * 2 * h  # two LayerNorms (weight + bias)
-        attn = h * h + 2 * h * kv + h * h  # q, k, v, o; no biases
-        mlp = 3 * h * f  # gate, up, down
-        return attn + mlp + 2 * h  # two RMSNorms (weight only)
+        return sum(math.prod(dims) for module in self.layer_modules() for dims in module)
 
     def embedding_params(self) -> int:
         """Input side: token embedding (+ learned positions for GPT-2)."""
@@ -88,17 +118,16 @@ class ModelShape:
     # ------------------------------------------------------------------ what autocast and ZeRO-3 see
     def layer_matmul_weights(self) -> int:
         """Weights of one layer's matrix products: what autocast copies to 16 bits and keeps for backward."""
-        h, f, kv = self.hidden_size, self.ffn, self.kv_dim
-        if self.arch == "gpt2":
-            return h * 3 * h + h * h + h * f + f * h
-        return h * h + 2 * h * kv + h * h + 3 * h * f
+        return sum(math.prod(dims) for module in self.layer_modules() for dims in module if len(dims) == 2)
 
     def layer_tp_sharded(self) -> int:
         """Elements of one layer that tensor parallelism splits across ranks: the matmul weights and the
-        column-parallel biases (GPT-2's c_attn and c_fc); norms and row-parallel biases stay whole."""
+        column-parallel biases (GPT-2's c_attn and c_fc; q, k, v, gate and up where they have them); norms
+        (per-head q/k norms included) and row-parallel biases stay whole."""
         if self.arch == "gpt2":
             return self.layer_matmul_weights() + 3 * self.hidden_size + self.ffn
-        return self.layer_matmul_weights()
+        biases = (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + 2 * self.ffn * self.mlp_bias
+        return self.layer_matmul_weights() + biases
 
     def layer_params_tp(self, tp: int) -> float:
         """Parameters of one layer that one rank of a `tp`-way tensor-parallel group holds."""
@@ -108,33 +137,23 @@ class ModelShape:
         """The LM head's weight (a matrix product whether or not it is tied to the embedding)."""
         return self.vocab_size * self.hidden_size
 
-    def param_shapes(self) -> list[tuple[int, ...]]:
-        """Every parameter tensor's shape (transformers' GPT-2 Conv1D stores in x out), in forward order."""
-        h, f, kv, v = self.hidden_size, self.ffn, self.kv_dim, self.vocab_size
+    def module_shapes(self) -> list[list[tuple[int, ...]]]:
+        """Every module's parameter tensors' shapes, in forward order: embeddings, the layers, final norm, head."""
+        h, v = self.hidden_size, self.vocab_size
         if self.arch == "gpt2":
-            first = [(v, h), (self.max_seq_len, h)]
-            layer = [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, f), (f,), (f, h), (h,)]
-            last = [(h,), (h,)]
+            first, last = [[(v, h)], [(self.max_seq_len, h)]], [[(h,), (h,)]]
         else:
-            first = [(v, h)]
-            layer = [(h,), (h, h), (kv, h), (kv, h), (h, h), (h,), (f, h), (f, h), (h, f)]
-            last = [(h,)]
-        head = [] if self.tie_embeddings else [(v, h)]
-        return [*first, *layer * self.num_layers, *last, *head]
+            first, last = [[(v, h)]], [[(h,)]]
+        head = [] if self.tie_embeddings else [[(v, h)]]
+        return [*first, *self.layer_modules() * self.num_layers, *last, *head]
+
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        """Every parameter tensor's shape, in forward order."""
+        return [dims for module in self.module_shapes() for dims in module]
 
     def module_params(self) -> list[tuple[int, ...]]:
         """Each module's own parameter tensors (their sizes), in forward order: the unit ZeRO-3 gathers."""
-        h, f, kv, v = self.hidden_size, self.ffn, self.kv_dim, self.vocab_size
-        if self.arch == "gpt2":
-            first = [(v * h,), (self.max_seq_len * h,)]
-            layer = [(h, h), (h * 3 * h, 3 * h), (h * h, h), (h, h), (h * f, f), (f * h, h)]
-            last = [(h, h)]
-        else:
-            first = [(v * h,)]
-            layer = [(h,), (h * h,), (h * kv,), (h * kv,), (h * h,), (h,), (h * f,), (h * f,), (f * h,)]
-            last = [(h,)]
-        head = [] if self.tie_embeddings else [(v * h,)]
-        return [*first, *layer * self.num_layers, *last, *head]
+        return [tuple(math.prod(dims) for dims in module) for module in self.module_shapes()]
 
 
 # Public shapes far beyond this machine, for "does it fit" questions (Touvron et al. 2023, Llama 2 table).
