@@ -396,8 +396,8 @@ def validate_fields(run: RunConfig) -> None:
     for key in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len"):
         value = getattr(m, key)
         require(value >= 1, f"model.{key}={value} must be >= 1")
-    require(
-        m.hidden_size % m.num_heads == 0,
+    require(  # a directory's architecture may set its own head width (Qwen3, Gemma): then any hidden size
+        m.head_dim is not None or m.hidden_size % m.num_heads == 0,
         f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}",
     )
     if m.num_kv_heads is not None:

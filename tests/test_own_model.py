@@ -302,3 +302,24 @@ def test_qlora_quantises_each_projection_as_it_loads(arch, tmp_path):
     ids, labels = batch_of_step_one(d, global_batch=4)
     with torch.no_grad():
         assert float(forward_loss(loaded.eval(), ids, labels)) == float(forward_loss(whole.eval(), ids, labels))
+
+
+def test_an_architecture_with_its_own_head_width_needs_no_divisible_hidden_size(tmp_path):
+    """Qwen3 and Gemma set head_dim apart from hidden_size / num_heads: 96 over 5 heads of 32 is a valid model."""
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoConfig
+
+    from dist_train.checks import validate
+    from dist_train.train import to_run_config
+    from tests.helpers import ROOT
+
+    d = tmp_path / "qwen3"
+    AutoConfig.for_model("qwen3", vocab_size=256, hidden_size=96, num_attention_heads=5, num_key_value_heads=5,
+                         head_dim=32, intermediate_size=64, num_hidden_layers=1).save_pretrained(d)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["model=hf", f"model.path={d}"])
+    validate(to_run_config(cfg), 1)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["model.hidden_size=96", "model.num_heads=5"])
+    with pytest.raises(ConfigError, match="must be divisible by model.num_heads=5"):
+        validate(to_run_config(cfg), 1)
