@@ -467,7 +467,7 @@ def _validate_token_file(run: RunConfig) -> None:
     require(
         vocab is None or vocab <= run.model.vocab_size,
         f"data.path={d.path!r} was tokenized with {meta.get('tokenizer')!r} ({vocab} tokens) but model.vocab_size="
-        f"{run.model.vocab_size}; set model.vocab_size>={vocab}",
+        f"{run.model.vocab_size}; set model.vocab_size={vocab} or more",
     )
 
 
@@ -498,7 +498,12 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
 def _validate_data(run: RunConfig) -> None:
     d = run.data
     choice("data.name", d.name, ("synthetic", "textfile", "tokens"))
+    if d.name != "tokens":
+        require(d.dtype is None, f"data.dtype={d.dtype} is read only by data=tokens (a token file); data={d.name} "
+                                 "has no dtype to set")
     if d.name == "synthetic":
+        require(d.path is None, f"data.path={d.path} is set but data=synthetic reads no file; pick data=tokens (a token "
+                                "file from launch/prepare_tokens.py) or data=textfile (a text file, byte-level tokens)")
         require(0 <= d.noise <= 1, f"data.noise={d.noise} must be in [0, 1]")
         return
     if d.name == "tokens":
@@ -512,5 +517,5 @@ def _validate_data(run: RunConfig) -> None:
     require(
         run.model.vocab_size >= 256,
         f"data=textfile uses a byte-level tokenizer (256 tokens) but model.vocab_size={run.model.vocab_size}; "
-        "set model.vocab_size>=256",
+        "set model.vocab_size=256 or more",
     )

@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import json
 import logging
+import os
 import sys
 import traceback
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
         resume = resume_point(run, world_size=world_size, run_dir=Path(hydra_run_dir()))
     except ConfigError as exc:
         return report_config_error(str(exc))  # once per launch, whichever rank fails first
+    alone = without_launcher(run, world_size)
+    if alone and not check_only:
+        print(alone, file=sys.stderr)
     if check_only:
         print(f"config ok: strategy={run.strategy.name} WORLD_SIZE={world_size} {describe_batch(run, world_size)}",
               file=sys.stderr)
@@ -57,6 +61,15 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
     except NonFiniteLoss:
         return DIVERGED_EXIT  # rank 0 has said which step, and every rank stopped there
     return 0
+
+
+def without_launcher(run: RunConfig, world_size: int, env: Any = os.environ) -> str | None:
+    """The warning for a distributed strategy started as one process without a launcher (`python
+    launch/train.py strategy=fsdp`), which would otherwise train alone without a word; None when launched."""
+    if world_size != 1 or "WORLD_SIZE" in env or not run.strategy.needs_process_group:
+        return None
+    return (f"warning: strategy={run.strategy.name} started without a launcher runs as 1 process: nothing is sharded, "
+            "split or communicated. For N processes: torchrun --standalone --nproc_per_node=N launch/train.py ...")
 
 
 def check_device(run: RunConfig) -> None:
@@ -242,8 +255,8 @@ def _report(session: Session) -> dict[str, Any] | None:
     telemetry.sink.finish(summary)
     held_out = (f" | eval loss {summary['final_eval_loss']:.6f} (perplexity {summary['final_eval_perplexity']:.2f})"
                 if summary["final_eval_loss"] is not None else "")
-    log.info("final loss %.6f%s | mean step %.3f s | summary: %s", summary["final_loss"], held_out,
-             summary["mean_step_s"], run_dir / "summary.json")
+    log.info("final loss %.6f (step %d's)%s | mean step %.3f s | summary: %s", summary["final_loss"],
+             session.run.train.steps, held_out, summary["mean_step_s"], run_dir / "summary.json")
     return summary
 
 

@@ -43,6 +43,9 @@ def test_defaults_validate_for_one_and_two_processes():
         (["strategy=single"], 2, "strategy=single"),
         (["data=textfile"], 1, "data.path"),
         (["data=textfile", "data.path=/nonexistent/file.txt"], 1, "data.path='/nonexistent/file.txt'"),
+        # a key the chosen group does not read is not ignored: it names the group that reads it
+        (["data.path=tale.bin"], 1, "data.path=tale.bin is set but data=synthetic reads no file; pick data=tokens"),
+        (["data.dtype=uint32"], 1, "data.dtype=uint32 is read only by data=tokens"),
         (["strategy.name=banana"], 1, "strategy.name='banana' is not supported; allowed:"),
         (["precision.name=fp8"], 1, "precision.name='fp8'"),
         (["train.seq_len=4096"], 1, "train.seq_len=4096 exceeds model.max_seq_len"),
@@ -66,7 +69,7 @@ def test_textfile_needs_a_byte_vocab(tmp_path):
     path = tmp_path / "t.txt"
     path.write_text("hello world " * 50)
     _, run = run_config("data=textfile", f"data.path={path}", "model.vocab_size=128")
-    with pytest.raises(ConfigError, match="model.vocab_size>=256"):
+    with pytest.raises(ConfigError, match="model.vocab_size=256 or more"):
         validate(run, 1)
 
 
@@ -150,3 +153,15 @@ def test_the_cuda_tests_are_valid_at_every_gpu_count(gpus, monkeypatch):
     for name, (overrides, nproc) in RUNS.items():
         _, run = run_config(*overrides(gpus))
         validate(run, gpus if nproc == "gpus" else nproc)
+
+
+def test_a_distributed_strategy_without_a_launcher_says_it_runs_alone():
+    from dist_train.train import without_launcher
+
+    _, fsdp = run_config("strategy=fsdp")
+    assert without_launcher(fsdp, 1, env={}).startswith(
+        "warning: strategy=fsdp started without a launcher runs as 1 process")
+    assert without_launcher(fsdp, 1, env={"WORLD_SIZE": "1"}) is None  # torchrun --nproc_per_node=1: as asked
+    assert without_launcher(fsdp, 2, env={}) is None
+    _, single = run_config("strategy=single")
+    assert without_launcher(single, 1, env={}) is None

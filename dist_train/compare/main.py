@@ -5,19 +5,24 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from dist_train.compare.settings import CompareConfig, parse, pinned_global_batch, resolve_out_dir, split_argv
 
 
+FAILED_ROW_EXIT = 1  # the report is written; a row failed
+INTERRUPTED_EXIT = 130  # Ctrl-C: the finished rows' report is written
+
+
 @dataclass
 class Comparison:
     out_dir: Path
     rows: list[dict[str, Any]]
-    report: Path
+    report: Optional[Path]  # None: interrupted before any row finished
     wandb_dir: Optional[Path]
+    not_run: list[str] = field(default_factory=list)  # the rows a Ctrl-C left out
 
 
 def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = "") -> Comparison:
@@ -33,6 +38,7 @@ def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = ""
     out_dir = resolve_out_dir(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     group = cfg.group or out_dir.name
+    not_run: list[str] = []
     if cfg.from_:
         from dist_train.compare.collect import collect
 
@@ -43,14 +49,22 @@ def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = ""
         base = compose_training_config(training)  # a bad training override fails here, before any run
         specs = expand(cfg.strategies, cfg.sweep)
         rows = []
-        for spec in specs:
-            print(f"[compare] {spec.label}: running ...", file=sys.stderr, flush=True)
-            pinned = pinned_global_batch(base["train"], spec, world_size=_world_size(cfg))
-            result = run_strategy(spec, training=[*training, *pinned], nproc=cfg.nproc, out_dir=out_dir, group=group,
-                                  timeout_s=cfg.timeout_s, launcher=cfg.launcher)
-            rows.append(build_row(result))
-            print(f"[compare] {spec.label}: {rows[-1]['status']} in {result.seconds:.1f} s {result.reason}",
-                  file=sys.stderr, flush=True)
+        try:
+            for i, spec in enumerate(specs):
+                print(f"[compare] {spec.label} ({i + 1}/{len(specs)}): running ...", file=sys.stderr, flush=True)
+                pinned = pinned_global_batch(base["train"], spec, world_size=_world_size(cfg))
+                result = run_strategy(spec, training=[*training, *pinned], nproc=cfg.nproc, out_dir=out_dir,
+                                      group=group, timeout_s=cfg.timeout_s, launcher=cfg.launcher)
+                rows.append(build_row(result))
+                print(f"[compare] {spec.label}: {rows[-1]['status']} in {result.seconds:.1f} s {result.reason}",
+                      file=sys.stderr, flush=True)
+        except KeyboardInterrupt:  # a running launch is down already (runner): report the rows that finished
+            not_run = [s.label for s in specs[len(rows):]]
+            specs = specs[:len(rows)]
+            if not rows:
+                return Comparison(out_dir, [], None, None, not_run)
+            print(f"[compare] interrupted: writing the report of the {len(rows)} finished row(s)", file=sys.stderr,
+                  flush=True)
     add_verdicts(rows, rtol=cfg.loss_rtol)
     for row in rows:
         _predict_safely(row, memory_rtol=cfg.memory_rtol)
@@ -69,7 +83,7 @@ def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = ""
         from dist_train.compare.wandb_log import log_comparison
 
         wandb_dir = log_comparison(rows, logger=base["logger"], group=group, out_dir=out_dir, images=plots)
-    return Comparison(out_dir, rows, report, wandb_dir)
+    return Comparison(out_dir, rows, report, wandb_dir, not_run)
 
 
 def _world_size(cfg: CompareConfig) -> int:
@@ -114,13 +128,25 @@ def main(argv: list[str] | None = None) -> int:
 
             run_dirs(cfg.from_)
         else:
-            compose_training_config(training)
+            from dist_train.compare.runner import check_rows
+            from dist_train.compare.sweep import expand
+
+            base = compose_training_config(training)
+            # Every row checked before the first runs: a typo in the last one is not found an hour in.
+            problems = check_rows(expand(cfg.strategies, cfg.sweep), training, world_size=_world_size(cfg),
+                                  base_train=base["train"])
+            if problems:
+                return report_config_error("compare.strategies: " + "; ".join(problems))
     except (ValueError, OmegaConfBaseException, HydraException) as exc:
         return report_config_error(one_line(exc))
     result = run_comparison(cfg, training, command=command)
+    if result.report is None:
+        print("interrupted before any row finished: nothing to report", file=sys.stderr)
+        return INTERRUPTED_EXIT
     for row in result.rows:
         print(f"{row['strategy']:>12}  {row['verdict']}")
     print(f"report: {result.report}")
+    failed = [row["strategy"] for row in result.rows if row["status"] != "ok"]
     if result.wandb_dir is not None:
         print(f"W&B comparison run: {result.wandb_dir}")
     offline = sorted(result.out_dir.glob("*/wandb/offline-run-*")) + sorted(result.out_dir.glob("wandb/offline-run-*"))
@@ -128,4 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"W&B runs logged offline: {len(offline)}; upload with: wandb sync {result.out_dir}/*/wandb/offline-run-* "
               f"{result.out_dir}/wandb/offline-run-*")
         print(f"then a dashboard for the group: python launch/dashboard.py {result.out_dir}")
+    if result.not_run:
+        rest = ",".join(result.not_run)
+        print(f"interrupted: {len(result.rows)} row(s) ran, not {rest}. To finish: the same command with "
+              f"compare.strategies=[{rest}] compare.out_dir=OUT2, then one report of both: python launch/compare.py "
+              f"compare.from=[{result.out_dir},OUT2]", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    if failed:
+        print(f"{len(failed)} of {len(result.rows)} row(s) failed: {', '.join(failed)} (their reasons are in the "
+              "report)", file=sys.stderr)
+        return FAILED_ROW_EXIT
     return 0

@@ -48,6 +48,29 @@ class RunResult:
         return self.log if self.log is not None else self.run_dir / "compare.log"
 
 
+def check_rows(specs: list[StrategySpec], training: list[str], *, world_size: int,
+               base_train: dict[str, Any]) -> list[str]:
+    """Each row's config checked as its launch would check it (for its number of processes, with the global
+    batch the comparison pins), before anything runs: one `label: reason` for each row that would fail at once."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from dist_train.checks import validate
+    from dist_train.compare.settings import pinned_global_batch
+    from dist_train.entry import one_line
+    from dist_train.estimate.compose import compose_run
+
+    problems = []
+    for spec in specs:
+        pinned = pinned_global_batch(base_train, spec, world_size=world_size)
+        try:
+            run = compose_run([*training, *pinned, f"strategy={spec.name}", *spec.overrides])
+            validate(run, 1 if _one_process(spec.name) else world_size)
+        except (ValueError, HydraException, OmegaConfBaseException) as exc:
+            problems.append(f"{spec.label}: {one_line(exc)}")
+    return problems
+
+
 def command_for(
     spec: StrategySpec, *, training: list[str], nproc: int, run_dir: Path, group: str, launcher: str = "local"
 ) -> list[str]:

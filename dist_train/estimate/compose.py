@@ -16,12 +16,31 @@ def compose_training_config(overrides: list[str], *, validated: bool = True) -> 
     `validated`: run the checks that do not depend on the number of processes (ConfigError otherwise),
     so a prediction or a comparison never starts from a config training would refuse.
     """
+    from dataclasses import asdict
+
+    from dist_train.config import validate_fields
+
+    cfg, run = _compose(overrides)
+    if validated:
+        validate_fields(run)
+    out = OmegaConf.to_container(cfg, resolve=True)
+    out["model"] = asdict(run.model)
+    return out  # type: ignore[return-value]
+
+
+def compose_run(overrides: list[str]) -> Any:
+    """The RunConfig that `launch/train.py <overrides>` would build (not validated: checks.validate does that
+    for a number of processes)."""
+    return _compose(overrides)[1]
+
+
+def _compose(overrides: list[str]) -> tuple[Any, Any]:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from dist_train.config import validate_fields
-    from dist_train.strategies.registry import register_configs
+    from dist_train.pretrained import resolve_model
     from dist_train.rundir import register_resolvers
+    from dist_train.strategies.registry import register_configs
 
     register_configs()
     register_resolvers()
@@ -31,17 +50,9 @@ def compose_training_config(overrides: list[str], *, validated: bool = True) -> 
             cfg = compose(config_name="config", overrides=list(overrides))
     finally:
         GlobalHydra.instance().clear()
-    from dataclasses import asdict
-
-    from dist_train.pretrained import resolve_model
-
     run = OmegaConf.to_object(cfg)
     resolve_model(run.model)  # type: ignore[union-attr]  # model=hf: the sizes come from the directory's config.json
-    if validated:
-        validate_fields(run)  # type: ignore[arg-type]
-    out = OmegaConf.to_container(cfg, resolve=True)
-    out["model"] = asdict(run.model)  # type: ignore[union-attr,index]
-    return out  # type: ignore[return-value]
+    return cfg, run
 
 
 def model_config(name: str) -> dict[str, Any]:

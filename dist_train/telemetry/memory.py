@@ -63,6 +63,7 @@ def cuda_peaks(devices: list[torch.device]) -> dict[str, int]:
     per_device = [(torch.cuda.max_memory_allocated(d), torch.cuda.max_memory_reserved(d)) for d in cuda]
     out["memory/peak_allocated_bytes"] = max(a for a, _ in per_device)
     out["memory/peak_reserved_bytes"] = max(r for _, r in per_device)
+    out["device/total_memory_bytes"] = min(torch.cuda.get_device_properties(d).total_memory for d in cuda)
     if len(cuda) > 1:  # nn.DataParallel: the master-GPU imbalance is the point
         for d, (alloc, reserved) in zip(cuda, per_device):
             out[f"memory/gpu{d.index}/peak_allocated_bytes"] = alloc

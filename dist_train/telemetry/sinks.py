@@ -101,19 +101,83 @@ def _keep_through(path: Path, step: int) -> list[list[dict[str, Any]]]:
     return [sorted(w, key=lambda r: r.get("rank", 0)) for _, w in sorted(windows.items())]
 
 
-def progress_text(rec: dict[str, Any]) -> str:
+GIB = 2**30
+# A rank stands out when its figure is this much over the ranks' median, and by at least this much.
+OUTLIER_RATIO, OUTLIER_MEMORY_BYTES, OUTLIER_SECONDS = 1.25, 256 * 2**20, 0.05
+# Up to this many ranks, the per-rank line lists each; beyond it, the spread and the extremes.
+LIST_RANKS = 8
+
+
+def memory_of(rec: dict[str, Any]) -> tuple[int, str]:
+    """A rank's peak of the window: its device allocator's on CUDA, else its resident host memory."""
+    if "memory/peak_allocated_bytes" in rec:
+        return int(rec["memory/peak_allocated_bytes"]), "allocated"
+    return int(rec.get("memory/peak_rss_bytes", 0)), "host RSS"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def progress_text(step: int, total: int, records: list[dict[str, Any]], *, window: int) -> str:
+    """The window's line: its loss (the mean of its steps, labelled so), speed, MFU where the peak is known, the
+    worst rank's memory (with its share of the device on CUDA) and the time left at this window's pace."""
+    rec = records[0]
     held_out = f" | eval loss {rec['eval/loss']:.4f} ppl {rec['eval/perplexity']:.2f}" if "eval/loss" in rec else ""
-    return (
-        f"loss {rec['loss']:.4f}{held_out} | {rec['time/step_s'] * 1e3:.0f} ms/step | "
-        f"{rec['throughput/tokens_per_s']:,.0f} tok/s"
-    )
+    mean = f"mean of {window} steps" if window > 1 else "this step"
+    mfu = f" | MFU {rec['mfu'] * 100:.1f}%" if rec.get("mfu") is not None else ""
+    worst = max(records, key=lambda r: memory_of(r)[0])
+    nbytes, kind = memory_of(worst)
+    share = (f", {nbytes / worst['device/total_memory_bytes'] * 100:.0f}% of the device"
+             if worst.get("device/total_memory_bytes") else "")
+    eta = f" | ETA {_duration(rec['time/step_s'] * (total - step))}" if step < total else ""
+    return (f"loss {rec['loss']:.4f} ({mean}){held_out} | {rec['time/step_s'] * 1e3:.0f} ms/step | "
+            f"{rec['throughput/tokens_per_s']:,.0f} tok/s{mfu} | peak {kind} {nbytes / GIB:.2f} GiB "
+            f"(rank {worst['rank']}{share}){eta}")
+
+
+def ranks_text(records: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    """Each rank's memory peak, step time and collective time in the window (the spread and the extremes beyond
+    LIST_RANKS ranks), and a warning for each figure where one rank stands out from the median."""
+    import statistics
+
+    def comm(r: dict[str, Any]) -> str:
+        return f", comm {r['time/comm_s'] * 1e3:.0f} ms" if "time/comm_s" in r else ""
+
+    if len(records) <= LIST_RANKS:
+        text = " | ".join(f"rank {r['rank']} (node {r.get('node', 0)}): {memory_of(r)[0] / GIB:.2f} GiB, "
+                          f"{r['time/step_s'] * 1e3:.0f} ms/step{comm(r)}" for r in records)
+    else:
+        mem = sorted(records, key=lambda r: memory_of(r)[0])
+        slow = max(records, key=lambda r: r["time/step_s"])
+        text = (f"{len(records)} ranks: memory {memory_of(mem[0])[0] / GIB:.2f} (rank {mem[0]['rank']}) to "
+                f"{memory_of(mem[-1])[0] / GIB:.2f} GiB (rank {mem[-1]['rank']}), median "
+                f"{statistics.median(memory_of(r)[0] for r in records) / GIB:.2f}; slowest rank {slow['rank']} "
+                f"{slow['time/step_s'] * 1e3:.0f} ms/step")
+    warnings = []
+    # Not collective time: a rank that waits for a slow peer shows the wait there, so the fast rank would stand out.
+    for what, value, floor, unit in (("memory", lambda r: memory_of(r)[0], OUTLIER_MEMORY_BYTES, GIB),
+                                     ("step time", lambda r: r["time/step_s"], OUTLIER_SECONDS, 1e-3)):
+        if len(records) < 2:
+            break
+        median = statistics.median(value(r) for r in records)
+        top = max(records, key=value)
+        if value(top) > OUTLIER_RATIO * median and value(top) - median >= floor:
+            units = "GiB" if unit == GIB else "ms"
+            warnings.append(f"rank {top['rank']} (node {top.get('node', 0)}) stands out: {what} "
+                            f"{value(top) / unit:.2f} {units} against a median of {median / unit:.2f} {units}")
+    return text, warnings
 
 
 class ConsoleProgress:
-    """A rich progress bar on a terminal; a plain line per logged step otherwise (CI logs, files)."""
+    """A rich progress bar on a terminal; a plain line per logged step otherwise (CI logs, files). Each window
+    also gets the per-rank line, and a warning where one rank stands out."""
 
     def __init__(self, *, total_steps: int, description: str, done: int = 0) -> None:
         self.total = total_steps
+        self.start = self.last_step = done
         self.interactive = sys.stderr.isatty()
         self._progress = None
         if self.interactive:
@@ -136,11 +200,19 @@ class ConsoleProgress:
             self._progress.update(self._task, completed=step)
 
     def log(self, step: int, records: list[dict[str, Any]]) -> None:
-        text = progress_text(records[0])
+        first, window, self.last_step = self.last_step == self.start, step - self.last_step, step
+        text = progress_text(step, self.total, records, window=window)
+        per_rank, warnings = ranks_text(records)
+        if first:  # the first window carries set-up's one-off work (allocation, tracing): no rank judged on it
+            warnings = []
         if self._progress is not None:
             self._progress.update(self._task, completed=step, stats=text)
+            self._progress.console.print(f"step {step}: {per_rank}", highlight=False)
         else:
             log.info("step %d/%d | %s", step, self.total, text)
+            log.info("step %d ranks | %s", step, per_rank)
+        for line in warnings:
+            log.warning("step %d: %s", step, line)
 
     def finish(self, summary: dict[str, Any]) -> None:
         if self._progress is not None:
