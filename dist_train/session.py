@@ -41,6 +41,7 @@ class Session:
     resumed_from: Path | None = None
     progress: Any = None  # Progress: the step being trained, for failure messages
     eval_batches: Any = None  # the held-out batches (eval.every_steps > 0), sliced per data-parallel rank
+    stop: Any = None  # interrupt.StopRequest: Ctrl-C and SIGTERM, agreed on by every rank
 
 
 def build_session(

@@ -56,10 +56,14 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
         print(f"config ok: strategy={run.strategy.name} WORLD_SIZE={world_size} {describe_batch(run, world_size)}",
               file=sys.stderr)
         return 0
+    from dist_train.interrupt import Interrupted
+
     try:
         train(run, cfg, resume=resume, fault=fault)
     except NonFiniteLoss:
         return DIVERGED_EXIT  # rank 0 has said which step, and every rank stopped there
+    except Interrupted as exc:
+        return exc.exit_code  # 130 (SIGINT), 143 (SIGTERM): every rank stopped cleanly; rank 0 said how to resume
     return 0
 
 
@@ -118,6 +122,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
 
 def train(run: RunConfig, cfg: DictConfig, *, resume: Path | None = None, fault: Any = None) -> dict[str, Any] | None:
     """Train; return the summary on rank 0 (None elsewhere)."""
+    from dist_train.interrupt import Interrupted
     from dist_train.runtime import init_runtime, shutdown
     from dist_train.telemetry.recorder import NonFiniteLoss
 
@@ -127,6 +132,8 @@ def train(run: RunConfig, cfg: DictConfig, *, resume: Path | None = None, fault:
     try:
         return _run(run, cfg, runtime, resume=resume, fault=fault, progress=progress)
     except Exception as exc:
+        if isinstance(exc, Interrupted):  # a clean stop, reported by rank 0 with the command that resumes
+            raise
         if not isinstance(exc, NonFiniteLoss):  # that one was reported by rank 0, once, with its step
             where = f"at step {progress.step}" if progress.step else "before the first step"
             exc.add_note(f"[dist_train] rank {runtime.rank} failed {where}")
@@ -147,11 +154,15 @@ class Progress:
 
 def _run(run: RunConfig, cfg: DictConfig, runtime: Any, *, resume: Path | None, fault: Any, progress: Progress) -> Any:
     """Build and train in a frame of its own: when it returns, the strategy is gone before the group is."""
+    from dist_train.interrupt import StopRequest
+
     session = build_session(run, cfg, runtime, resume=resume, fault=fault)
     session.progress = progress
+    session.stop = StopRequest(group_needed=runtime.has_group, tracker=session.telemetry.tracker)
     try:
         return _fit(session)
     finally:
+        session.stop.close()
         if session.telemetry.tracker is not None:
             session.telemetry.tracker.uninstall()
         if hasattr(session.batches, "close"):  # the prefetch thread
@@ -162,13 +173,40 @@ def _fit(session: Session) -> dict[str, Any] | None:
     """Train, then report; a NaN/Inf stop (every rank at once, all alive) first completes the save in flight."""
     from dist_train.telemetry.recorder import NonFiniteLoss
 
+    from dist_train.interrupt import Interrupted
+
     try:
         _loop(session)
     except NonFiniteLoss:
         session.checkpointer.finish()
         raise
     session.checkpointer.finish()
-    return _report(session)
+    summary = _report(session)
+    stop = session.stop
+    if stop is not None and stop.step is not None:
+        if session.runtime.is_main:
+            _say_how_to_resume(session, stop)
+        raise Interrupted(stop.signal)
+    return summary
+
+
+def _say_how_to_resume(session: Session, stop: Any) -> None:
+    """Rank 0, after a signal: where training stopped, the newest complete checkpoint, the command that resumes."""
+    from dist_train.checkpoint.layout import resolve_resume
+    from dist_train.interrupt import resume_command
+
+    t = session.run.train
+    try:
+        newest = resolve_resume("auto", default_root=checkpoint_root(session.run, session.run_dir))
+    except ValueError:
+        newest = None
+    head = f"{stop.signal_name}: stopped after step {stop.step} of {t.steps}"
+    if newest is None:
+        log.warning("%s; no checkpoint to resume from (checkpoint.every_steps=%d): a new run starts from step 1",
+                    head, session.run.checkpoint.every_steps)
+        return
+    log.warning("%s; newest complete checkpoint: %s", head, newest)
+    log.warning("resume with: %s", resume_command(session.run_dir))
 
 
 def _loop(session: Session) -> None:
@@ -180,6 +218,18 @@ def _loop(session: Session) -> None:
     telemetry.start()
     for step in range(session.start_step + 1, t.steps + 1):
         train_one_step(session, step)
+        if session.stop is not None and session.stop.after_step(step) and step < t.steps:
+            _stop_after(session, step)
+            return
+
+
+def _stop_after(session: Session, step: int) -> None:
+    """Every rank, after the step they agreed to stop at: close its window, and save it where checkpoints are on
+    (unless this step was saved already)."""
+    session.telemetry.log(step)  # a no-op where this step closed a window
+    checkpointer = session.checkpointer
+    if session.run.checkpoint.every_steps > 0 and not checkpointer.due(step):
+        session.telemetry.add_checkpoint_time(checkpointer.save(step, _trainer_state(session, step)))
 
 
 def train_one_step(session: Session, step: int) -> None:
@@ -256,7 +306,7 @@ def _report(session: Session) -> dict[str, Any] | None:
     held_out = (f" | eval loss {summary['final_eval_loss']:.6f} (perplexity {summary['final_eval_perplexity']:.2f})"
                 if summary["final_eval_loss"] is not None else "")
     log.info("final loss %.6f (step %d's)%s | mean step %.3f s | summary: %s", summary["final_loss"],
-             session.run.train.steps, held_out, summary["mean_step_s"], run_dir / "summary.json")
+             summary["steps_done"], held_out, summary["mean_step_s"], run_dir / "summary.json")
     return summary
 
 
@@ -279,6 +329,8 @@ def _summary(session: Session) -> dict[str, Any]:
         "num_params": session.num_params,
         "num_trainable_params": session.num_trainable_params,
         "steps": t.steps,
+        "steps_done": session.stop.step if session.stop is not None and session.stop.step else t.steps,
+        "interrupted": session.stop.signal_name if session.stop is not None and session.stop.step else None,
         "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.global_batch_size // (dp * accumulation),
         "accumulation_steps": accumulation,
