@@ -280,6 +280,9 @@ class LoggerConfig:
     mode: str = "auto"
     # How long `wandb.init` may try to reach the server before the run logs offline instead.
     init_timeout_s: float = 30.0
+    # Every third-party warning, each time it is raised (default: a repeated one is shown once, then counted, and
+    # the run's end names it with its count; dist_train/quiet.py).
+    verbose: bool = False
 
 
 @dataclass

@@ -47,6 +47,9 @@ class Exported:
 def export_pretrained(checkpoint: Path, out_dir: Path, *, merge: bool = False) -> Exported:
     """Write `out_dir` (config.json + safetensors weights; for a LoRA run the adapter, and with `merge` also the
     merged model). Nothing is written until every weight is read and merged."""
+    from dist_train.quiet import quiet_deepspeed_on_cpu
+
+    quiet_deepspeed_on_cpu()  # transformers imports DeepSpeed (through Accelerate) whatever the checkpoint
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

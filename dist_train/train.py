@@ -35,7 +35,10 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
     from dist_train.slurm import adopt_srun_env
     from dist_train.telemetry.recorder import NonFiniteLoss
 
+    from dist_train.quiet import quiet_deepspeed_on_cpu
+
     adopt_srun_env()  # `srun python launch/train.py` (no torchrun): rank and world from Slurm
+    quiet_deepspeed_on_cpu()
     try:
         run = to_run_config(cfg)
         world_size = world_size_from_env()
@@ -126,9 +129,12 @@ def train(run: RunConfig, cfg: DictConfig, *, resume: Path | None = None, fault:
     from dist_train.runtime import init_runtime, shutdown
     from dist_train.telemetry.recorder import NonFiniteLoss
 
+    from dist_train.quiet import RepeatedWarnings
+
     runtime = init_runtime(needs_group=run.strategy.needs_process_group, timeout_s=run.runtime.timeout_s,
                            device_type=run.runtime.device)
     progress = Progress()
+    repeated = None if run.logger.verbose else RepeatedWarnings().install()
     try:
         return _run(run, cfg, runtime, resume=resume, fault=fault, progress=progress)
     except Exception as exc:
@@ -143,6 +149,9 @@ def train(run: RunConfig, cfg: DictConfig, *, resume: Path | None = None, fault:
         traceback.clear_frames(exc.__traceback__)
         raise
     finally:
+        if repeated is not None:
+            repeated.report()
+            repeated.uninstall()
         gc.collect()
         shutdown(runtime)
 

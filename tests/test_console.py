@@ -4,6 +4,7 @@ per-rank line, and a warning where one rank stands out."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -65,3 +66,41 @@ def test_the_console_logs_both_lines_and_warns_from_the_second_window_on(caplog,
     assert first[0].startswith("step 10/20 | loss 2.5000 (mean of 10 steps)") and first[1].startswith("step 10 ranks |")
     assert len(first) == 2  # the first window: set-up's one-off work, no rank judged on it
     assert caplog.records[-1].levelno == logging.WARNING and "rank 3 (node n0) stands out" in caplog.records[-1].getMessage()
+
+
+def test_a_repeated_warning_is_shown_once_then_counted(monkeypatch):
+    """Libraries that enter warnings.catch_warnings reset Python's once-per-place registry, so torch's backward-hook
+    warnings came back every ZeRO-3 step; here each is shown once and the end names the repeats."""
+    import warnings
+
+    from dist_train.quiet import RepeatedWarnings
+
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *a, **k: shown.append(str(message)))
+    repeated = RepeatedWarnings().install()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            for _ in range(3):
+                warnings.warn("hook fired again", UserWarning, stacklevel=1)
+            warnings.warn("once only", UserWarning, stacklevel=1)
+    finally:
+        repeated.uninstall()
+    assert shown == ["hook fired again", "once only"]
+    assert [line.split(" at ")[0] for line in repeated.summary()] == ["3 x UserWarning"]
+    assert repeated.summary()[0].endswith("hook fired again")
+
+
+def test_deepspeed_is_told_the_cpu_where_there_is_no_cuda(monkeypatch):
+    import torch
+
+    from dist_train.quiet import quiet_deepspeed_on_cpu
+
+    monkeypatch.setenv("DS_ACCELERATOR", "unset at the end")  # so that monkeypatch removes what the call sets
+    monkeypatch.delenv("DS_ACCELERATOR")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    quiet_deepspeed_on_cpu()
+    assert os.environ["DS_ACCELERATOR"] == "cpu"
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")  # a choice already made is kept
+    quiet_deepspeed_on_cpu()
+    assert os.environ["DS_ACCELERATOR"] == "cuda"
