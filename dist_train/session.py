@@ -97,7 +97,9 @@ def build_session(
     device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
     session.telemetry = _telemetry(session, tracker, saved=saved, device_name=device_name)
     session.telemetry.setup_memory = setup_memory
-    log.info("model=%s params=%s %s", run.model.name, f"{num_params:,}", describe_batch(run, runtime.world_size))
+    d = run.data
+    data = f"data={d.name}" + (f" data.path={d.path}" if d.path else " (generated from train.seed)")
+    log.info("model=%s params=%s %s %s", run.model.name, f"{num_params:,}", data, describe_batch(run, runtime.world_size))
     return session
 
 

@@ -334,6 +334,8 @@ def _summary(session: Session) -> dict[str, Any]:
         "nodes": len(set(runtime.nodes)),
         "data_parallel_size": dp,
         "model": run.model.name,
+        "data": run.data.name,  # synthetic | textfile | tokens
+        "data_path": run.data.path,
         "precision": run.precision.name,
         "num_params": session.num_params,
         "num_trainable_params": session.num_trainable_params,

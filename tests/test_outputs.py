@@ -109,6 +109,9 @@ def test_text_and_token_files_train_on_the_same_windows_and_ranks_agree(tmp_path
                    run_dir=tmp_path / "fsdp", nproc=2)
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert one["losses"][-1] < one["losses"][0]  # repetitive English is learnable in 5 steps
+    # the data source is named where a user looks: the summary and the first lines of the log
+    assert (one["data"], one["data_path"], two["data"], two["data_path"]) == ("textfile", str(text), "tokens", str(tokens))
+    assert f"data=tokens data.path={tokens}" in (tmp_path / "fsdp" / "logs" / "rank0.log").read_text()
 
 
 def test_two_agents_meet_through_a_rendezvous_endpoint_like_two_nodes(single_run, tmp_path):
