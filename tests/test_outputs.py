@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import re
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,13 @@ def test_text_and_token_files_train_on_the_same_windows_and_ranks_agree(tmp_path
     assert one["losses"][-1] < one["losses"][0]  # repetitive English is learnable in 5 steps
     # the data source is named where a user looks: the summary and the first lines of the log
     assert (one["data"], one["data_path"], two["data"], two["data_path"]) == ("textfile", str(text), "tokens", str(tokens))
-    assert f"data=tokens data.path={tokens}" in (tmp_path / "fsdp" / "logs" / "rank0.log").read_text()
+    log = (tmp_path / "fsdp" / "logs" / "rank0.log").read_text()
+    assert f"data=tokens data.path={tokens}" in log
+    # the console a user watches: each window's labelled loss, the worst rank's memory and the time left, then
+    # every rank's line
+    assert re.search(r"step 2/5 \| loss \d\.\d{4} \(this step\) \| .* \| peak host RSS \d+\.\d\d GiB \(rank [01]\) "
+                     r"\| ETA 0m\d\ds", log), log[-3000:]
+    assert re.search(r"step 2 ranks \| rank 0 \(node .*\): .* GiB, \d+ ms/step, comm \d+ ms \| rank 1 ", log), log[-3000:]
 
 
 def test_two_agents_meet_through_a_rendezvous_endpoint_like_two_nodes(single_run, tmp_path):
