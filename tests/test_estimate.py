@@ -137,23 +137,35 @@ def test_activations_of_model_directories(case, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dist_train.telemetry.activations import ActivationMeter
 
     cfg, model_cfg = _model_dir(case, tmp_path)
-    shape = ModelShape.from_config(model_cfg)
+
+    def build():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(cfg).train()
+
+    for precision, strategy, measured, predicted in _activations(build, ModelShape.from_config(model_cfg)):
+        assert predicted == pytest.approx(measured, rel=0.03), (precision, strategy)
+
+
+def _activations(build, shape):
+    """(precision, strategy, measured, predicted activation bytes) of one forward of `build()` (2 x 64 tokens):
+    in fp32, under bf16 autocast (DDP's regime) and with bf16 weights (FSDP's and DeepSpeed's)."""
+    import torch
+
+    from dist_train.telemetry.activations import ActivationMeter
+
     b, s = 2, 64
     ids = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(0))
     for precision, strategy, bf16_weights in (("fp32", "ddp", False), ("bf16", "ddp", False), ("bf16", "fsdp", True)):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg).train()
+        model = build()
         if bf16_weights:
             model.to(torch.bfloat16)
         meter = ActivationMeter()
         setup = _setup(strategy, strategy, precision=precision, micro_batch_size=b, seq_len=s)
         with meter.measuring(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup.autocast_16bit):
             model(input_ids=ids, labels=ids)
-        predicted = predict_memory(shape, setup)[0].activations
-        assert predicted == pytest.approx(meter.peak_bytes, rel=0.03), (precision, strategy)
+        yield precision, strategy, meter.peak_bytes, predict_memory(shape, setup)[0].activations
 
 
 def test_kv_cache_formula():
@@ -198,27 +210,15 @@ def test_activation_formula_matches_what_autograd_saves(arch):
     autocast (DDP's regime) and with bf16 weights (FSDP's and DeepSpeed's): within 2%. Llama was 14-29% low
     before its RMSNorm (an fp32 input and the normalized output) and autocast's per-projection input casts
     were counted."""
-    import torch
 
     from dist_train.model import build_model
-    from dist_train.telemetry.activations import ActivationMeter
 
     extra = {"num_kv_heads": 2, "ffn_hidden_size": 256} if arch == "llama" else {}
     cfg = ModelConfig(name="m", arch=arch, num_layers=2, hidden_size=128, num_heads=4, vocab_size=256,
                       max_seq_len=64, dropout=0.0, **extra)
-    shape = ModelShape.from_config(cfg)
-    b, s = 2, 64
-    ids = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(0))
-    for precision, strategy, bf16_weights in (("fp32", "ddp", False), ("bf16", "ddp", False), ("bf16", "fsdp", True)):
-        model = build_model(cfg, seed=0)
-        if bf16_weights:
-            model.to(torch.bfloat16)
-        meter = ActivationMeter()
-        setup = _setup(strategy, strategy, precision=precision, micro_batch_size=b, seq_len=s)
-        with meter.measuring(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup.autocast_16bit):
-            model(input_ids=ids, labels=ids)
-        predicted = predict_memory(shape, setup)[0].activations
-        assert predicted == pytest.approx(meter.peak_bytes, rel=0.02), (precision, strategy)
+    for precision, strategy, measured, predicted in _activations(lambda: build_model(cfg, seed=0),
+                                                                   ModelShape.from_config(cfg)):
+        assert predicted == pytest.approx(measured, rel=0.02), (precision, strategy)
 
 
 def test_autocast_keeps_fp32_norm_inputs_and_16bit_weight_copies():
@@ -348,3 +348,133 @@ def test_the_regime_is_described_by_what_each_dtype_is():
         "fp32 weights, grads and state; bf16 compute (mixed-precision policy)"
     assert _setup("zero2", "zero", zero_stage=2, precision="bf16").regime_description == \
         "bf16 weights and grads; fp32 master and state (DeepSpeed)"
+
+
+# ---------------------------------------------------------------- the command line: presets, one seq_len, --help
+def _fit_rows(out: str) -> dict[tuple[str, str], list[str]]:
+    """The fit table's rows, (model, strategy) -> its cells, from the text printout."""
+    lines = out.split("fits in ", 1)[1].splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("model ")) + 2
+    rows = {}
+    for ln in lines[start:]:
+        words = ln.split()
+        if len(words) < 3 or words[-1] not in ("ok", "NO", "n/a", "*"):
+            break
+        cells = [c.strip() for c in ln.split("  ") if c.strip()]
+        rows[(cells[0], cells[1])] = cells[2:]
+    return rows
+
+
+@pytest.mark.parametrize("name", ["7b", "13b", "70b", "llama2-7b", "LLAMA2-70B"])
+def test_cli_takes_the_presets_as_model(capsys, name):
+    """`model=7b` (or the name the tables print) is the preset's shape, checked as training would check it."""
+    assert estimate_main([f"model={name}", "format=json"]) == 0
+    preset = PRESETS[name.lower().removeprefix("llama2-")]
+    got = json.loads(capsys.readouterr().out)["model"]
+    assert got["num_params"] == preset.num_params and got["name"] == preset.name
+    assert PRESETS["7b"].num_params == 6_738_415_616
+
+
+def test_cli_model_preset_then_model_overrides(capsys):
+    """The user's `model.<key>=` apply over a preset whatever their order, as over a config group."""
+    assert estimate_main(["model.num_layers=2", "model=7b", "format=json"]) == 0
+    got = json.loads(capsys.readouterr().out)["model"]
+    assert (got["name"], got["num_layers"], got["hidden_size"]) == ("llama2-7b", 2, 4096)
+
+
+def test_cli_prints_the_preset_and_its_parameter_count(capsys):
+    assert estimate_main(["strategy=fsdp", "model=7b", "world_size=64", "fit.strategies=[fsdp]"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model llama2-7b: 6.74B parameters (Ψ = 6,738,415,616)")
+    assert [m for m, _ in _fit_rows(out)] == ["llama2-7b", "llama2-70b"]  # fit.models=[7b,70b]: 7b once
+
+
+def test_cli_fit_models_take_the_printed_names(capsys):
+    assert estimate_main(["model=tiny", "fit.models=[llama2-7b,13b,llama_1b]", "fit.strategies=[ddp]"]) == 0
+    models = [m for m, _ in _fit_rows(capsys.readouterr().out)]
+    assert models == ["tiny", "llama2-7b", "llama2-13b", "llama_1b"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["fit.models=[llama2-8b]"], "fit.models: 'llama2-8b' is not a model; allowed: 7b, 13b, 70b, llama2-7b"),
+    (["fit.models=[hf]"], "fit.models: 'hf' needs a model directory"),
+    (["model=8b"], "model=8b is not an option (no conf/model/8b.yaml, no estimator preset); available: gpt2_small, "
+                   "hf, llama_1b, tiny, or the presets 7b, 13b, 70b (llama2-7b, llama2-13b, llama2-70b)"),
+    (["fit.strategies=[banana]"], "fit.strategies: strategy 'banana': cannot tell its family"),
+    (["fit.gpus=[0]"], "fit.gpus: 0 GPUs; each count must be >= 1"),
+    (["fit.seq_len=4096"], "fit.seq_len is no longer an option; the breakdown and the fit table share one"),
+])
+def test_cli_bad_names_are_one_line(capsys, args, says):
+    assert estimate_main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: ") and says in lines[0], captured.err
+
+
+def test_cli_breakdown_and_fit_use_one_seq_len(capsys):
+    """llama_1b's breakdown was at train.seq_len (64) and its fit row at its max_seq_len (2048): now both at
+    train.seq_len and train.micro_batch_size, so the run's own row at its world size is the breakdown's total."""
+    assert estimate_main(["model=llama_1b", "strategy=zero3", "world_size=8", "precision=bf16",
+                          "train.seq_len=512", "fit.gpus=[8,64]"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 2 x 512 tokens" in out.splitlines()[1]
+    assert "activations of one micro-batch of 2 x 512 tokens (train.micro_batch_size x train.seq_len" in out
+    assert "2048" not in out.split("fits in ", 1)[1]
+    total = next(ln for ln in out.splitlines() if ln.startswith("= total (peak)")).split()[-2:]
+    assert _fit_rows(out)[("llama_1b", "zero3")][0] == f"{' '.join(total)} ok"
+    # the 7b preset's rows at the same 512 tokens: their activations are those of its own formula at 512
+    shape, setup = PRESETS["7b"], _setup("ddp", "ddp", world_size=8, precision="bf16", micro_batch_size=2, seq_len=512)
+    from dist_train.estimate.render import human_bytes
+
+    assert _fit_rows(out)[("llama2-7b", "ddp")][0].startswith(human_bytes(predict_memory(shape, setup)[0].total))
+
+
+def test_cli_says_when_a_fit_model_is_run_beyond_its_max_seq_len(capsys):
+    assert estimate_main(["model=7b", "train.seq_len=4096", "fit.models=[tiny]", "fit.strategies=[ddp]"]) == 0
+    assert "predicted at 4096 tokens beyond the max_seq_len of: tiny (max_seq_len 128)" in capsys.readouterr().out
+
+
+def test_cli_json_fit_uses_the_breakdowns_micro_batch(capsys):
+    assert estimate_main(["model=llama_1b", "strategy=ddp", "world_size=8", "fit.strategies=[ddp]", "fit.gpus=[8]",
+                          "format=json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fit_micro_batch"] == {"micro_batch_size": 2, "seq_len": 64}
+    own = next(c for c in out["fit"] if c["model"] == "llama_1b")
+    assert own["peak_bytes"] == out["memory_per_rank"][0]["total"]
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_cli_help(capsys, flag):
+    """--help is read before Hydra's parser (which said `LexerNoViableAltException: --help`)."""
+    from dataclasses import fields
+
+    from dist_train.estimate.cli import EXAMPLES, OPTION_HELP, EstimateArgs, FitArgs
+
+    assert estimate_main(["model=7b", flag]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m dist_train.estimate [training overrides] [estimator options]")
+    assert "any override launch/train.py takes applies" in out and "7b, 13b, 70b" in out
+    # every option, with the default its dataclass gives
+    names = [f.name for f in fields(EstimateArgs) if f.name != "fit"] + [f"fit.{f.name}" for f in fields(FitArgs)]
+    assert sorted(names) == sorted(OPTION_HELP)
+    for line in ("world_size=8", "gpu_gib=80", "regime=auto", "activation_checkpointing=false", "kv_batch=null",
+                 "fit.models=[7b,70b]", "fit.gpus=[8,64,1024]", "fit.strategies=[ddp,zero1,zero2,zero3,fsdp,gpipe]",
+                 "fit.micro_batch_size=null", "format=text"):
+        assert f"\n  {line}\n" in out, line
+    assert len(EXAMPLES) == 3
+    for _, cmd in EXAMPLES:
+        assert f"\n  {cmd}\n" in out
+    assert any("model=7b" in c for _, c in EXAMPLES) and any("format=json" in c for _, c in EXAMPLES)
+    assert any("model=hf model.path=DIR" in c for _, c in EXAMPLES)
+
+
+def test_cli_help_examples_run(capsys, tmp_path):
+    """The three examples of --help, as printed (DIR: a small model directory)."""
+    from dist_train.estimate.cli import EXAMPLES
+
+    _model_dir("llama", tmp_path)
+    for _, cmd in EXAMPLES:
+        argv = cmd.replace("DIR", str(tmp_path)).split()[3:]
+        assert estimate_main(argv) == 0, (cmd, capsys.readouterr().err)
+    assert capsys.readouterr().err == ""

@@ -1,26 +1,33 @@
-"""`python -m dist_train.estimate [training overrides] [estimator options]`.
+"""`python -m dist_train.estimate [training overrides] [estimator options]` (`--help` says the same).
 
 Training overrides (`model=llama_1b strategy=zero3 precision=bf16 train.seq_len=2048 ...`) are composed
-with Hydra's compose API from conf/, exactly as launch/train.py would. Estimator options are plain
-`key=value` pairs, typed by :class:`EstimateArgs`:
+with Hydra's compose API from conf/, exactly as launch/train.py would. `model=` also takes the estimator's
+presets (`7b`, `13b`, `70b`, or the names its tables print, `llama2-7b`, ...): they become `model.*` overrides
+of the default model group before composing, so the training config is still checked as training would check
+it, later `model.<key>=` overrides still apply, and training itself accepts only conf/model/*.yaml.
+Estimator options are plain `key=value` pairs, typed by :class:`EstimateArgs`:
 
     world_size=8 gpu_gib=80 regime=auto activation_checkpointing=true kv_batch=1 kv_context=4096
     fit.models=[7b,70b,llama_1b] fit.params=[175e9] fit.gpus=[8,64,1024] fit.strategies=[ddp,zero3]
     format=json      # the same figures as JSON, in bytes, for tools
+
+One printout describes one model at one sequence length: the breakdown and the fit table both use the training
+config's `train.seq_len` (and, unless fit.micro_batch_size says otherwise, its `train.micro_batch_size`).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, field, replace
+import textwrap
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dist_train.estimate.comm import bus_factor, predict_comm, ring_bytes, ring_volume_psi
-from dist_train.estimate.fit import DEFAULT_FIT_GPUS, DEFAULT_FIT_STRATEGIES, FitModel, fit_table
+from dist_train.estimate.fit import DEFAULT_FIT_GPUS, DEFAULT_FIT_STRATEGIES, FitCell, FitModel, fit_table
 from dist_train.estimate.memory import (
     RankMemory,
     element_bytes,
@@ -31,21 +38,32 @@ from dist_train.estimate.memory import (
     with_model,
 )
 from dist_train.estimate.render import human_bytes, human_count, text_table
-from dist_train.estimate.setup import Setup, setup_from_config
-from dist_train.estimate.shapes import PRESETS, ModelShape
+from dist_train.estimate.setup import KNOWN_STRATEGIES, REGIMES, Setup, family_of, setup_from_config
+from dist_train.estimate.shapes import PRESETS, ModelShape, find_preset, preset_names
 
 
 @dataclass
 class FitArgs:
-    # Presets (7b, 13b, 70b: Llama 2 shapes) or conf/model names; the run's own model is always added.
+    # Presets (7b, 13b, 70b: Llama 2 shapes, or llama2-7b, ...) or conf/model names; the run's own model is always
+    # added. Activations are those of one micro-batch of train.seq_len tokens, as in the breakdown above the table.
     models: list[str] = field(default_factory=lambda: ["7b", "70b"])
     # Bare parameter counts (e.g. 175e9): model state only, no shape for activations.
     params: list[float] = field(default_factory=list)
     gpus: list[int] = field(default_factory=lambda: list(DEFAULT_FIT_GPUS))
     strategies: list[str] = field(default_factory=lambda: list(DEFAULT_FIT_STRATEGIES))
-    # Activations of one micro-batch of this many tokens; None = each model's max_seq_len.
-    seq_len: Optional[int] = None
-    micro_batch_size: int = 1
+    micro_batch_size: Optional[int] = None  # None = train.micro_batch_size
+
+    def __post_init__(self) -> None:
+        for n in self.gpus:
+            if n < 1:
+                raise ValueError(f"fit.gpus: {n} GPUs; each count must be >= 1")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"fit.micro_batch_size={self.micro_batch_size} must be >= 1")
+        for name in self.strategies:
+            try:
+                family_of(name)
+            except ValueError as exc:
+                raise ValueError(f"fit.strategies: {exc}") from None
 
 
 @dataclass
@@ -63,6 +81,98 @@ class EstimateArgs:
     def __post_init__(self) -> None:
         if self.format not in ("text", "json"):
             raise ValueError(f"format={self.format!r} is not supported; allowed: text, json")
+        if self.gpu_gib <= 0:
+            raise ValueError(f"gpu_gib={self.gpu_gib} must be > 0")
+
+
+# What --help says of each estimator option; its default is read from the dataclasses above.
+OPTION_HELP = {
+    "world_size": "ranks (processes) the run is predicted on",
+    "gpu_gib": "memory per GPU in GiB (2^30 bytes) that the fit table checks against",
+    "regime": f"which bytes per parameter: {' | '.join(REGIMES)} (auto: what this code does for the strategy; "
+              "mixed: the ZeRO paper's 2+2+12; pure: all state in 16 bits)",
+    "activation_checkpointing": "predict with activation checkpointing (the breakdown shows the other case too)",
+    "kv_batch": "batch of the inference KV-cache line (null: train.micro_batch_size)",
+    "kv_context": "context of the inference KV-cache line (null: the model's max_seq_len)",
+    "format": "text: tables for a person; json: the same figures in bytes, for tools",
+    "fit.models": f"other models for the fit table: presets {preset_names()} or conf/model names "
+                  "(the run's own model is always in it)",
+    "fit.params": "bare parameter counts for the fit table (e.g. [175e9]): model state only",
+    "fit.gpus": "GPU counts N, the fit table's columns",
+    "fit.strategies": "the fit table's strategies (known: " + ", ".join(KNOWN_STRATEGIES) + ")",
+    "fit.micro_batch_size": "micro-batch of the fit table's activations (null: train.micro_batch_size)",
+}
+
+EXAMPLES = (
+    ("a Llama 2 7B preset under FSDP on 64 GPUs, 4096-token sequences",
+     "python -m dist_train.estimate strategy=fsdp model=7b world_size=64 train.seq_len=4096"),
+    ("ZeRO-3 on 64 GPUs in bf16, as JSON (bytes, per rank) for tools",
+     "python -m dist_train.estimate model=llama_1b strategy=zero3 world_size=64 precision=bf16 format=json"),
+    ("your own model directory (its config.json gives the shape), ZeRO-2 on 8 GPUs of 40 GiB",
+     "python -m dist_train.estimate model=hf model.path=DIR strategy=zero2 world_size=8 gpu_gib=40 "
+     "fit.models=[7b,13b]"),
+)
+
+
+def _default(f: Any) -> Any:
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def _render(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_render(v) for v in value) + "]"
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return str(value)
+
+
+def option_defaults(cls: type = EstimateArgs, prefix: str = "") -> dict[str, str]:
+    """Each estimator option (`fit.gpus`, ...) and its default as it would be written on the command line."""
+    out: dict[str, str] = {}
+    for f in fields(cls):
+        default = _default(f)
+        if f.name == "fit":
+            out.update(option_defaults(FitArgs, "fit."))
+        else:
+            out[prefix + f.name] = _render(default)
+    return out
+
+
+def help_text() -> str:
+    """What `--help` prints: what it does, every estimator option with its default (read from EstimateArgs and
+    FitArgs), that training overrides apply, and three examples."""
+    from dist_train.estimate.compose import model_groups
+
+    options = [line for k, v in option_defaults().items()
+               for line in (f"  {k}={v}", *textwrap.wrap(OPTION_HELP.get(k, ""), 104, initial_indent=" " * 6,
+                                                         subsequent_indent=" " * 6, break_on_hyphens=False))]
+    examples = [line for what, cmd in EXAMPLES for line in (f"  # {what}", f"  {cmd}")]
+    about = (
+        "Predicts, without running anything, each rank's memory (weights, gradients, master weights, optimizer "
+        "state, activations, transient buffers; the KV cache for inference), the collectives of one optimizer "
+        "step, and which strategies fit in gpu_gib on N GPUs: for one model at one sequence length, "
+        "train.seq_len (the breakdown and the fit table use the same).",
+        "Training overrides: any override launch/train.py takes applies (strategy=, precision=, optimizer=, "
+        "model=, train.seq_len=, train.micro_batch_size=, strategy.<key>=, ...), and the config is checked as "
+        f"training checks it. model= takes conf/model ({', '.join(model_groups())}) and the estimator's Llama 2 "
+        f"presets {preset_names()}; model=hf model.path=DIR reads a local model directory's config.json.",
+    )
+    return "\n".join([
+        "usage: python -m dist_train.estimate [training overrides] [estimator options]",
+        "",
+        *(line for para in about for line in (*textwrap.wrap(para, 110, break_on_hyphens=False), "")),
+        "Estimator options (key=value; default shown):",
+        *options,
+        "",
+        "Examples:",
+        *examples,
+        "",
+        "Bad input is one `config error:` line on stderr, exit code 2.",
+    ])
 
 
 _OWN_KEYS = ("world_size", "gpu_gib", "regime", "activation_checkpointing", "kv_batch", "kv_context", "fit", "format")
@@ -78,8 +188,32 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def parse_args(own: list[str]) -> EstimateArgs:
+    for arg in own:
+        if arg.split("=", 1)[0].lstrip("+~") == "fit.seq_len":
+            raise ValueError(f"{arg}: fit.seq_len is no longer an option; the breakdown and the fit table share one "
+                             "sequence length, train.seq_len=N")
     merged = OmegaConf.merge(OmegaConf.structured(EstimateArgs), OmegaConf.from_dotlist(own))
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def resolve_model_choice(training: list[str]) -> list[str]:
+    """`model=7b` (a preset, by its key or by the name the tables print) as `model.*` overrides placed before the
+    user's own `model.<key>=` (which win, as they would over a config group's values); a conf/model name is left
+    to Hydra; anything else is a ValueError naming both lists."""
+    from dist_train.estimate.compose import model_groups, shape_overrides
+
+    choices = [a for a in training if a.split("=", 1)[0] == "model"]
+    if not choices:
+        return training
+    name = choices[-1].split("=", 1)[1]
+    groups = model_groups()
+    if name in groups:
+        return training
+    preset = find_preset(name)
+    if preset is None:
+        raise ValueError(f"model={name} is not an option (no conf/model/{name}.yaml, no estimator preset); "
+                         f"available: {', '.join(groups)}, or the presets {preset_names()}")
+    return shape_overrides(preset) + [a for a in training if a not in choices]
 
 
 def compose(training: list[str]) -> tuple[dict[str, Any], Optional[str]]:
@@ -105,27 +239,34 @@ def main(argv: list[str] | None = None) -> int:
 
     from dist_train.entry import one_line, report_config_error
 
-    own, training = split_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help" in argv or "-h" in argv:  # before Hydra's override parser, which cannot read it
+        print(help_text())
+        return 0
+    own, training = split_args(argv)
     try:
         args = parse_args(own)
-        cfg, unlisted = compose(training)
+        cfg, unlisted = compose(resolve_model_choice(training))
         shape = ModelShape.from_config(cfg["model"])
         setup = setup_from_config(
             cfg, world_size=args.world_size, regime=args.regime,
             activation_checkpointing=args.activation_checkpointing,
             **({"strategy": unlisted} if unlisted else {}),
         )
+        models = fit_models(shape, args.fit)
     except (ValueError, OmegaConfBaseException, HydraException) as exc:
         return report_config_error(one_line(exc))
     if args.format == "json":
-        print(json.dumps(report_json(shape, setup, args=args), indent=1))
+        print(json.dumps(report_json(shape, setup, args=args, models=models), indent=1))
     else:
-        print(report(shape, setup, args=args, unlisted=unlisted is not None))
+        print(report(shape, setup, args=args, unlisted=unlisted is not None, models=models))
     return 0
 
 
-def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> dict[str, Any]:
-    """What `report` prints, as numbers: bytes, per rank; memory categories as in RankMemory."""
+def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
+                models: Optional[list[FitModel]] = None) -> dict[str, Any]:
+    """What `report` prints, as numbers: bytes, per rank; memory categories as in RankMemory. The fit cells'
+    activations are those of `fit_base(setup, args)` (the breakdown's train.seq_len)."""
     other = predict_memory(shape, replace(setup, activation_checkpointing=not setup.activation_checkpointing))
     kv_batch, kv_ctx = args.kv_batch or setup.micro_batch_size, args.kv_context or shape.max_seq_len
     return {
@@ -141,9 +282,8 @@ def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> dict[
             [{**asdict(c), "ring_bytes": c.ring_bytes(setup.comm_group_size)} for c in colls]
             for colls in predict_comm(shape, setup)
         ],
-        "fit": [asdict(c) for c in fit_table(
-            fit_models(shape, args.fit), base=replace(setup, micro_batch_size=args.fit.micro_batch_size),
-            strategies=args.fit.strategies, gpus=args.fit.gpus, gpu_gib=args.gpu_gib, seq_len=args.fit.seq_len)],
+        "fit": [asdict(c) for c in fit_cells(shape, setup, args=args, models=models)],
+        "fit_micro_batch": {"micro_batch_size": fit_base(setup, args).micro_batch_size, "seq_len": setup.seq_len},
         "gpu_gib": args.gpu_gib,
     }
 
@@ -152,9 +292,10 @@ def _rank_json(rank: RankMemory) -> dict[str, float]:
     return {**asdict(rank), "model_state": rank.model_state, "working_set": rank.working_set, "total": rank.total}
 
 
-def report(shape: ModelShape, setup: Setup, *, args: EstimateArgs, unlisted: bool = False) -> str:
+def report(shape: ModelShape, setup: Setup, *, args: EstimateArgs, unlisted: bool = False,
+           models: Optional[list[FitModel]] = None) -> str:
     parts = [header(shape, setup, unlisted=unlisted), memory_section(shape, setup, args=args),
-             comm_section(shape, setup), fit_section(shape, setup, args=args)]
+             comm_section(shape, setup), fit_section(shape, setup, args=args, models=models)]
     return "\n\n".join(parts)
 
 
@@ -239,23 +380,55 @@ def comm_section(shape: ModelShape, setup: Setup) -> str:
     ])
 
 
-def fit_models(shape: ModelShape, args: FitArgs) -> list[FitModel]:
-    from dist_train.estimate.compose import model_config
+def fit_shape(name: str) -> ModelShape:
+    """A fit.models name: a preset (`7b`, `llama2-7b`) or a conf/model group with a shape of its own; a ValueError
+    naming the allowed names otherwise."""
+    from dist_train.estimate.compose import model_config, shaped_model_groups
 
+    preset = find_preset(name)
+    if preset is not None:
+        return preset
+    groups = shaped_model_groups()
+    if name in groups:
+        return ModelShape.from_config(model_config(name))
+    why = "needs a model directory (model=hf model.path=DIR puts it in the table as the run's own model)" \
+        if name == "hf" else "is not a model"
+    raise ValueError(f"fit.models: {name!r} {why}; allowed: {', '.join(PRESETS)}, "
+                     f"{', '.join(s.name for s in PRESETS.values())}, {', '.join(groups)}")
+
+
+def fit_models(shape: ModelShape, args: FitArgs) -> list[FitModel]:
     models = [FitModel(shape.name, shape.num_params, shape)]
     for name in args.models:
-        other = PRESETS.get(name.lower()) or ModelShape.from_config(model_config(name))
-        if other.name != shape.name:
-            models.append(FitModel(other.name, other.num_params, other))
+        other = fit_shape(name)
+        if any(other == m.shape for m in models):
+            continue  # the run's own model, or a name given twice
+        label = other.name
+        if any(label == m.name for m in models):  # e.g. model=70b model.num_layers=2 beside the 70b preset
+            label = f"{other.name} ({human_count(other.num_params)})"
+        models.append(FitModel(label, other.num_params, other))
     models += [FitModel(f"{human_count(p)} params", p) for p in args.params]
     return models
 
 
-def fit_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> str:
+def fit_base(setup: Setup, args: EstimateArgs) -> Setup:
+    """The run's setup at the fit table's micro-batch; the sequence length stays the run's train.seq_len."""
+    return replace(setup, micro_batch_size=args.fit.micro_batch_size or setup.micro_batch_size)
+
+
+def fit_cells(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
+              models: Optional[list[FitModel]] = None) -> list[FitCell]:
     f = args.fit
-    base = replace(setup, micro_batch_size=f.micro_batch_size)
-    cells = fit_table(fit_models(shape, f), base=base, strategies=f.strategies, gpus=f.gpus,
-                      gpu_gib=args.gpu_gib, seq_len=f.seq_len)
+    return fit_table(fit_models(shape, f) if models is None else models, base=fit_base(setup, args),
+                     strategies=f.strategies, gpus=f.gpus, gpu_gib=args.gpu_gib, seq_len=setup.seq_len)
+
+
+def fit_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
+                models: Optional[list[FitModel]] = None) -> str:
+    f = args.fit
+    models = fit_models(shape, f) if models is None else models
+    cells = fit_cells(shape, setup, args=args, models=models)
+    base = fit_base(setup, args)
     rows, index = [], {}
     for c in cells:
         key = (c.model, c.strategy)
@@ -264,10 +437,14 @@ def fit_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> str:
             rows.append([c.model, c.strategy] + [""] * len(f.gpus))
         cell = "n/a" if c.peak_bytes is None else f"{human_bytes(c.peak_bytes)} {'ok' if c.fits else 'NO'}"
         rows[index[key]][2 + f.gpus.index(c.world_size)] = cell + (" *" if c.note == "model state only" else "")
-    seq = f"seq_len {f.seq_len}" if f.seq_len else "each model's max_seq_len"
+    mb = "train.micro_batch_size" if f.micro_batch_size is None else "fit.micro_batch_size"
+    short = [f"{m.name} (max_seq_len {m.shape.max_seq_len})" for m in models
+             if m.shape is not None and m.shape.max_seq_len < setup.seq_len]
     return "\n".join([
-        f"fits in {args.gpu_gib:g} GiB per GPU? worst rank's GiB: model state + activations of one micro-batch "
-        f"({f.micro_batch_size} x {seq}, {'with' if setup.activation_checkpointing else 'no'} activation "
-        f"checkpointing); pipeline: one stage per GPU, M = K micro-batches; * = model state only",
+        f"fits in {args.gpu_gib:g} GiB per GPU? worst rank's GiB: model state + activations of one micro-batch of "
+        f"{base.micro_batch_size} x {setup.seq_len} tokens ({mb} x train.seq_len, every model), "
+        f"{'with' if setup.activation_checkpointing else 'no'} activation checkpointing; "
+        "pipeline: one stage per GPU, M = K micro-batches; * = model state only",
         text_table(["model", "strategy", *(f"N={n}" for n in f.gpus)], rows),
+        *([f"predicted at {setup.seq_len} tokens beyond the max_seq_len of: {', '.join(short)}"] if short else []),
     ])

@@ -64,3 +64,35 @@ def model_config(name: str) -> dict[str, Any]:
         raise ValueError(f"model {name!r}: no {path}")
     merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path))
     return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]
+
+
+def model_groups() -> list[str]:
+    """The `model=` options training accepts: conf/model/*.yaml."""
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+
+
+def shaped_model_groups() -> list[str]:
+    """The conf/model options that fix a shape by themselves (`hf` needs a directory, `model.path=DIR`)."""
+    return [n for n in model_groups() if "num_layers" in (OmegaConf.load(CONF_DIR / "model" / f"{n}.yaml") or {})]
+
+
+def shape_overrides(shape: Any) -> list[str]:
+    """Training overrides that make the `model` group describe `shape` (an estimator preset, dist_train.estimate.
+    shapes.PRESETS): every field a ModelShape reads, so nothing of the default group's shape is left over."""
+    fields = {
+        "name": shape.name, "arch": shape.arch, "num_layers": shape.num_layers, "hidden_size": shape.hidden_size,
+        "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads, "ffn_hidden_size": shape.ffn_hidden_size,
+        "head_dim": shape.head_size, "qkv_bias": shape.qkv_bias, "out_bias": shape.out_bias,
+        "mlp_bias": shape.mlp_bias, "qk_norm": shape.qk_norm, "vocab_size": shape.vocab_size,
+        "max_seq_len": shape.max_seq_len, "tie_embeddings": shape.tie_embeddings, "dropout": shape.dropout,
+        "path": None,
+    }
+
+    def value(v: Any) -> str:
+        if v is None:
+            return "null"
+        if isinstance(v, bool):
+            return str(v).lower()
+        return repr(v) if isinstance(v, str) else str(v)
+
+    return [f"model.{k}={value(v)}" for k, v in fields.items()]

@@ -167,6 +167,17 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
+def find_preset(name: str) -> Optional[ModelShape]:
+    """A preset by its key (`7b`) or by the name its tables print (`llama2-7b`), in any case; None if neither."""
+    key = name.strip().lower()
+    return PRESETS.get(key) or next((s for s in PRESETS.values() if s.name == key), None)
+
+
+def preset_names() -> str:
+    """`7b, 13b, 70b (llama2-7b, llama2-13b, llama2-70b)`: how a message lists the presets."""
+    return f"{', '.join(PRESETS)} ({', '.join(s.name for s in PRESETS.values())})"
+
+
 def stage_bounds(shape: ModelShape, *, num_stages: int, split_points: Optional[list[int]] = None) -> list[int]:
     """First block of stages 1..K-1: `split_points` if given, else the pipeline strategy's own balanced
     split (dist_train.strategies.pipeline_stages.split_layers), so the prediction splits as the run does."""
