@@ -11,8 +11,12 @@ is better than never.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
+import re
 import sys
+import textwrap
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -163,3 +167,137 @@ def mark_running(exc: BaseException) -> BaseException:
     """Tag an exception raised by the running app, so `run_hydra_app` does not mistake it for bad input."""
     exc._dist_train_running = True  # type: ignore[attr-defined]
     return exc
+
+
+# ------------------------------------------------------------------ --help, shared by every entry point
+HELP_FLAGS = ("-h", "--help")
+_WIDTH = 110  # wrap help lines here
+_NOTE_COLUMN = 34  # where an option's note starts
+
+
+def exit_on_help(argv: list[str], build: Callable[[], str]) -> None:
+    """`-h`/`--help` anywhere on the command line: print `build()` to stdout and exit 0 (before anything else runs)."""
+    if any(arg in HELP_FLAGS for arg in argv):
+        print(build())
+        sys.exit(0)
+
+
+def help_text(doc: str, *, usage: str, sections: list[tuple[str, list[str]]], examples: list[str]) -> str:
+    """What the entry point does (its docstring without the indented command lines), the usage, titled sections
+    of option lines, and the examples, unindented so that they copy as they are."""
+    parts = [about(doc), f"usage: {usage}"]
+    parts += [title + "\n" + "\n".join(lines) for title, lines in sections]
+    parts.append(examples_epilog(examples))
+    return "\n\n".join(parts)
+
+
+def about(doc: str) -> str:
+    """A module docstring without its indented command lines (the examples come at the end of the help)."""
+    text = "\n".join(ln for ln in doc.strip().splitlines() if not ln.startswith("    "))
+    while "\n\n\n" in text:
+        text = text.replace("\n\n\n", "\n\n")
+    return text.strip()
+
+
+def option_line(name: str, note: str = "") -> list[str]:
+    """`  name   note`, the note wrapped in a column of its own (on the next line when the name is long)."""
+    left = f"  {name}"
+    if not note:
+        return [left]
+    lines = [] if len(left) < _NOTE_COLUMN - 1 else [left]
+    first = left.ljust(_NOTE_COLUMN) if not lines else " " * _NOTE_COLUMN
+    return lines + textwrap.wrap(note, _WIDTH, initial_indent=first, subsequent_indent=" " * _NOTE_COLUMN,
+                                 break_long_words=False, break_on_hyphens=False)
+
+
+def default_text(value: Any) -> str:
+    """A default as a command-line override writes it: null, true/false, [a,b], {}."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(default_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{default_text(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def dataclass_options(cls: type, prefix: str) -> list[str]:
+    """`  <prefix><field>=<default>   <first sentence of its comment>` for every field of a config dataclass.
+
+    The defaults are the dataclass's own (a default_factory is called); a trailing `_` is dropped from the name
+    (`from_` is `compare.from`); the note is the comment above or beside the field in the source."""
+    notes = _field_notes(cls)
+    lines: list[str] = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = "???"
+        lines += option_line(f"{prefix}{f.name.rstrip('_')}={default_text(value)}", notes.get(f.name, ""))
+    return lines
+
+
+def first_sentence(text: str) -> str:
+    text = " ".join(text.split())
+    match = re.search(r"(?<!e\.g)(?<!i\.e)(?<!\bal)(?<!\bvs)\.(\s|$)", text)  # not e.g., i.e., et al.
+    return text[:match.start() + 1] if match else text
+
+
+def _field_notes(cls: type) -> dict[str, str]:
+    """{field: first sentence of the `#` comment right above it, or beside it} from the class's source."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    notes: dict[str, str] = {}
+    comment: list[str] = []
+    for line in source.splitlines()[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            comment.append(stripped.lstrip("#").strip())
+            continue
+        field_match = re.match(r"(\w+)\s*:[^#]*(?:#\s*(.*))?$", stripped)
+        if field_match and field_match.group(1) not in notes:
+            beside = field_match.group(2) or ""
+            text = first_sentence(" ".join(comment)) if comment else beside
+            if text:  # None as the command line writes it
+                notes[field_match.group(1)] = re.sub(r"\bNone\b", "null", text)
+        comment = []
+    return notes
+
+
+def config_groups(conf_dir: str | os.PathLike[str]) -> list[tuple[str, list[str], str]]:
+    """(group, its options, the default option) for each group directory of `conf_dir`, the default being the
+    one conf/config.yaml's defaults list picks ("" when it picks none)."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    conf = Path(conf_dir)
+    defaults: dict[str, str] = {}
+    top = OmegaConf.to_container(OmegaConf.load(conf / "config.yaml"))
+    for item in top.get("defaults", []):  # type: ignore[union-attr]
+        if isinstance(item, dict):
+            defaults.update({str(k): str(v) for k, v in item.items()})
+    return [(d.name, sorted(p.stem for p in d.glob("*.yaml")), defaults.get(d.name, ""))
+            for d in sorted(conf.iterdir()) if d.is_dir() and any(d.glob("*.yaml"))]
+
+
+def yaml_note(path: str | os.PathLike[str]) -> str:
+    """The first sentence of the comment a YAML file opens with."""
+    lines = []
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("#"):
+                break
+            lines.append(line.lstrip("#").strip())
+    return first_sentence(" ".join(lines))
+
+
+def examples_epilog(examples: list[str]) -> str:
+    """An argparse epilog (with RawDescriptionHelpFormatter) of example commands, unindented."""
+    return "examples:\n" + "\n".join(examples)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from dist_train.entry import report_config_error  # noqa: E402
+from dist_train.entry import about, examples_epilog, report_config_error  # noqa: E402
 
 USAGE = "python launch/export.py CHECKPOINT OUT_DIR [--merge]"
 
@@ -28,12 +28,21 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def main() -> int:
-    parser = _OneLineParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint (step-NNNNNNNN) or a directory of them")
-    parser.add_argument("out_dir", type=Path, help="where to write the model (config.json + weights), or a LoRA run's adapter")
+    parser = _OneLineParser(prog="python launch/export.py", description=about(__doc__),
+                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=examples_epilog([
+                                "python launch/export.py outputs/fsdp-20261122-080000/checkpoints hf_out",
+                                "python launch/export.py outputs/single-20261122-080000/checkpoints/step-00000100 "
+                                "hf_out  # one checkpoint",
+                                "python launch/export.py outputs/lora-run/checkpoints merged --merge  "
+                                "# a LoRA run: the merged model, its adapter in merged/adapter",
+                            ]))
+    parser.add_argument("checkpoint", type=Path,
+                        help="a checkpoint (step-NNNNNNNN) or a directory of them (its newest complete one)")
+    parser.add_argument("out_dir", type=Path,
+                        help="where to write the model (config.json + weights), or a LoRA run's adapter")
     parser.add_argument("--merge", action="store_true",
                         help="a LoRA/QLoRA run: also merge the adapters into the base weights and write that full "
-                             "model to OUT_DIR (the adapter then to OUT_DIR/adapter)")
+                             "model to OUT_DIR (the adapter then to OUT_DIR/adapter); default: off, the adapter only")
     args = parser.parse_args()
     from dist_train.export import export_pretrained
 

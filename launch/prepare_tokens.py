@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from dist_train.entry import report_config_error  # noqa: E402
+from dist_train.entry import about, examples_epilog, report_config_error  # noqa: E402
 
 USAGE = "python launch/prepare_tokens.py SOURCE OUT.bin [--tokenizer byte|NAME|DIR] [--model DIR] [--append-eos] [--split S] " \
         "[--text-column C]"
@@ -119,16 +119,26 @@ def write(ids: list[int] | bytes, out: Path, *, vocab_size: int, tokenizer: str,
 
 
 def main() -> int:
-    parser = _OneLineParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("source", type=Path, help="a local text file, or a directory datasets' save_to_disk wrote")
+    parser = _OneLineParser(prog="python launch/prepare_tokens.py", description=about(__doc__),
+                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=examples_epilog([
+                                "python launch/prepare_tokens.py corpus.txt data/corpus.bin  # byte tokens",
+                                "python launch/prepare_tokens.py corpus.txt data/corpus.bin --model my_model  "
+                                "# the tokenizer of model=hf model.path=my_model",
+                                "python launch/prepare_tokens.py my_dataset data/train.bin --tokenizer tok_dir "
+                                "--split train --text-column text --append-eos  # a save_to_disk dataset",
+                            ]))
+    parser.add_argument("source", type=Path,
+                        help="a local text file, or a directory datasets' save_to_disk wrote")
     parser.add_argument("out", type=Path, help="the token file to write (OUT.bin; OUT.json beside it)")
     parser.add_argument("--tokenizer", default=None,
                         help="byte, a local tokenizer directory, or a cached name (default: --model's, else byte)")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="the model directory you will train (model=hf model.path=DIR): its tokenizer by default")
-    parser.add_argument("--append-eos", action="store_true", help="end each document with the tokenizer's EOS token")
-    parser.add_argument("--split", default="train", help="a dataset's split (a DatasetDict)")
-    parser.add_argument("--text-column", default="text", help="a dataset's column of documents")
+    parser.add_argument("--model", type=Path, default=None, metavar="DIR",
+                        help="the model directory you will train (model=hf model.path=DIR): its tokenizer by default "
+                             "(default: none)")
+    parser.add_argument("--append-eos", action="store_true",
+                        help="end each document with the tokenizer's EOS token (default: off)")
+    parser.add_argument("--split", default="train", help="a dataset's split (a DatasetDict; default: %(default)s)")
+    parser.add_argument("--text-column", default="text", help="a dataset's column of documents (default: %(default)s)")
     args = parser.parse_args()
     if args.out.suffix != ".bin":
         return report_config_error(f"out={args.out}: name the token file *.bin (its metadata goes to *.json)")

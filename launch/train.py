@@ -3,6 +3,9 @@
     torchrun --standalone --nproc_per_node=2 launch/train.py strategy=fsdp
     python launch/train.py strategy=single
     python launch/train.py --check-config strategy=fsdp      # validate only (for WORLD_SIZE, default 1)
+
+Pick one option per config group (`strategy=fsdp model=hf`) and override any key (`train.steps=100`); the run
+directory holds the resolved config, metrics.jsonl, summary.json, per-rank logs and checkpoints.
 """
 
 import os
@@ -10,6 +13,59 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from dist_train.entry import exit_on_help  # noqa: E402
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def _help() -> str:
+    """--help: the config groups and their options (from conf/), the main keys with the dataclasses' defaults."""
+    from dist_train import config as c
+    from dist_train.entry import config_groups, dataclass_options, help_text, option_line, yaml_note
+
+    groups = config_groups(CONF)
+    group_lines = [ln for name, options, default in groups
+                   for ln in option_line(name, ", ".join(o + ("*" if o == default else "") for o in options))]
+    strategies = next((options for name, options, _ in groups if name == "strategy"), [])
+    flags = [
+        *option_line("--check-config", "validate the config for WORLD_SIZE processes (default 1) and exit, "
+                                       "starting nothing: 0, or 2 with one line saying what is wrong"),
+        *option_line("-h, --help", "this help"),
+        *option_line("--cfg job", "print the composed config, every key with its value, and exit (Hydra)"),
+        *option_line("hydra.run.dir=PATH", "the run directory (default outputs/<strategy>-<time or launch id>); "
+                                           "the same command in the same directory resumes"),
+        *option_line("-m, --multirun", "one run per combination of comma-separated values, e.g. -m "
+                                       "strategy=single,ddp (Hydra; directories under hydra.sweep.dir)"),
+        *option_line("--hydra-help", "Hydra's own options"),
+    ]
+    keys = [*dataclass_options(c.TrainConfig, "train."), *dataclass_options(c.EvalConfig, "eval."),
+            *dataclass_options(c.CheckpointConfig, "checkpoint."), *dataclass_options(c.RuntimeConfig, "runtime."),
+            "  and every key of model.*, data.*, optimizer.*, peft.*, precision.*, logger.*, telemetry.*, strategy.*:",
+            "  see them with their values for a choice of groups with --cfg job (schemas: dist_train/config.py)"]
+    return help_text(
+        __doc__,
+        usage="python launch/train.py [--check-config] [GROUP=OPTION ...] [KEY=VALUE ...]\n"
+              "       torchrun --nproc_per_node=N launch/train.py [--check-config] [GROUP=OPTION ...] [KEY=VALUE ...]",
+        sections=[
+            ("flags:", flags),
+            ("config groups (GROUP=OPTION, * the default; one YAML file each in conf/GROUP/):", group_lines),
+            ("strategies (strategy=NAME):", [ln for s in strategies
+                                             for ln in option_line(s, yaml_note(CONF / "strategy" / f"{s}.yaml"))]),
+            ("keys (KEY=VALUE) with their defaults:", keys),
+        ],
+        examples=[
+            "python launch/train.py strategy=single train.steps=5                  # one process, the tiny model",
+            "torchrun --standalone --nproc_per_node=2 launch/train.py strategy=fsdp  # two processes, FSDP2",
+            "python launch/train.py model=hf model.path=DIR data=tokens data.path=OUT.bin  "
+            "# your own model (launch/prepare_tokens.py writes OUT.bin)",
+            "WORLD_SIZE=8 python launch/train.py --check-config strategy=fsdp      # validate for 8 processes",
+        ],
+    )
+
+
+if __name__ == "__main__":
+    exit_on_help(sys.argv[1:], _help)  # before Hydra and torch are imported: Hydra's own help lists internals
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
