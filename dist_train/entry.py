@@ -301,3 +301,17 @@ def yaml_note(path: str | os.PathLike[str]) -> str:
 def examples_epilog(examples: list[str]) -> str:
     """An argparse epilog (with RawDescriptionHelpFormatter) of example commands, unindented."""
     return "examples:\n" + "\n".join(examples)
+
+
+def argument_parser(*, prog: str, doc: str, usage: str, examples: list[str]) -> Any:
+    """An argparse parser for a launch script: its docstring and examples as help, and a bad argument as one
+    `config error:` line (with the usage) and exit code 2, not argparse's usage block."""
+    import argparse
+
+    class OneLineParser(argparse.ArgumentParser):
+        def error(self, message: str) -> None:  # type: ignore[override]
+            sys.exit(report_config_error(f"{message} (usage: {usage})"))
+
+    return OneLineParser(prog=prog, description=about(doc), formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog=examples_epilog(examples))
+

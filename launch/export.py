@@ -11,31 +11,24 @@ folded into the base weights (QLoRA: dequantized to fp32) and OUT_DIR holds that
 `from_pretrained(OUT_DIR)` and `model=hf model.path=OUT_DIR` load; the adapter then goes to OUT_DIR/adapter.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from dist_train.entry import about, examples_epilog, report_config_error  # noqa: E402
+from dist_train.entry import argument_parser, report_config_error  # noqa: E402
 
 USAGE = "python launch/export.py CHECKPOINT OUT_DIR [--merge]"
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse prints usage + error; one line is enough
-        sys.exit(report_config_error(f"{message} (usage: {USAGE})"))
-
-
 def main() -> int:
-    parser = _OneLineParser(prog="python launch/export.py", description=about(__doc__),
-                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=examples_epilog([
+    parser = argument_parser(prog="python launch/export.py", doc=__doc__, usage=USAGE, examples=[
                                 "python launch/export.py outputs/fsdp-20261122-080000/checkpoints hf_out",
                                 "python launch/export.py outputs/single-20261122-080000/checkpoints/step-00000100 "
                                 "hf_out  # one checkpoint",
                                 "python launch/export.py outputs/lora-run/checkpoints merged --merge  "
                                 "# a LoRA run: the merged model, its adapter in merged/adapter",
-                            ]))
+                            ])
     parser.add_argument("checkpoint", type=Path,
                         help="a checkpoint (step-NNNNNNNN) or a directory of them (its newest complete one)")
     parser.add_argument("out_dir", type=Path,

@@ -19,7 +19,6 @@ Then: `python launch/train.py data=tokens data.path=OUT.bin model.vocab_size=<at
 your own model `python launch/train.py model=hf model.path=DIR data=tokens data.path=OUT.bin`.
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -28,15 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from dist_train.entry import about, examples_epilog, report_config_error  # noqa: E402
+from dist_train.entry import argument_parser, report_config_error  # noqa: E402
 
 USAGE = "python launch/prepare_tokens.py SOURCE OUT.bin [--tokenizer byte|NAME|DIR] [--model DIR] [--append-eos] [--split S] " \
         "[--text-column C]"
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse prints usage + error; one line is enough
-        sys.exit(report_config_error(f"{message} (usage: {USAGE})"))
 
 
 def load_tokenizer(name: str):  # type: ignore[no-untyped-def]
@@ -119,14 +113,13 @@ def write(ids: list[int] | bytes, out: Path, *, vocab_size: int, tokenizer: str,
 
 
 def main() -> int:
-    parser = _OneLineParser(prog="python launch/prepare_tokens.py", description=about(__doc__),
-                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=examples_epilog([
+    parser = argument_parser(prog="python launch/prepare_tokens.py", doc=__doc__, usage=USAGE, examples=[
                                 "python launch/prepare_tokens.py corpus.txt data/corpus.bin  # byte tokens",
                                 "python launch/prepare_tokens.py corpus.txt data/corpus.bin --model my_model  "
                                 "# the tokenizer of model=hf model.path=my_model",
                                 "python launch/prepare_tokens.py my_dataset data/train.bin --tokenizer tok_dir "
                                 "--split train --text-column text --append-eos  # a save_to_disk dataset",
-                            ]))
+                            ])
     parser.add_argument("source", type=Path,
                         help="a local text file, or a directory datasets' save_to_disk wrote")
     parser.add_argument("out", type=Path, help="the token file to write (OUT.bin; OUT.json beside it)")
