@@ -8,6 +8,8 @@ string where an int belongs) and :func:`validate` rejects combinations no single
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import json
 import os
@@ -432,7 +434,14 @@ def validate_fields(run: RunConfig) -> None:
 def _validate_peft(p: PeftConfig) -> None:
     choice("peft.name", p.name, ("none", "lora", "qlora"))
     if p.name == "none":
+        for f in dataclasses.fields(p):  # a key only the adapters read is not ignored silently
+            value = getattr(p, f.name)
+            require(f.name == "name" or value == getattr(PeftConfig(), f.name),
+                    f"peft.{f.name}={value} is set but peft=none trains the whole model; pick peft=lora or peft=qlora")
         return
+    if p.name == "lora":
+        require(p.quant_type == PeftConfig.quant_type, f"peft.quant_type={p.quant_type} is read only by peft=qlora "
+                                                       "(LoRA over a 4-bit base); pick peft=qlora")
     require(importable("peft"), f"peft={p.name} needs the peft package (pip install peft)")
     if p.name == "qlora":
         choice("peft.quant_type", p.quant_type, ("nf4", "fp4"))

@@ -46,6 +46,8 @@ def test_defaults_validate_for_one_and_two_processes():
         # a key the chosen group does not read is not ignored: it names the group that reads it
         (["data.path=tale.bin"], 1, "data.path=tale.bin is set but data=synthetic reads no file; pick data=tokens"),
         (["data.dtype=uint32"], 1, "data.dtype=uint32 is read only by data=tokens"),
+        (["peft.rank=16"], 1, "peft.rank=16 is set but peft=none trains the whole model; pick peft=lora or peft=qlora"),
+        (["peft=lora", "peft.quant_type=fp4"], 1, "peft.quant_type=fp4 is read only by peft=qlora"),
         (["strategy.name=banana"], 1, "strategy.name='banana' is not supported; allowed:"),
         (["precision.name=fp8"], 1, "precision.name='fp8'"),
         (["train.seq_len=4096"], 1, "train.seq_len=4096 exceeds model.max_seq_len"),
