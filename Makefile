@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 
 # A 2-process DDP run on CPU (gloo), logged to metrics.jsonl, summary.json and an offline W&B run.
 demo: install
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py strategy=ddp
+	OMP_NUM_THREADS=1 $(PY) -m dist_train.torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py strategy=ddp
 
 test: install
 	$(VENV)/bin/ruff check dist_train launch tests

@@ -88,8 +88,8 @@ def resume_command(run_dir: Path, *, argv: list[str] | None = None, env: Any = o
     world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
     if world == 1 and "TORCHELASTIC_RUN_ID" not in env:
         return f"python {train}"
-    if world == local and "TORCHELASTIC_RUN_ID" in env:  # torchrun on one node
-        return f"torchrun --standalone --nproc_per_node={local} {train}"
+    if world == local and "TORCHELASTIC_RUN_ID" in env:  # torchrun (or dist_train.torchrun) on one node
+        return f"{env.get('DIST_TRAIN_LAUNCHER', 'torchrun')} --standalone --nproc_per_node={local} {train}"
     return f"the same launch as before ({world} processes on {max(world // local, 1)} node(s)) of: python {train}"
 
 

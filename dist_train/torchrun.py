@@ -8,13 +8,17 @@ SIGTERM); anything else is torchrun's behaviour, unchanged.
 
 from __future__ import annotations
 
+import os
 import sys
+
+LAUNCHER_ENV = "DIST_TRAIN_LAUNCHER"
 
 
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun_main
 
+    os.environ[LAUNCHER_ENV] = "python -m dist_train.torchrun"  # the workers' resume line names this launcher
     try:
         torchrun_main(argv)
     except SignalException as exc:

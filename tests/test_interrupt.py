@@ -45,7 +45,8 @@ def test_ctrl_c_stops_every_rank_cleanly_and_the_printed_command_resumes_bit_exa
     assert 1 < step < 8
     assert f"newest complete checkpoint: {run_dir}/checkpoints/step-{step:08d}" in stopped
     command = next(line for line in stderr.splitlines() if "resume with: " in line).split("resume with: ", 1)[1]
-    assert command.startswith("torchrun --standalone --nproc_per_node=2 ") and command.endswith(f"hydra.run.dir={run_dir}")
+    assert command.startswith("python -m dist_train.torchrun --standalone --nproc_per_node=2 ")  # as launched
+    assert command.endswith(f"hydra.run.dir={run_dir}")
     words = shlex.split(command)
     overrides = words[words.index(os.path.relpath(TRAIN, ROOT)) + 1:]
     resumed = train_ok(overrides[:-1], run_dir=run_dir, nproc=2)  # train_ok adds the same hydra.run.dir
