@@ -321,6 +321,19 @@ def test_cli_prints_a_table_and_a_fit_answer(capsys):
     assert "KV cache" in out and "ring volume" in out
 
 
+def test_the_cli_follows_the_runs_own_checkpointing_and_refuses_to_contradict_it(capsys):
+    """train.activation_checkpointing=true was overridden silently by the CLI's own option (default false)."""
+    assert estimate_main(["model=llama_1b", "train.activation_checkpointing=true", "format=json"]) == 0
+    with_run = json.loads(capsys.readouterr().out)
+    assert estimate_main(["model=llama_1b", "activation_checkpointing=true", "format=json"]) == 0
+    with_option = json.loads(capsys.readouterr().out)
+    assert estimate_main(["model=llama_1b", "format=json"]) == 0
+    without = json.loads(capsys.readouterr().out)
+    assert with_run == with_option != without
+    assert estimate_main(["model=llama_1b", "train.activation_checkpointing=true", "activation_checkpointing=false"]) == 2
+    assert "activation_checkpointing=false contradicts train.activation_checkpointing=true" in capsys.readouterr().err
+
+
 def test_cli_rejects_a_bad_option(capsys):
     assert estimate_main(["regime=nonsense"]) == 2
     assert "regime" in capsys.readouterr().err
@@ -458,7 +471,7 @@ def test_cli_help(capsys, flag):
     # every option, with the default its dataclass gives
     names = [f.name for f in fields(EstimateArgs) if f.name != "fit"] + [f"fit.{f.name}" for f in fields(FitArgs)]
     assert sorted(names) == sorted(OPTION_HELP)
-    for line in ("world_size=8", "gpu_gib=80", "regime=auto", "activation_checkpointing=false", "kv_batch=null",
+    for line in ("world_size=8", "gpu_gib=80", "regime=auto", "activation_checkpointing=null", "kv_batch=null",
                  "fit.models=[7b,70b]", "fit.gpus=[8,64,1024]", "fit.strategies=[ddp,zero1,zero2,zero3,fsdp,gpipe]",
                  "fit.micro_batch_size=null", "format=text"):
         assert f"\n  {line}\n" in out, line

@@ -71,7 +71,7 @@ class EstimateArgs:
     world_size: int = 8
     gpu_gib: float = 80.0
     regime: str = "auto"
-    activation_checkpointing: bool = False
+    activation_checkpointing: Optional[bool] = None  # None = train.activation_checkpointing
     kv_batch: Optional[int] = None  # None = train.micro_batch_size
     kv_context: Optional[int] = None  # None = model.max_seq_len
     fit: FitArgs = field(default_factory=FitArgs)
@@ -91,7 +91,8 @@ OPTION_HELP = {
     "gpu_gib": "memory per GPU in GiB (2^30 bytes) that the fit table checks against",
     "regime": f"which bytes per parameter: {' | '.join(REGIMES)} (auto: what this code does for the strategy; "
               "mixed: the ZeRO paper's 2+2+12; pure: all state in 16 bits)",
-    "activation_checkpointing": "predict with activation checkpointing (the breakdown shows the other case too)",
+    "activation_checkpointing": "predict with activation checkpointing or without (null: as "
+                                "train.activation_checkpointing says; the breakdown shows the other case too)",
     "kv_batch": "batch of the inference KV-cache line (null: train.micro_batch_size)",
     "kv_context": "context of the inference KV-cache line (null: the model's max_seq_len)",
     "format": "text: tables for a person; json: the same figures in bytes, for tools",
@@ -175,6 +176,17 @@ def help_text() -> str:
     ])
 
 
+def _checkpointing(option: Optional[bool], train: dict[str, Any]) -> dict[str, bool]:
+    """The estimator's activation_checkpointing option where it is given; it may add checkpointing to a run that
+    has none, but not silently drop the run's own train.activation_checkpointing=true."""
+    if option is None:
+        return {}
+    if not option and train.get("activation_checkpointing"):
+        raise ValueError("activation_checkpointing=false contradicts train.activation_checkpointing=true; "
+                         "give one of them")
+    return {"activation_checkpointing": option}
+
+
 _OWN_KEYS = ("world_size", "gpu_gib", "regime", "activation_checkpointing", "kv_batch", "kv_context", "fit", "format")
 
 
@@ -248,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(own)
         cfg, unlisted = compose(resolve_model_choice(training))
         shape = ModelShape.from_config(cfg["model"])
+        checkpointing = _checkpointing(args.activation_checkpointing, cfg["train"])
         setup = setup_from_config(
-            cfg, world_size=args.world_size, regime=args.regime,
-            activation_checkpointing=args.activation_checkpointing,
+            cfg, world_size=args.world_size, regime=args.regime, **checkpointing,
             **({"strategy": unlisted} if unlisted else {}),
         )
         models = fit_models(shape, args.fit)

@@ -388,7 +388,10 @@ def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_h
         # Each micro-batch in flight keeps its layers' inputs (the residual stream: fp32 under autocast). The
         # peak is either the end of the last forward (its head's tensors alive) or the first recomputation in
         # backward, by when that micro-batch's head has been released: one layer is then held in full.
-        inputs = in_flight * num_layers * s * b * shape.hidden_size * norm_elem
+        # Under sequence parallelism the blocks after the first take (and keep) their rank's share of the
+        # sequence; the first block's input is the whole sequence, split inside it.
+        kept_layers = 1 + (num_layers - 1) / tp if sp and num_layers > 0 else num_layers
+        inputs = in_flight * kept_layers * s * b * shape.hidden_size * norm_elem
         return inputs + (in_flight - 1) * head + max(head, layer)
     return in_flight * (num_layers * layer + head)
 
