@@ -51,11 +51,13 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
         fault = fault_from_env()
         resume = resume_point(run, world_size=world_size, run_dir=Path(hydra_run_dir()))
     except ConfigError as exc:
+        _remove_if_empty(Path(hydra_run_dir()))
         return report_config_error(str(exc))  # once per launch, whichever rank fails first
     alone = without_launcher(run, world_size)
     if alone and not check_only:
         print(alone, file=sys.stderr)
     if check_only:
+        _remove_if_empty(Path(hydra_run_dir()))  # Hydra made the run directory; a check writes nothing in it
         print(f"config ok: strategy={run.strategy.name} WORLD_SIZE={world_size} {describe_batch(run, world_size)}",
               file=sys.stderr)
         return 0
@@ -68,6 +70,16 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
     except Interrupted as exc:
         return exc.exit_code  # 130 (SIGINT), 143 (SIGTERM): every rank stopped cleanly; rank 0 said how to resume
     return 0
+
+
+def _remove_if_empty(run_dir: Path) -> None:
+    """The run directory Hydra created for a launch that trains nothing, and its parent (outputs/) if that is
+    empty too."""
+    for d in (run_dir, run_dir.parent):
+        try:
+            d.rmdir()  # only an empty directory
+        except OSError:
+            return
 
 
 def without_launcher(run: RunConfig, world_size: int, env: Any = os.environ) -> str | None:

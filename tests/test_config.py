@@ -167,3 +167,19 @@ def test_a_distributed_strategy_without_a_launcher_says_it_runs_alone():
     assert without_launcher(fsdp, 2, env={}) is None
     _, single = run_config("strategy=single")
     assert without_launcher(single, 1, env={}) is None
+
+
+def test_a_check_leaves_no_run_directory_behind(tmp_path):
+    """--check-config and a config error train nothing: the run directory Hydra made, and an outputs/ that only
+    held it, are removed; a directory with something in it is left alone."""
+    from dist_train.train import _remove_if_empty
+
+    run_dir = tmp_path / "outputs" / "fsdp-1"
+    run_dir.mkdir(parents=True)
+    _remove_if_empty(run_dir)
+    assert not (tmp_path / "outputs").exists()
+    kept = tmp_path / "outputs" / "old-run"
+    kept.mkdir(parents=True)
+    run_dir.mkdir()
+    _remove_if_empty(run_dir)
+    assert not run_dir.exists() and kept.is_dir()
