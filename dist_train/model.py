@@ -68,21 +68,37 @@ def weight_source(cfg: ModelConfig, seed: int) -> Any:
 
 
 def _constructor(cfg: ModelConfig) -> Callable[[], nn.Module]:
-    """A function that builds the architecture (no weights read), its modelling code imported now: zero.Init
-    patches torch.Tensor.__new__, and an import under it (transformers' lazy modules import torch._dynamo) fails."""
+    """A function that builds the architecture with no weights drawn or read (they are filled afterwards), its
+    modelling code imported now: zero.Init patches torch.Tensor.__new__, and an import under it (transformers' lazy
+    modules import torch._dynamo) fails."""
     if cfg.path is None:
         from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
 
-        return (lambda: _build_gpt2(cfg)) if cfg.arch == "gpt2" else (lambda: _build_llama(cfg))
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+        make = (lambda: _build_gpt2(cfg)) if cfg.arch == "gpt2" else (lambda: _build_llama(cfg))
+    else:
+        from transformers import AutoModelForCausalLM
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from dist_train.pretrained import ModelDir
+        from dist_train.pretrained import ModelDir
 
-    hf = ModelDir.open(cfg.path).config(trust_remote_code=cfg.trust_remote_code, dropout=cfg.dropout)
-    if type(hf) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
-    return lambda: AutoModelForCausalLM.from_config(hf, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+        hf = ModelDir.open(cfg.path).config(trust_remote_code=cfg.trust_remote_code, dropout=cfg.dropout)
+        if type(hf) in MODEL_FOR_CAUSAL_LM_MAPPING:
+            MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
+
+        def make() -> nn.Module:
+            return AutoModelForCausalLM.from_config(hf, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+
+    from transformers.initialization import no_init_weights
+
+    def empty() -> nn.Module:
+        # transformers' own init would run on zero.Init's partitions (Gemma's padding row: an IndexError on an
+        # empty partition) and draw what the filling overwrites; the head is tied here instead of in it.
+        with no_init_weights():
+            model = make()
+        model.tie_weights()
+        return model
+
+    return empty
 
 
 def _from_pretrained(cfg: ModelConfig) -> nn.Module:
