@@ -324,6 +324,10 @@ class RuntimeConfig:
     # auto: one CUDA GPU per local process where GPUs are visible (NCCL), else the CPU (gloo); cpu: the CPU even
     # on a GPU machine; cuda: refuse to start without a GPU.
     device: str = "auto"
+    # After Ctrl-C or SIGTERM, how long a rank may take to reach the step every rank stops after and save it before
+    # it exits anyway (a rank stuck outside a step would ignore torchrun's SIGTERM); torchrun and Slurm (KillWait)
+    # give 30 s before SIGKILL.
+    stop_grace_s: float = 20.0
 
 
 @dataclass
@@ -427,6 +431,7 @@ def validate_fields(run: RunConfig) -> None:
     require(run.logger.init_timeout_s > 0, f"logger.init_timeout_s={run.logger.init_timeout_s} must be > 0")
     require(run.telemetry.warmup_steps >= 0, f"telemetry.warmup_steps={run.telemetry.warmup_steps} must be >= 0")
     require(run.runtime.timeout_s > 0, f"runtime.timeout_s={run.runtime.timeout_s} must be > 0")
+    require(run.runtime.stop_grace_s > 0, f"runtime.stop_grace_s={run.runtime.stop_grace_s} must be > 0")
     choice("runtime.device", run.runtime.device, ("auto", "cuda", "cpu"))
     _validate_checkpoint(run.checkpoint)
 

@@ -17,6 +17,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class StopRequest:
     """Records SIGINT and SIGTERM and decides, the same on every rank, when training stops."""
 
-    def __init__(self, *, group_needed: bool, tracker: Any = None) -> None:
+    def __init__(self, *, group_needed: bool, tracker: Any = None, grace_s: float = 20.0) -> None:
+        self.grace_s = grace_s  # runtime.stop_grace_s: after the signal, how long before a rank exits anyway
         self.signal: int | None = None
         self.step: int | None = None  # the step training stopped after
         self._previous = {sig: signal.signal(sig, self._record) for sig in SIGNALS}
@@ -39,12 +41,22 @@ class StopRequest:
             if tracker is not None:  # not the training's traffic
                 tracker.ignore_group(self._group)
         self._posted: tuple[torch.Tensor, Any] | None = None
+        self._deadline: threading.Timer | None = None
 
     def _record(self, signum: int, frame: Any) -> None:
         if self.signal is None:
             self.signal = signum
             print(f"[dist_train] rank {os.environ.get('RANK', '0')}: {signal.Signals(signum).name} received, "
                   "stopping after the next step", file=sys.stderr, flush=True)
+            self._deadline = threading.Timer(self.grace_s, self._give_up, args=(signum, self.grace_s))
+            self._deadline.daemon = True
+            self._deadline.start()
+
+    @staticmethod
+    def _give_up(signum: int, grace_s: float) -> None:
+        print(f"[dist_train] rank {os.environ.get('RANK', '0')}: not stopped {grace_s:g} s after "
+              f"{signal.Signals(signum).name} (stuck outside a step): exiting", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
 
     @property
     def signal_name(self) -> str:
@@ -70,6 +82,8 @@ class StopRequest:
 
     def close(self) -> None:
         """Wait for the last posted flag (every rank posted it) and give the handlers back."""
+        if self._deadline is not None:
+            self._deadline.cancel()
         if self._posted is not None:
             self._posted[1].wait()
             self._posted = None

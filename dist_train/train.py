@@ -179,7 +179,8 @@ def _run(run: RunConfig, cfg: DictConfig, runtime: Any, *, resume: Path | None, 
 
     session = build_session(run, cfg, runtime, resume=resume, fault=fault)
     session.progress = progress
-    session.stop = StopRequest(group_needed=runtime.has_group, tracker=session.telemetry.tracker)
+    session.stop = StopRequest(group_needed=runtime.has_group, tracker=session.telemetry.tracker,
+                               grace_s=run.runtime.stop_grace_s)
     try:
         return _fit(session)
     finally:

@@ -77,9 +77,13 @@ def test_a_raising_rank_ends_the_job_with_its_exception(tmp_path):
 
 
 def test_a_hung_rank_ends_the_job_after_runtime_timeout(tmp_path):
-    code, stderr, seconds, pids = _torchrun([*LONG, "runtime.timeout_s=5"], run_dir=tmp_path, fault="hang@3:rank1")
+    # The hung rank ignores torchrun's SIGTERM until runtime.stop_grace_s (a rank may need it to reach the step every
+    # rank stops after, tests/test_interrupt.py); here it has no step to reach.
+    code, stderr, seconds, pids = _torchrun([*LONG, "runtime.timeout_s=5", "runtime.stop_grace_s=1"], run_dir=tmp_path,
+                                            fault="hang@3:rank1")
     assert code != 0 and seconds < 60, (code, seconds)
     assert "Timed out" in stderr and "rank 0 failed at step 3" in stderr, stderr[-3000:]
+    assert "rank 1: not stopped 1 s after SIGTERM (stuck outside a step): exiting" in stderr, stderr[-3000:]
     assert not _alive(pids)
 
 
