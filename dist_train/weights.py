@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dist_train.contracts import local_tensor, place_like
+
 # Names that wrappers put inside a parameter's name and that the files (and the unwrapped model) do not have:
 # activation checkpointing's wrapper (its state dict hooks drop it, `named_parameters` does not).
 _WRAPPER_PARTS = ("._checkpoint_wrapped_module",)
@@ -178,7 +180,7 @@ def _fill_meta(model: nn.Module, source: WeightSource, device: Any) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    empty = {n for n, t in [*model.named_parameters(), *model.named_buffers()] if _local(t).is_meta}
+    empty = {n for n, t in [*model.named_parameters(), *model.named_buffers()] if local_tensor(t).is_meta}
     _to_empty(model, device)
     with torch.random.fork_rng(devices=[]):
         for module in model.modules():
@@ -201,10 +203,6 @@ def _fill_meta(model: nn.Module, source: WeightSource, device: Any) -> None:
             target.to_local().copy_(place_like(source.read(held).to(target.device), target).to_local())
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _to_empty(model: nn.Module, device: Any) -> None:
     """Storage on `device` for the tensors still on meta (what is already real, QLoRA's packed layers, stays),
     keeping tied parameters tied: `to_empty` gives each module's slot its own new tensor, so a head tied to its
@@ -215,7 +213,7 @@ def _to_empty(model: nn.Module, device: Any) -> None:
             if p is not None:
                 slots.setdefault(id(p), []).append((module, name))
     for module in model.modules():
-        if any(_local(t).is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
+        if any(local_tensor(t).is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
             module.to_empty(device=device, recurse=False)
     for (first, first_name), *others in (s for s in slots.values() if len(s) > 1):
         for module, name in others:
