@@ -198,8 +198,6 @@ def _fill_meta(model: nn.Module, source: WeightSource, device: Any) -> None:
             if shape[0]:
                 target.to_local().copy_(source.read(held, offset[0], offset[0] + shape[0]))
         else:
-            from dist_train.contracts import place_like
-
             target.to_local().copy_(place_like(source.read(held).to(target.device), target).to_local())
 
 
