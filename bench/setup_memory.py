@@ -100,7 +100,8 @@ def main() -> None:
             "partitions, a quarter of the weights each here). fsdp and the pipelines build on meta and zero3 under "
             "zero.Init; each rank then reads only what it holds from the files. single and ddp load the whole model "
             "(transformers memory-maps safetensors: pages become resident as they are read). Target (issue 22): fsdp, "
-            "zero3 and the pipelines at most 0.50 of the weights above the baseline. " + verdict(results, weights))
+            "zero3 and the pipelines at most 0.50 of the weights above the baseline. " + verdict(results, weights)
+            + " Where zero3's engine puts the rest: section \"Where zero3's set-up memory goes\" (bench/zero3_setup.py).")
     cmd = (f"python bench/setup_memory.py --nproc {args.nproc} --layers {args.layers} --hidden {args.hidden} "
            f"--vocab {args.vocab} --strategies {args.strategies}")
     write_section("setup", "Set-up memory of a pretrained directory", body, command=cmd, note=note)
