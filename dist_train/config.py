@@ -298,6 +298,10 @@ class TelemetryConfig:
     comm: bool = True
     # Track the bytes autograd saves for backward (memory/activations_bytes).
     activations: bool = True
+    # The peak of all live tensors, what decides out-of-memory (memory/peak_live_bytes). On the CPU torch's
+    # MemTracker follows one step, with what the peak was made of (memory/peak_live/<category>_bytes); that step
+    # runs several times slower and is added to the warm-up steps. On CUDA it is the allocator's peak, at no cost.
+    peak_live: bool = True
 
 
 @dataclass

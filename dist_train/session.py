@@ -191,6 +191,7 @@ def _telemetry(session: Session, tracker: Any, *, saved: dict[str, Any], device_
 
     from dist_train.telemetry.activations import ActivationMeter
     from dist_train.telemetry.flops import peak_flops
+    from dist_train.telemetry.memory import LiveMeter
     from dist_train.telemetry.recorder import Telemetry, Workload
     from dist_train.telemetry.sinks import NullSink
 
@@ -209,6 +210,7 @@ def _telemetry(session: Session, tracker: Any, *, saved: dict[str, Any], device_
     telemetry = Telemetry(
         runtime=runtime, strategy=session.strategy, sink=sink, workload=workload, tracker=tracker,
         activations=ActivationMeter() if run.telemetry.activations else None,
+        live=LiveMeter() if run.telemetry.peak_live and all(d.type == "cpu" for d in session.strategy.devices) else None,
         skips_allowed=run.precision.loss_scaling,
     )
     if saved:

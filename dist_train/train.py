@@ -264,7 +264,7 @@ def train_one_step(session: Session, step: int) -> None:
     batch = session.batches.local_batch(step - 1)
     if session.neftune is not None:
         session.neftune.begin_step(step)
-    with telemetry.measuring():
+    with telemetry.measuring(step, live=step == session.start_step + max(warmup_steps(session), 1)):
         out = session.strategy.train_step(batch)
     telemetry.step_end(step, out)
     checkpointer.poll()
@@ -290,9 +290,12 @@ def eval_due(session: Session, step: int) -> bool:
 def warmup_steps(session: Session) -> int:
     """This process's first steps that summary.json's steady figures leave out (lazy initialisation, DDP's
     bucket rebuild, ZeRO-3's parameter trace, a pipeline's handshake): telemetry.warmup_steps, fewer when
-    the run is shorter, never all of them."""
+    the run is shorter, never all of them. On the CPU with telemetry.peak_live, one more: the last of them is
+    the step whose live tensors torch's MemTracker follows (it runs several times slower), after a first step
+    has made the optimizer's state."""
     t = session.run.train
-    return max(0, min(session.run.telemetry.warmup_steps, t.steps - session.start_step - 1))
+    wanted = session.run.telemetry.warmup_steps + int(getattr(session.telemetry, "live", None) is not None)
+    return max(0, min(wanted, t.steps - session.start_step - 1))
 
 
 def _trainer_state(session: Session, step: int) -> dict[str, Any]:
@@ -397,4 +400,7 @@ def predicted_memory(session: Session) -> dict[str, float] | None:
     except (ValueError, KeyError) as exc:
         log.info("no predicted memory in the summary: %s", exc)
         return None
-    return {cat: max(category_bytes(r, cat) for r in ranks) for cat in predicted_categories(config["train"])}
+    out = {cat: max(category_bytes(r, cat) for r in ranks) for cat in predicted_categories(config["train"])}
+    if all(r.peak_live is not None for r in ranks) and "activations" in out:  # modelled, and eager
+        out["peak_live"] = max(r.peak_live for r in ranks)
+    return out

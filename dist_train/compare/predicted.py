@@ -59,6 +59,13 @@ def add_prediction(row: dict[str, Any], *, memory_rtol: float) -> None:
         ok = worst is not None and abs(worst) <= memory_rtol
         state_ok = state_ok and (ok or cat not in STATE_CATEGORIES)
         all_ok = all_ok and ok
+    # The peak of all live tensors, where the estimator models it: shown beside the categories, not part of the
+    # verdict (it adds buffers the categories leave out, measured on the CPU only where telemetry.peak_live).
+    live = [r.peak_live for r in ranks]
+    measured_live = row.get("mem_peak_live_max_bytes")
+    if "activations" in categories and all(v is not None for v in live) and measured_live:
+        row["pred_peak_live_bytes"] = max(live)
+        row["err_peak_live"] = rel_error(max(live), measured_live)
     row["model_state_ok"] = state_ok
     row["prediction_ok"] = all_ok
     row["pred_regime"] = setup.regime_description

@@ -22,7 +22,8 @@ CSV_COLUMNS = [
       for k in ("max", "spread")),
     "comm_bytes_per_step", "comm_inter_node_bytes_per_step", *(f"comm_{op}_bytes" for op in COMM_OPS),
     "final_loss", "loss_dev", "loss_max_rel_dev", "final_eval_loss",
-    *(f"{p}_{c}" for c in ("params", "grads", "optimizer", "activations", *TRANSIENT_CATEGORIES) for p in ("pred", "err")),
+    *(f"{p}_{c}" for c in ("params", "grads", "optimizer", "activations", *TRANSIENT_CATEGORIES, "peak_live")
+      for p in ("pred", "err")),
     "model_state_ok", "prediction_ok", "pred_regime", "pred_comm_bytes_per_step", "err_comm_bytes",
     "run_dir", "log", "wall_s",
 ]
@@ -79,7 +80,7 @@ def verdict_mark(row: dict[str, Any]) -> str:
 def summary_table(rows: list[dict[str, Any]]) -> str:
     held_out = any("final_eval_loss" in r for r in rows)  # eval.every_steps: a column for the held-out loss
     headers = ["strategy", "ranks", "step ms", "compute ms", "comm ms", "tokens/s",
-               "params (max, ±spread)", "grads", "optimizer", "activations", "peak RSS", "set-up peak RSS",
+               "params (max, ±spread)", "grads", "optimizer", "activations", "peak live", "peak RSS", "set-up peak RSS",
                "comm bytes/step", "final loss", *(["eval loss"] if held_out else []), "Δ vs single", "verdict"]
     body = []
     for r in rows:
@@ -88,7 +89,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             continue
         body.append([
             f"**{r['strategy']}**", _ranks(r), ms(r["step_s"]), ms(r["compute_s"]), ms(r["comm_s"]),
-            f"{r['tokens_per_s']:,.0f}", *(mem_cell(r, c) for c in (*MEMORY_CATEGORIES, "peak_rss", "setup_peak_rss")),
+            f"{r['tokens_per_s']:,.0f}", *(mem_cell(r, c) for c in (*MEMORY_CATEGORIES, "peak_live", "peak_rss", "setup_peak_rss")),
             human_bytes(r["comm_bytes_per_step"]), f"{r['final_loss']:.6f}",
             *([f"{r['final_eval_loss']:.6f}" if "final_eval_loss" in r else "-"] if held_out else []),
             f"{r['loss_dev']:+.1e}" if "loss_dev" in r else "-", verdict_mark(r),
@@ -119,7 +120,7 @@ def comm_table(rows: list[dict[str, Any]]) -> str:
 
 
 def prediction_table(rows: list[dict[str, Any]], *, memory_rtol: float) -> str:
-    transient = [c for c in TRANSIENT_CATEGORIES if any(f"pred_{c}_bytes" in r for r in rows)]
+    transient = [c for c in (*TRANSIENT_CATEGORIES, "peak_live") if any(f"pred_{c}_bytes" in r for r in rows)]
     headers = ["strategy", "regime", *(f"{c} pred / meas (err)" for c in ("params", "grads", "optimizer")),
                f"model state within {memory_rtol:.0%}", "activations pred / meas (err)",
                *(f"{c.replace('_', ' ')} pred / meas (err)" for c in transient)]

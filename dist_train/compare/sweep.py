@@ -24,7 +24,7 @@ from dist_train.compare.settings import NOT_KNOBS, StrategySpec, flatten, overri
 # Config groups chosen by name (conf/<group>/<name>.yaml): a knob by its name, not by the fields it sets.
 NAMED_GROUPS = ("model", "precision", "optimizer", "data", "peft")
 # Measured categories an effect reports (the row's worst rank), with the estimator's counterpart where it has one.
-EFFECT_CATEGORIES = ("params", "grads", "optimizer", "activations", "weight_copies")
+EFFECT_CATEGORIES = ("params", "grads", "optimizer", "activations", "weight_copies", "peak_live")
 
 
 def expand(strategies: list[str], sweep: dict[str, list[Any]]) -> list[StrategySpec]:

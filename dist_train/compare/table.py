@@ -22,7 +22,9 @@ MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
 TRANSIENT_CATEGORIES = ("weight_copies", "gathered_params", "step_grads")
 # Every memory figure a run reports per rank (memory/<figure>_bytes): the categories, then the process peaks, then
 # set-up's (before the first step: the peak once the weights were in, and the peak of all of set-up).
-MEMORY_FIGURES = (*MEMORY_CATEGORIES, *TRANSIENT_CATEGORIES, "peak_rss", "peak_allocated",
+# peak_live: every live tensor at the peak, what decides out-of-memory (beside the categories it adds gathered
+# parameters, unsharded gradients, collective buffers, temporaries).
+MEMORY_FIGURES = (*MEMORY_CATEGORIES, *TRANSIENT_CATEGORIES, "peak_live", "peak_rss", "peak_allocated",
                   "load_peak_rss", "setup_peak_rss", "setup_peak_allocated")
 from dist_train.telemetry.comm import COMM_OPS  # one list of ops for telemetry and the report
 

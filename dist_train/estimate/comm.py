@@ -119,14 +119,17 @@ def _fsdp(shape: ModelShape, setup: Setup, *, block_params: float, num_params: f
     """FSDP2 per block, then the root, of `num_params` parameters of which `block_params` are in blocks.
 
     Each block is gathered in forward and, when resharded after it, again in backward; the root (embeddings,
-    final norm, head) is gathered once per micro-batch and kept for backward (FSDP2's default for the root)."""
+    final norm, head) is gathered once per micro-batch and kept for backward (FSDP2's default for the root).
+    Gradients are reduce-scattered once per step, or after every micro-batch (reduce_every_microbatch)."""
     m = setup.microbatches_per_step
     block_gathers = m * (2 if setup.reshard_after_forward else 1)
     compute = element_bytes(setup.precision)  # MixedPrecisionPolicy(param_dtype) gathers in the compute dtype
     gathered = (block_gathers * block_params + m * (num_params - block_params)) * compute
+    reduces = m if setup.reduce_every_microbatch else 1
+    when = f"every micro-batch ({m})" if reduces > 1 else "once per step"
     return [
         Collective("all_gather", gathered, f"parameters: blocks {block_gathers}x, root {m}x per step", compute),
-        Collective("reduce_scatter", num_params * 4, "fp32 gradients (reduce_dtype), once per step", 4),
+        Collective("reduce_scatter", reduces * num_params * 4, f"fp32 gradients (reduce_dtype), {when}", 4),
     ]
 
 

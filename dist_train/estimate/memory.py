@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Optional
 
 from dist_train.config import PRECISIONS
 from dist_train.estimate.setup import Setup
@@ -185,6 +185,9 @@ class RankMemory:
     gathered_params: float = 0.0  # ZeRO-3: parameters gathered to full size at the peak
     gathered_grads: float = 0.0  # ZeRO-3: the largest module's full-size gradients before reduce-scatter
     step_grads: float = 0.0  # ZeRO: the fp32 gradient partition built for the optimizer step
+    # The peak of all live tensors (memory/peak_live_bytes), where the estimator models what the strategy holds
+    # beside the categories (see predict_peak_live); None where it does not.
+    peak_live: Optional[float] = None
 
     @property
     def model_state(self) -> float:
@@ -252,7 +255,7 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
             gathered_params=gathered, gathered_grads=zero3_gathered_grads(shape, setup),
             step_grads=zero_step_grads(shape.num_params, setup),
         )
-        return [one] * setup.world_size
+        return [replace(one, peak_live=predict_peak_live(shape, setup, one))] * setup.world_size
     k = setup.num_stages
     split = list(setup.split_points) if setup.split_points else None
     params = stage_params(shape, num_stages=k, split_points=split)
@@ -265,6 +268,38 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
         copies = weight_copy_bytes(shape, setup=setup, **shared)
         out.append(RankMemory(state.params, state.grads, state.master, state.optimizer, act, copies))
     return [out[rank // setup.data_parallel_size] for rank in range(setup.world_size)]  # rank = stage * D + replica
+
+
+# Where the peak of all live tensors is predicted: the strategies whose peak was measured against torch's
+# MemTracker here (tests/test_peak_live.py, docs/BENCHMARKS.md). The others hold buffers not modelled yet (DDP's
+# gradient buckets, DeepSpeed's reduction bucket of reduce_bucket_size elements, a pipeline's send/receive buffers).
+PEAK_LIVE_FAMILIES = ("single", "dp", "fsdp")
+
+
+def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Optional[float]:
+    """The peak of all live tensors on a rank (memory/peak_live_bytes), or None where it is not modelled.
+
+    single and dp: the categories at their peak, model state plus the working set (`rank.total`).
+    fsdp (FSDP2): at the start of backward it also holds gathered parameters, in the compute dtype: the root's
+    (embeddings, final norm, head), kept from forward to backward, and the last block's (with
+    reshard_after_forward=false, every parameter). While it accumulates gradients (more than one micro-batch a
+    step, gradient sync off until the last), every parameter's unsharded gradient is kept in fp32 (the reduce
+    dtype) until the last micro-batch's reduce-scatter, 4 B per parameter on every rank whatever the world size,
+    in place of the sharded gradients, which do not exist yet at that point; reduce_every_microbatch holds the
+    sharded ones instead. Collective buffers and backward's
+    temporaries are not counted (measured: within 5% on 2 ranks; tests/test_peak_live.py)."""
+    if setup.family not in PEAK_LIVE_FAMILIES:
+        return None
+    if setup.family != "fsdp":
+        return rank.total
+    if setup.reshard_after_forward:
+        gathered = shape.embedding_params() + shape.head_params() + shape.layer_params_tp(1)
+    else:
+        gathered = shape.num_params
+    accumulates_unsharded = setup.microbatches_per_step > 1 and not setup.reduce_every_microbatch
+    grads = 4.0 * shape.num_params if accumulates_unsharded else rank.grads
+    return (rank.params + grads + rank.master + rank.optimizer + rank.working_set
+            + gathered * element_bytes(setup.precision))
 
 
 def tp_rank_params(shape: ModelShape, setup: Setup) -> float:

@@ -66,6 +66,8 @@ class Setup:
     num_microbatches: Optional[int] = None
     split_points: Optional[tuple[int, ...]] = None
     reshard_after_forward: bool = True
+    # fsdp: reduce-scatter after every micro-batch instead of once a step (strategy.reduce_every_microbatch)
+    reduce_every_microbatch: bool = False
     activation_checkpointing: bool = False
     regime: str = "auto"
     # ZeRO-3's gathering, as DeepSpeed is configured (zero_optimization.stage3_*; in elements). The persistence
@@ -241,6 +243,7 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         num_microbatches=strategy.get("num_microbatches"),
         split_points=tuple(split) if split else None,
         reshard_after_forward=bool(strategy.get("reshard_after_forward", True)),
+        reduce_every_microbatch=bool(strategy.get("reduce_every_microbatch", False)),
         plugin=str(strategy.get("plugin") or "ddp"),
         tp=int(strategy.get("tp") or 2),
         sequence_parallel=bool(strategy.get("sequence_parallel", False)),

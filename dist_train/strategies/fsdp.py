@@ -8,6 +8,8 @@ once per step: sync is off for all but the last micro-batch.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Any, ClassVar, ContextManager
 
@@ -28,6 +30,11 @@ class FSDPConfig(StrategyConfig):
     # True: free gathered parameters after forward and gather again in backward (ZeRO-3-like).
     # False: keep them from forward to backward (ZeRO-2-like: more memory, one all-gather fewer).
     reshard_after_forward: bool = True
+    # With gradient accumulation (several micro-batches a step): False keeps every parameter's unsharded fp32
+    # gradient from the first micro-batch's backward to the last one's reduce-scatter (4 B/param on every rank,
+    # whatever the world size; one reduce-scatter a step). True reduce-scatters after every micro-batch into the
+    # sharded gradients, as torchtitan does: it sends the gradients once per micro-batch and holds 4 B/param / N.
+    reduce_every_microbatch: bool = False
 
     compiles_blocks: ClassVar[bool] = True  # compiled before fully_shard, as torchtitan does
     loads_own_shard: ClassVar[bool] = True  # fully_shard on meta, then each rank loads its rows
@@ -53,6 +60,8 @@ class FSDPWrapper:
         return shard(model, mesh, reshard_after_forward=self.cfg.reshard_after_forward, precision=self.ctx.precision)
 
     def no_sync(self, wrapped: nn.Module) -> ContextManager[Any]:
+        if self.cfg.reduce_every_microbatch:
+            return contextlib.nullcontext()  # every micro-batch's backward reduce-scatters into the shards
         from dist_train.strategies._fsdp import no_sync
 
         return no_sync(wrapped)

@@ -2,21 +2,100 @@
 
 Model-state bytes are counted from the tensors a rank holds locally (a DTensor's local shard, a ZeRO
 partition), because on the CPU there is no allocator to ask and RSS does not shrink when a rank frees
-a replica. On CUDA the caching allocator's peaks are read and reset per window as well.
+a replica. On CUDA the caching allocator's peaks are read and reset per window as well. The peak of all
+live tensors (what decides out-of-memory) is the allocator's on CUDA and torch's MemTracker's on the CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from dist_train.contracts import ModelState
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
+# MemTracker's categories (its _MemRefType values) under the names of our metrics.
+LIVE_CATEGORIES = {"Parameter": "params", "Buffer": "buffers", "Gradient": "grads", "Optstate": "optimizer",
+                   "Activation": "activations", "Temp": "temporaries", "Other": "other"}
 
+
+class LiveMeter:
+    """The peak of all live tensors through one step on the CPU, and what they were at that moment.
+
+    torch's MemTracker (a dispatch mode that follows every storage an op makes until it is freed, and storage
+    resizes such as FSDP2's) is seeded with what the rank holds when the step begins: the strategy's own tensors
+    by category (parameters, gradients, optimizer state, a ZeRO partition or flat buffer). It therefore sees, beside
+    the categories dist_train reports, what a strategy gathers, buffers and keeps in flight: unsharded gradients
+    held across micro-batches, gathered parameters, collective buffers (its "Temp" and "Activation").
+    """
+
+    def __init__(self) -> None:
+        self.peak_bytes = 0
+        self.peak_by_category: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def measuring(self, state: ModelState) -> Iterator[None]:
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
+        tracker = _step_tracker()
+        # track_external would file every tensor as "Other"; its own helper files them by what they are.
+        for reftype, tensors in ((_MemRefType.PARAM, state.params), (_MemRefType.GRAD, state.grads),
+                                 (_MemRefType.OPT, state.optimizer)):
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    tracker._update_and_maybe_create_winfos(t, reftype)
+        # Hold no reference through the step: the last step's gradients must be free to go at zero_grad.
+        del state, tensors, t
+        with tracker:
+            yield
+        peak = tracker.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
+        self.peak_bytes = int(peak.get("Total", 0))
+        self.peak_by_category = {name: int(peak[key]) for key, name in LIVE_CATEGORIES.items() if peak.get(key)}
+
+
+def _step_tracker() -> Any:
+    """torch's MemTracker for the whole step's peak only, without its per-module statistics.
+
+    Those refuse a second forward of the root module inside one tracked region (gradient accumulation, a
+    pipeline's micro-batches), and a snapshot per module call is not needed here. What its module hooks do that
+    the peak needs is kept: each module's parameters, buffers and gradients are filed by category, and a module
+    run again in backward (activation checkpointing's recomputation) files what it makes as activations."""
+    import weakref
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    class StepTracker(MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self._seen = WeakIdKeyDictionary()
+
+        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+            if module not in self._seen:
+                self._seen[module] = True
+                self._track_module_params_and_buffers(module, install_grad_hooks=True)
+            elif self._mod_tracker.is_bw and self._ac_mod is None:
+                self._ac_mod, self._in_ac = weakref.ref(module), True
+
+        def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
+            if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+                self._ac_mod, self._in_ac = None, False
+
+        def _pre_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
+            pass
+
+        def _post_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
+            pass
+
+    return StepTracker()
 
 
 class HostPeak:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from dist_train.contracts import Runtime, StepOutput, Strategy
 from dist_train.telemetry.activations import ActivationMeter
 from dist_train.telemetry.comm import COMM_OPS, CommTracker, busbw_gbps, peer_wait
-from dist_train.telemetry.memory import HostPeak, cuda_peaks, reset_cuda_peaks
+from dist_train.telemetry.memory import HostPeak, LiveMeter, cuda_peaks, reset_cuda_peaks
 from dist_train.telemetry.sinks import Sink
 
 log = logging.getLogger("dist_train")
@@ -74,6 +74,7 @@ class Telemetry:
     workload: Workload
     tracker: CommTracker | None = None
     activations: ActivationMeter | None = None
+    live: LiveMeter | None = None  # peak of all live tensors on the CPU (CUDA: the allocator's peak)
     # fp16 loss scaling: a non-finite gradient norm means the scaler skipped that step (counted, not fatal).
     skips_allowed: bool = False
     _host: HostPeak = field(default_factory=HostPeak)
@@ -135,14 +136,19 @@ class Telemetry:
             self.tracker.drain()  # set-up traffic (DDP's initial broadcast, ...) is not a step's
         self.start_s = self._window_start_s = time.perf_counter()
 
-    def measuring(self) -> Any:
-        """Context for the step itself: activation bytes are counted on the first step of each logging window.
+    def measuring(self, step: int, *, live: bool = False) -> Any:
+        """Context for the step itself: activation bytes are counted on the first step of each logging window,
+        and on the CPU the peak of all live tensors once, on the step the loop names `live` (a warm-up step:
+        torch's MemTracker makes it several times slower, so the steady step times leave it out).
 
         Every step saves the same tensors (same shapes, same graph), so one step per window gives the window's
         peak; counting every step would cost each step a Python call per saved tensor and per release."""
-        if self.activations is None or self._window:
-            return contextlib.nullcontext()
-        return self.activations.measuring()
+        stack = contextlib.ExitStack()
+        if live and self.live is not None:
+            stack.enter_context(self.live.measuring(self.strategy.model_state()))
+        if self.activations is not None and not self._window:
+            stack.enter_context(self.activations.measuring())
+        return stack
 
     def step_end(self, step: int, out: StepOutput) -> None:
         self._window.append(_Pending(out.loss_sum, out.num_microbatches, out.grad_norm))
@@ -210,6 +216,13 @@ class Telemetry:
             if self.activations.weights_peak_bytes:
                 rec["memory/weight_copies_bytes"] = self.activations.weights_peak_bytes
         rec.update(cuda_peaks(self.strategy.devices))
+        if "memory/peak_allocated_bytes" in rec:  # on CUDA the allocator's peak is every live tensor's
+            rec["memory/peak_live_bytes"] = rec["memory/peak_allocated_bytes"]
+        elif self.live is not None and self.live.peak_bytes:  # in the window of the step it followed
+            rec["memory/peak_live_bytes"] = self.live.peak_bytes
+            for category, nbytes in self.live.peak_by_category.items():
+                rec[f"memory/peak_live/{category}_bytes"] = nbytes
+            self.live.peak_bytes, self.live.peak_by_category = 0, {}
         rec["memory/peak_rss_bytes"] = self._host.peak_bytes()
         rec.update(self._setup_peaks)
         if self.tracker is not None:
@@ -341,12 +354,13 @@ class Telemetry:
             spans = [s - p for s, p in zip(steps, [0] + steps[:-1])]
             steady = [i for i, s in enumerate(steps) if s > warmup_end] or list(range(len(windows)))
             row: dict[str, Any] = {"rank": rank, "node": windows[-1].get("node"), "local_rank": windows[-1].get("local_rank")}
-            for key, value in windows[-1].items():
-                if key in GLOBAL_KEYS or "/" not in key or not isinstance(value, (int, float)):
-                    continue
+            # Every window's keys: a figure measured in one window only (memory/peak_live_*) is kept too.
+            for key in dict.fromkeys(k for w in windows for k in w):
                 values = [w.get(key) for w in windows]
+                if key in GLOBAL_KEYS or "/" not in key or not any(isinstance(v, (int, float)) for v in values):
+                    continue
                 if key.startswith("memory/"):
-                    row[key] = max(v for v in values if v is not None)
+                    row[key] = max(v for v in values if isinstance(v, (int, float)))
                 elif all(isinstance(values[i], (int, float)) for i in steady):
                     row[key] = sum(values[i] * spans[i] for i in steady) / sum(spans[i] for i in steady)
             out.append(row)
