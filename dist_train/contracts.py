@@ -134,7 +134,9 @@ def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[tuple[int, int], t
             continue
         nbytes = t.numel() * t.element_size()
         try:
-            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            storage = t.untyped_storage()
+            # A fake tensor's storage (the dry run's FakeTensorMode) has no data: its address is 0 for all of them.
+            key = (storage.data_ptr() or storage._cdata, t.storage_offset())
         except (RuntimeError, NotImplementedError):
             key = (id(t), 0)
         if nbytes >= seen.get(key, (0, t.dtype))[0]:

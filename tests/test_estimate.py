@@ -462,20 +462,21 @@ def test_cli_help(capsys, flag):
     """--help is read before Hydra's parser (which said `LexerNoViableAltException: --help`)."""
     from dataclasses import fields
 
-    from dist_train.estimate.cli import EXAMPLES, OPTION_HELP, EstimateArgs, FitArgs
+    from dist_train.estimate.cli import EXAMPLES, OPTION_HELP, DryRunArgs, EstimateArgs, FitArgs
 
     assert estimate_main(["model=7b", flag]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m dist_train.estimate [training overrides] [estimator options]")
     assert "any override launch/train.py takes applies" in out and "7b, 13b, 70b" in out
     # every option, with the default its dataclass gives
-    names = [f.name for f in fields(EstimateArgs) if f.name != "fit"] + [f"fit.{f.name}" for f in fields(FitArgs)]
+    names = ([f.name for f in fields(EstimateArgs) if f.name not in ("fit", "dryrun")]
+             + [f"fit.{f.name}" for f in fields(FitArgs)] + [f"dryrun.{f.name}" for f in fields(DryRunArgs)])
     assert sorted(names) == sorted(OPTION_HELP)
     for line in ("world_size=8", "gpu_gib=80", "regime=auto", "activation_checkpointing=null", "kv_batch=null",
                  "fit.models=[7b,70b]", "fit.gpus=[8,64,1024]", "fit.strategies=[ddp,zero1,zero2,zero3,fsdp,gpipe]",
-                 "fit.micro_batch_size=null", "format=text"):
+                 "fit.micro_batch_size=null", "format=text", "dryrun.ranks=[]"):
         assert f"\n  {line}\n" in out, line
-    assert len(EXAMPLES) == 3
+    assert len(EXAMPLES) == 4
     for _, cmd in EXAMPLES:
         assert f"\n  {cmd}\n" in out
     assert any("model=7b" in c for _, c in EXAMPLES) and any("format=json" in c for _, c in EXAMPLES)
@@ -483,7 +484,7 @@ def test_cli_help(capsys, flag):
 
 
 def test_cli_help_examples_run(capsys, tmp_path):
-    """The three examples of --help, as printed (DIR: a small model directory)."""
+    """The examples of --help, as printed (DIR: a small model directory); the dry run's included."""
     from dist_train.estimate.cli import EXAMPLES
 
     _model_dir("llama", tmp_path)

@@ -18,6 +18,7 @@ config's `train.seq_len` (and, unless fit.micro_batch_size says otherwise, its `
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
@@ -27,6 +28,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dist_train.estimate.comm import bus_factor, predict_comm, ring_bytes, ring_volume_psi
+from dist_train.estimate.dryrun import supported, training_run
 from dist_train.estimate.fit import DEFAULT_FIT_GPUS, DEFAULT_FIT_STRATEGIES, FitCell, FitModel, fit_table
 from dist_train.estimate.memory import (
     RankMemory,
@@ -67,6 +69,17 @@ class FitArgs:
 
 
 @dataclass
+class DryRunArgs:
+    # Ranks of a world_size-rank job to run for real under a fake process group (empty: no dry run).
+    ranks: list[int] = field(default_factory=list)
+    timeout_s: float = 900.0  # per rank
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"dryrun.timeout_s={self.timeout_s} must be > 0")
+
+
+@dataclass
 class EstimateArgs:
     world_size: int = 8
     gpu_gib: float = 80.0
@@ -75,10 +88,15 @@ class EstimateArgs:
     kv_batch: Optional[int] = None  # None = train.micro_batch_size
     kv_context: Optional[int] = None  # None = model.max_seq_len
     fit: FitArgs = field(default_factory=FitArgs)
+    dryrun: DryRunArgs = field(default_factory=DryRunArgs)
     # text: tables for a person; json: the same figures in bytes, for tools.
     format: str = "text"
 
     def __post_init__(self) -> None:
+        for rank in self.dryrun.ranks:
+            if not 0 <= rank < self.world_size:
+                raise ValueError(f"dryrun.ranks: rank {rank} is not one of world_size={self.world_size}'s "
+                                 f"(0 to {self.world_size - 1})")
         if self.format not in ("text", "json"):
             raise ValueError(f"format={self.format!r} is not supported; allowed: text, json")
         if self.gpu_gib <= 0:
@@ -102,6 +120,9 @@ OPTION_HELP = {
     "fit.gpus": "GPU counts N, the fit table's columns",
     "fit.strategies": "the fit table's strategies (known: " + ", ".join(KNOWN_STRATEGIES) + ")",
     "fit.micro_batch_size": "micro-batch of the fit table's activations (null: train.micro_batch_size)",
+    "dryrun.ranks": "ranks of the world_size-rank job to run for real here, one process each, under a fake process "
+                    "group and FakeTensorMode: set-up and one step, figures beside the prediction (ddp, fsdp)",
+    "dryrun.timeout_s": "seconds one rank's dry run may take",
 }
 
 EXAMPLES = (
@@ -109,6 +130,8 @@ EXAMPLES = (
      "python -m dist_train.estimate strategy=fsdp model=7b world_size=64 train.seq_len=4096"),
     ("ZeRO-3 on 64 GPUs in bf16, as JSON (bytes, per rank) for tools",
      "python -m dist_train.estimate model=llama_1b strategy=zero3 world_size=64 precision=bf16 format=json"),
+    ("the real fsdp code as the last rank of a 64-rank job, beside the prediction (one process here, no GPU)",
+     "python -m dist_train.estimate strategy=fsdp model=llama_1b world_size=64 train.seq_len=256 dryrun.ranks=[63]"),
     ("your own model directory (its config.json gives the shape), ZeRO-2 on 8 GPUs of 40 GiB",
      "python -m dist_train.estimate model=hf model.path=DIR strategy=zero2 world_size=8 gpu_gib=40 "
      "fit.models=[7b,13b]"),
@@ -138,14 +161,16 @@ def option_defaults(cls: type = EstimateArgs, prefix: str = "") -> dict[str, str
         default = _default(f)
         if f.name == "fit":
             out.update(option_defaults(FitArgs, "fit."))
+        elif f.name == "dryrun":
+            out.update(option_defaults(DryRunArgs, "dryrun."))
         else:
             out[prefix + f.name] = _render(default)
     return out
 
 
 def help_text() -> str:
-    """What `--help` prints: what it does, every estimator option with its default (read from EstimateArgs and
-    FitArgs), that training overrides apply, and three examples."""
+    """What `--help` prints: what it does, every estimator option with its default (read from EstimateArgs,
+    FitArgs and DryRunArgs), that training overrides apply, and examples."""
     from dist_train.estimate.compose import model_groups
 
     options = [line for k, v in option_defaults().items()
@@ -156,7 +181,9 @@ def help_text() -> str:
         "Predicts, without running anything, each rank's memory (weights, gradients, master weights, optimizer "
         "state, activations, transient buffers; the KV cache for inference), the collectives of one optimizer "
         "step, and which strategies fit in gpu_gib on N GPUs: for one model at one sequence length, "
-        "train.seq_len (the breakdown and the fit table use the same).",
+        "train.seq_len (the breakdown and the fit table use the same). With dryrun.ranks it also runs the real "
+        "strategy code as those ranks of world_size, here, under a fake process group, and puts what they hold "
+        "and send beside the prediction.",
         "Training overrides: any override launch/train.py takes applies (strategy=, precision=, optimizer=, "
         "model=, train.seq_len=, train.micro_batch_size=, strategy.<key>=, ...), and the config is checked as "
         f"training checks it. model= takes conf/model ({', '.join(model_groups())}) and the estimator's Llama 2 "
@@ -187,7 +214,8 @@ def _checkpointing(option: Optional[bool], train: dict[str, Any]) -> dict[str, b
     return {"activation_checkpointing": option}
 
 
-_OWN_KEYS = ("world_size", "gpu_gib", "regime", "activation_checkpointing", "kv_batch", "kv_context", "fit", "format")
+_OWN_KEYS = ("world_size", "gpu_gib", "regime", "activation_checkpointing", "kv_batch", "kv_context", "fit", "format",
+             "dryrun")
 
 
 def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -266,13 +294,76 @@ def main(argv: list[str] | None = None) -> int:
             **({"strategy": unlisted} if unlisted else {}),
         )
         models = fit_models(shape, args.fit)
+        if args.dryrun.ranks:
+            why_not = supported(setup.family, setup.strategy)
+            if why_not:
+                raise ValueError(why_not)
+            dryrun_overrides = resolve_model_choice(training)
+            training_run(dryrun_overrides, world_size=args.world_size)  # what training would refuse, refused now
     except (ValueError, OmegaConfBaseException, HydraException) as exc:
         return report_config_error(one_line(exc))
+    dry: list[dict[str, Any]] = []
+    if args.dryrun.ranks:
+        try:
+            dry = dryrun_rows(dryrun_overrides, shape, setup, args=args)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            print(f"dry run failed: {one_line(exc)}", file=sys.stderr)
+            return 1
     if args.format == "json":
-        print(json.dumps(report_json(shape, setup, args=args, models=models), indent=1))
+        out = report_json(shape, setup, args=args, models=models)
+        if dry:
+            out["dryrun"] = {"world_size": args.world_size, "ranks": dry}
+        print(json.dumps(out, indent=1))
     else:
         print(report(shape, setup, args=args, unlisted=unlisted is not None, models=models))
+        if dry:
+            print("\n" + dryrun_section(dry, world_size=args.world_size))
     return 0
+
+
+def dryrun_rows(overrides: list[str], shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> list[dict[str, Any]]:
+    """Per asked rank: the dry run's figures (summary.json's ranks[] keys), the prediction for the same keys, and
+    their relative difference (dry run / predicted - 1)."""
+    from dist_train.estimate.dryrun import run_ranks
+    from dist_train.estimate.memory import category_bytes
+
+    measured = run_ranks(overrides, world_size=args.world_size, ranks=list(args.dryrun.ranks),
+                         timeout_s=args.dryrun.timeout_s)
+    ranks, comm = predict_memory(shape, setup), predict_comm(shape, setup)
+    rows = []
+    for m in measured:
+        r = m["rank"]
+        predicted: dict[str, float] = {f"memory/{c}_bytes": category_bytes(ranks[r], c)
+                                       for c in ("params", "grads", "optimizer")}
+        if ranks[r].peak_live is not None:
+            predicted["memory/peak_live_bytes"] = ranks[r].peak_live
+        for c in comm[r] if r < len(comm) else comm[0]:
+            key = f"comm/{c.op}/bytes"
+            predicted[key] = predicted.get(key, 0.0) + c.bytes
+        diff = {k: (m[k] / v - 1 if v else None) for k, v in predicted.items() if k in m}
+        rows.append({"rank": r, "measured": {k: v for k, v in m.items() if k != "rank"}, "predicted": predicted,
+                     "diff": diff})
+    return rows
+
+
+def dryrun_section(rows: list[dict[str, Any]], *, world_size: int) -> str:
+    keys = list(dict.fromkeys(k for row in rows for k in (*row["measured"], *row["predicted"])))
+    table = []
+    for key in keys:
+        cells: list[object] = [key]
+        for row in rows:
+            m, p, d = row["measured"].get(key), row["predicted"].get(key), row["diff"].get(key)
+            fmt = (lambda v: f"{v:,.0f}") if key.endswith("/count") else (
+                (lambda v: f"{v:,.1f} s") if key.endswith("_s") else human_bytes)
+            cells += [fmt(m) if m is not None else "-", human_bytes(p) if p is not None else "-",
+                      f"{d:+.1%}" if d is not None else "-"]
+        table.append(cells)
+    headers = ["figure", *(h for row in rows for h in (f"rank {row['rank']} dry run", "predicted", "diff"))]
+    return "\n".join([
+        f"dry run: the real strategy code as each rank of {world_size}, one process each here (fake process group, "
+        "FakeTensorMode: no data, no GPU); comm per step",
+        text_table(headers, table),
+    ])
 
 
 def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
@@ -343,6 +434,8 @@ def memory_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> st
         ["activations", "", "", *(human_bytes(ranks[r].activations) for r in show)],
         *_transient_rows(ranks, show),
         ["= total (peak)", "", "", *(human_bytes(ranks[r].total) for r in show)],
+        *([["peak of live tensors", "", "", *(human_bytes(ranks[r].peak_live) for r in show)]]
+          if all(ranks[r].peak_live is not None for r in show) else []),
         [f"(activations {other} checkpointing)", "", "", *(human_bytes(ckpt[r].activations) for r in show)],
     ]
     kv_batch = args.kv_batch or setup.micro_batch_size

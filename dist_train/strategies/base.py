@@ -64,8 +64,12 @@ def block_tp_plan(config: Any) -> dict[str, str]:
 
 
 def onto(model: nn.Module, device: torch.device) -> nn.Module:
-    """The model on this rank's device; one built on meta stays there (sharded first, then filled)."""
-    return model if next(model.parameters()).is_meta else model.to(device)
+    """The model on this rank's device; one built on meta stays there (sharded first, then filled), and one already
+    there is left as it is (the dry run's fake tensors cannot be swapped by `Module.to`)."""
+    params = list(model.parameters())
+    if params[0].is_meta or all(p.device == device for p in params):
+        return model
+    return model.to(device)
 
 
 def check_tensor_parallel(run: RunConfig, tp: int, *, what: str) -> None:

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dist_train.config import StrategyConfig, require
 from dist_train.contracts import StrategyFamily
-from dist_train.strategies.base import StrategyContext
+from dist_train.strategies.base import StrategyContext, onto
 from dist_train.strategies.torch_strategy import TorchStrategy
 
 
@@ -36,7 +36,7 @@ class DDPWrapper:
     def wrap(self, model: nn.Module) -> nn.Module:
         device = self.ctx.runtime.device
         ddp = DistributedDataParallel(
-            model.to(device),
+            onto(model, device),
             device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=self.cfg.bucket_cap_mb,
             gradient_as_bucket_view=self.cfg.gradient_as_bucket_view,

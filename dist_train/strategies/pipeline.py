@@ -59,6 +59,7 @@ from dist_train.strategies.base import (
     StrategyContext,
     autocast,
     load_torch_state_dict,
+    onto,
     reshard,
     torch_state_dict,
 )
@@ -330,7 +331,7 @@ class PipelineStrategy:
         layout = model_layout(model)
         self.module = build_stage(model, bounds=bounds, stage_index=self.stage_index)
         if self.ctx.materialize is None:
-            self.module.to(self.device)
+            self.module = onto(self.module, self.device)
         pp_group = None  # the default group: one pipeline over every rank
         if self.dp_size > 1:
             pp_group = self._data_parallel(self.module)

@@ -1,0 +1,65 @@
+"""The dry run at scale: the real strategy code as rank 0 of a 64- and a 1024-rank Llama-2-70B job, on this machine.
+
+    python bench/dryrun_scale.py            # writes the 'dryrun-scale' section of docs/BENCHMARKS.md
+
+Runs `python -m dist_train.estimate model=70b train.seq_len=1024 world_size=N dryrun.ranks=[0] format=json` for
+fsdp and fsdp_tp (tp=8) and tabulates what rank 0 holds and sends per step against the estimator's ZeRO-paper
+arithmetic, with what the dry run cost here (wall time and peak resident memory of the rank's process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import PYTHON, md_table, run, write_section  # noqa: E402
+
+GIB = 2**30
+CASES = [("fsdp", []), ("fsdp_tp", ["strategy.tp=8"])]
+SHOWN = ["memory/params_bytes", "memory/optimizer_bytes", "comm/all_gather/bytes", "comm/reduce_scatter/bytes",
+         "comm/all_reduce/bytes", "memory/peak_live_bytes"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", default="64,1024")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    args = parser.parse_args()
+    rows = []
+    for strategy, extra in CASES:
+        for n in (int(x) for x in args.world_sizes.split(",")):
+            cmd = [PYTHON, "-m", "dist_train.estimate", f"strategy={strategy}", *extra, "model=70b",
+                   f"train.seq_len={args.seq_len}", f"world_size={n}", "dryrun.ranks=[0]", "format=json"]
+            proc, _ = run(cmd, timeout=1800)
+            rank = json.loads(proc.stdout)["dryrun"]["ranks"][0]
+            m, d = rank["measured"], rank["diff"]
+            cells = []
+            for key in SHOWN:
+                if key not in m:
+                    cells.append("-")
+                    continue
+                diff = d.get(key)
+                cells.append(f"{m[key] / GIB:,.3f}" + ("" if diff is None else f" ({diff:+.2%})"))
+            label = f"{strategy}{' tp=8' if extra else ''}"
+            rows.append([label, f"{n:,}", *cells, f"{m['dryrun/wall_s']:.0f}", f"{m['dryrun/peak_rss_bytes'] / GIB:.2f}"])
+            print(rows[-1], flush=True)
+    headers = ["strategy", "ranks", *(f"{k.split('/', 1)[1].removesuffix('_bytes')}, GiB (vs predicted)" for k in SHOWN),
+               "dry run wall, s", "dry run peak RSS, GiB"]
+    note = ("Rank 0 of each job, one process here: fake process group, FakeTensorMode (no weights allocated), the real "
+            "fully_shard and tensor-parallel plans, two training steps (the second measured). Llama-2-70B shape (the "
+            "estimator's 70b preset: 80 layers, hidden 8192, 64 heads, 8 KV heads, vocabulary 32,000), fp32, AdamW, "
+            f"micro-batch 1 x {args.seq_len} tokens, one micro-batch a step. Predicted: the estimator's ZeRO-paper "
+            "arithmetic and collective model for the same config (diff = dry run / predicted - 1). Comm bytes per "
+            "step. The peak of live tensors is predicted for fsdp only."
+            " Disagreements found and where they stand: (1) fsdp_tp holds 5.3% more parameters per rank than the ZeRO paper's 4Ψ/N, as the estimator predicts: the embedding and the LM head are not split over the tensor-parallel group, only sharded over its data-parallel one (the vocabulary-parallel split of issue 24 is not built yet). (2) The peak of live tensors of fsdp is 10-14% above the prediction at this size (within 5% on the tiny model): the prediction leaves out backward's temporaries (8 GB here) and the fake CPU attention kernel keeps a little more than the real one. (3) Wall time: fsdp at 1,024 ranks takes over the issue's 2 minutes (FSDP2 splits each gathered output into one chunk per rank, and every op on a fake tensor pays Python dispatch), fsdp_tp more (DTensor dispatch per op); memory stays under 0.5 GiB.")
+    write_section("dryrun-scale", "The dry run at scale", md_table(headers, rows),
+                  command=f"python bench/dryrun_scale.py --world-sizes {args.world_sizes} --seq-len {args.seq_len}",
+                  note=note)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The dry run: the real strategy code for one rank of an N-rank job, in one process here, with no GPU.
+
+    python -m dist_train.estimate strategy=fsdp model=70b world_size=1024 dryrun.ranks=[0,1023] format=json
+
+For each asked rank a fresh process (`python -m dist_train.estimate.dryrun`) joins torch's fake process group
+(`backend="fake"`: every collective returns at once, with no peer and no data) as that rank of `world_size`, builds
+the model under FakeTensorMode (tensors with shapes and no storage: a 70B model costs no memory), lets the
+strategy shard and wrap it as training does, and runs one training step. What the rank would hold and send is read
+with the same code a training run uses, on the second step (the first makes the optimizer's state): the strategy's model state by category, the collectives the CommTracker
+sees, and the peak of all live tensors that torch's MemTracker follows (it works under FakeTensorMode). The figures
+use the keys of summary.json's `ranks[]`.
+
+Strategies: fsdp, tp and fsdp_tp. The others are refused with one line saying why (NOT_YET).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Iterator
+
+# Strategy families whose set-up and step run under a fake process group and FakeTensorMode (tested at world
+# sizes 2 and 4 against real gloo runs: tests/test_dryrun.py).
+DRYRUN_FAMILIES = ("fsdp", "tp", "fsdp_tp")
+# Why the others do not run there yet (each found by trying it).
+NOT_YET = {
+    "ddp": "DistributedDataParallel's constructor compares parameter data across ranks",
+    "dp": "nn.DataParallel is one process",
+    "single": "one process: the estimator and a real run need no dry run",
+    "accelerate": "Accelerate prepares the model with real tensors",
+    "zero": "DeepSpeed's engine moves and flattens real parameter storage",
+    "pipeline": "torch.distributed.pipelining exchanges the stages' shapes by value at the first step",
+}
+
+
+def supported(family: str, strategy: str) -> str | None:
+    """None when the dry run covers this strategy, else why not (one line)."""
+    if family in DRYRUN_FAMILIES:
+        return None
+    why = NOT_YET.get(family, "not tried yet")
+    return (f"strategy={strategy}: the dry run covers {', '.join(DRYRUN_FAMILIES)} so far ({why}); "
+            "the estimator alone still predicts it (drop dryrun.ranks)")
+
+
+@contextlib.contextmanager
+def _meshes_outside_fake_mode() -> Iterator[None]:
+    """Device meshes compute their coordinates from real rank tensors: FakeTensorMode is lifted while one is made
+    (init_device_mesh, DeviceMesh(...), or slicing a mesh into a dimension)."""
+    import torch.distributed.device_mesh as device_mesh
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def lifted(fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+
+        return call
+
+    mesh = device_mesh.DeviceMesh
+    originals = [(device_mesh, "init_device_mesh"), (mesh, "__init__"), (mesh, "__getitem__")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in originals]
+    for owner, name, fn in saved:
+        setattr(owner, name, lifted(fn))
+    try:
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+def training_run(overrides: list[str], *, world_size: int) -> Any:
+    """The RunConfig `launch/train.py <overrides>` would train on `world_size` ranks, checked as training checks it
+    (batch divisibility, degrees, ...): a ConfigError otherwise."""
+    from dist_train.checks import validate
+    from dist_train.config import resolve_global_batch
+    from dist_train.estimate.compose import compose_run
+
+    run = compose_run(overrides)
+    resolve_global_batch(run, world_size)
+    validate(run, world_size)
+    return run
+
+
+def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, Any]:
+    """This process as `rank` of `world_size` under the fake process group: set-up and one step; its figures."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dist_train.contracts import Batch, Runtime
+    from dist_train.model import _constructor, apply_activation_checkpointing
+    from dist_train.optim import OptimizerFactory
+    from dist_train.strategies.base import StrategyContext
+    from dist_train.strategies.registry import build_strategy
+    from dist_train.telemetry.comm import CommTracker
+    from dist_train.telemetry.memory import HostPeak, LiveMeter
+
+    start = time.perf_counter()
+    run = training_run(overrides, world_size=world_size)
+    t = run.train
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    cpu = torch.device("cpu")
+    runtime = Runtime(rank, rank, world_size, world_size, cpu, "fake", 600.0, "dryrun", ("dryrun",) * world_size)
+    tracker = CommTracker().install()
+    ctx = StrategyContext(runtime=runtime, train=t, precision=run.precision,
+                          optimizer=OptimizerFactory(run.optimizer, t, device=cpu), ddp_comm_hook=tracker.ddp_comm_hook)
+    strategy = build_strategy(run.strategy, ctx)
+    dp = run.strategy.data_parallel_size(world_size)
+    local = t.global_batch_size // dp
+    with FakeTensorMode(allow_non_fake_inputs=True), _meshes_outside_fake_mode():
+        model = _constructor(run.model)()
+        if t.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        strategy.setup(model)
+        tracker.name_groups(getattr(strategy, "mesh_groups", dict)())  # comm/<dim>/<op>/... where there is a mesh
+        ids = torch.zeros(local, t.seq_len, dtype=torch.long)
+        # As a training run measures: a first step makes the optimizer's state (and runs lazy initialisation);
+        # the second is the one whose collectives are counted and whose live tensors MemTracker follows.
+        strategy.train_step(Batch(ids, ids))
+        tracker.drain()
+        meter = LiveMeter()
+        with meter.measuring(strategy.model_state()):
+            strategy.train_step(Batch(ids, ids))
+        state = strategy.model_state()
+        out: dict[str, Any] = {"rank": rank, **state.bytes()}
+    for op, totals in tracker.drain().items():
+        if not totals.count:
+            continue
+        out[f"comm/{op}/count"] = totals.count
+        out[f"comm/{op}/bytes"] = totals.bytes
+        for dim, (count, nbytes, _) in totals.by_dim.items():
+            out[f"comm/{dim}/{op}/count"] = count
+            out[f"comm/{dim}/{op}/bytes"] = nbytes
+    out["memory/peak_live_bytes"] = meter.peak_bytes
+    for category, nbytes in meter.peak_by_category.items():
+        out[f"memory/peak_live/{category}_bytes"] = nbytes
+    tracker.uninstall()
+    # What the dry run itself cost here: this process's wall time and peak resident memory.
+    out["dryrun/wall_s"] = time.perf_counter() - start
+    out["dryrun/peak_rss_bytes"] = HostPeak().peak_bytes()
+    return out
+
+
+def run_ranks(overrides: list[str], *, world_size: int, ranks: list[int], timeout_s: float) -> list[dict[str, Any]]:
+    """Each rank in its own process (a process joins one process group), one after the other."""
+    out = []
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    for rank in ranks:
+        proc = subprocess.run([sys.executable, "-m", "dist_train.estimate.dryrun", "--world-size", str(world_size),
+                               "--rank", str(rank)], input=json.dumps(overrides), capture_output=True, text=True,
+                              timeout=timeout_s, env=env)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"rank"')]
+        if proc.returncode != 0 or not lines:
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"dry run of rank {rank} of {world_size} failed: {tail}")
+        out.append(json.loads(lines[-1]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="one rank of a dry run (its training overrides, a JSON list, on stdin)")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    args = parser.parse_args()
+    from dist_train.quiet import quiet_deepspeed_on_cpu
+
+    quiet_deepspeed_on_cpu()
+    overrides = json.loads(sys.stdin.read())
+    print(json.dumps(run_rank(overrides, world_size=args.world_size, rank=args.rank)), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown under the fake group's threads
+
+
+if __name__ == "__main__":
+    main()

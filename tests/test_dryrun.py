@@ -1,0 +1,63 @@
+"""The dry run (`python -m dist_train.estimate ... dryrun.ranks=[...]`): the real strategy code as one rank of N
+under a fake process group and FakeTensorMode, against a real gloo run of the same config at the same world size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import FAST, ROOT, env, train_ok
+
+pytestmark = pytest.mark.multiproc
+
+# The figures a rank reports in summary.json's ranks[] that the dry run must reproduce exactly.
+EXACT = ("memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes")
+
+
+def dry_run(overrides: list[str], *, world_size: int, ranks: list[int]) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "dist_train.estimate", *overrides, f"world_size={world_size}",
+           f"dryrun.ranks=[{','.join(map(str, ranks))}]", "format=json"]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize(("strategy", "nproc"), [("fsdp", 2), ("tp", 2), ("fsdp_tp", 4)])
+def test_dry_run_equals_a_real_run(strategy, nproc, tmp_path):
+    overrides = [f"strategy={strategy}", *FAST]
+    real = train_ok([*overrides, "logger=none"], run_dir=tmp_path, nproc=nproc)
+    proc = dry_run(overrides, world_size=nproc, ranks=list(range(nproc)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dry = json.loads(proc.stdout)["dryrun"]
+    assert dry["world_size"] == nproc and [r["rank"] for r in dry["ranks"]] == list(range(nproc))
+    for got, want in zip(dry["ranks"], real["ranks"]):
+        measured = got["measured"]
+        for key in EXACT:
+            assert measured[key] == want[key], (strategy, got["rank"], key, measured[key], want[key])
+        # Collectives per step, by op and, where there is a mesh, by its dimension: the same calls, the same bytes.
+        counted = {k.removesuffix("/count") for k, v in want.items()
+                   if k.startswith("comm/") and k.endswith("/count") and v}
+        assert counted, want
+        for prefix in counted:
+            assert measured[f"{prefix}/count"] == want[f"{prefix}/count"], (strategy, prefix)
+            assert measured[f"{prefix}/bytes"] == want[f"{prefix}/bytes"], (strategy, prefix)
+        assert {k.removesuffix("/count") for k in measured if k.startswith("comm/") and k.endswith("/count")} == counted
+        # Every live tensor at the peak: the fake CPU attention kernel saves a little more than the real one.
+        live, want_live = measured["memory/peak_live_bytes"], want["memory/peak_live_bytes"]
+        assert abs(live - want_live) <= 0.05 * want_live, (strategy, live, want_live)
+        # Beside it, the estimator's prediction and the difference, for the same keys.
+        assert got["predicted"]["memory/params_bytes"] > 0
+        assert got["diff"]["memory/params_bytes"] == pytest.approx(
+            measured["memory/params_bytes"] / got["predicted"]["memory/params_bytes"] - 1)
+
+
+def test_dry_run_refuses_what_it_cannot_run_in_one_line():
+    proc = dry_run(["strategy=ddp", "model=tiny"], world_size=2, ranks=[0])
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "strategy=ddp" in lines[0] and "fsdp, tp, fsdp_tp" in lines[0], proc.stderr
+    proc = dry_run(["strategy=fsdp", "model=tiny"], world_size=4, ranks=[0, 4])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "config error: dryrun.ranks: rank 4 is not one of world_size=4's (0 to 3)"], proc.stderr
