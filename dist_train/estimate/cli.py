@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dist_train.estimate.comm import bus_factor, predict_comm, ring_bytes, ring_volume_psi
-from dist_train.estimate.dryrun import supported, training_run
+from dist_train.estimate.dryrun import dryrun_rows, dryrun_section, supported, training_run
 from dist_train.estimate.fit import DEFAULT_FIT_GPUS, DEFAULT_FIT_STRATEGIES, FitCell, FitModel, fit_table
 from dist_train.estimate.memory import (
     RankMemory,
@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     dry: list[dict[str, Any]] = []
     if args.dryrun.ranks:
         try:
-            dry = dryrun_rows(dryrun_overrides, shape, setup, args=args)
+            dry = dryrun_rows(dryrun_overrides, shape, setup, ranks=list(args.dryrun.ranks),
+                              timeout_s=args.dryrun.timeout_s)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             print(f"dry run failed: {one_line(exc)}", file=sys.stderr)
             return 1
@@ -319,51 +320,6 @@ def main(argv: list[str] | None = None) -> int:
         if dry:
             print("\n" + dryrun_section(dry, world_size=args.world_size))
     return 0
-
-
-def dryrun_rows(overrides: list[str], shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> list[dict[str, Any]]:
-    """Per asked rank: the dry run's figures (summary.json's ranks[] keys), the prediction for the same keys, and
-    their relative difference (dry run / predicted - 1)."""
-    from dist_train.estimate.dryrun import run_ranks
-    from dist_train.estimate.memory import category_bytes
-
-    measured = run_ranks(overrides, world_size=args.world_size, ranks=list(args.dryrun.ranks),
-                         timeout_s=args.dryrun.timeout_s)
-    ranks, comm = predict_memory(shape, setup), predict_comm(shape, setup)
-    rows = []
-    for m in measured:
-        r = m["rank"]
-        predicted: dict[str, float] = {f"memory/{c}_bytes": category_bytes(ranks[r], c)
-                                       for c in ("params", "grads", "optimizer")}
-        if ranks[r].peak_live is not None:
-            predicted["memory/peak_live_bytes"] = ranks[r].peak_live
-        for c in comm[r] if r < len(comm) else comm[0]:
-            key = f"comm/{c.op}/bytes"
-            predicted[key] = predicted.get(key, 0.0) + c.bytes
-        diff = {k: (m[k] / v - 1 if v else None) for k, v in predicted.items() if k in m}
-        rows.append({"rank": r, "measured": {k: v for k, v in m.items() if k != "rank"}, "predicted": predicted,
-                     "diff": diff})
-    return rows
-
-
-def dryrun_section(rows: list[dict[str, Any]], *, world_size: int) -> str:
-    keys = list(dict.fromkeys(k for row in rows for k in (*row["measured"], *row["predicted"])))
-    table = []
-    for key in keys:
-        cells: list[object] = [key]
-        for row in rows:
-            m, p, d = row["measured"].get(key), row["predicted"].get(key), row["diff"].get(key)
-            fmt = (lambda v: f"{v:,.0f}") if key.endswith("/count") else (
-                (lambda v: f"{v:,.1f} s") if key.endswith("_s") else human_bytes)
-            cells += [fmt(m) if m is not None else "-", human_bytes(p) if p is not None else "-",
-                      f"{d:+.1%}" if d is not None else "-"]
-        table.append(cells)
-    headers = ["figure", *(h for row in rows for h in (f"rank {row['rank']} dry run", "predicted", "diff"))]
-    return "\n".join([
-        f"dry run: the real strategy code as each rank of {world_size}, one process each here (fake process group, "
-        "FakeTensorMode: no data, no GPU); comm per step",
-        text_table(headers, table),
-    ])
 
 
 def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs,

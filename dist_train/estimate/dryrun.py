@@ -22,7 +22,11 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from dist_train.estimate.setup import Setup
+    from dist_train.estimate.shapes import ModelShape
 
 # Strategy families whose set-up and step run under a fake process group and FakeTensorMode (tested at world
 # sizes 2 and 4 against real gloo runs: tests/test_dryrun.py).
@@ -162,6 +166,54 @@ def run_ranks(overrides: list[str], *, world_size: int, ranks: list[int], timeou
             raise RuntimeError(f"dry run of rank {rank} of {world_size} failed: {tail}")
         out.append(json.loads(lines[-1]))
     return out
+
+
+def dryrun_rows(overrides: list[str], shape: ModelShape, setup: Setup, *, ranks: list[int],
+                timeout_s: float) -> list[dict[str, Any]]:
+    """Per asked rank: the dry run's figures (summary.json's ranks[] keys), the prediction for the same keys, and
+    their relative difference (dry run / predicted - 1)."""
+    from dist_train.estimate.comm import predict_comm
+    from dist_train.estimate.memory import category_bytes, predict_memory
+
+    measured = run_ranks(overrides, world_size=setup.world_size, ranks=ranks, timeout_s=timeout_s)
+    predicted_ranks, comm = predict_memory(shape, setup), predict_comm(shape, setup)
+    rows = []
+    for m in measured:
+        r = m["rank"]
+        predicted: dict[str, float] = {f"memory/{c}_bytes": category_bytes(predicted_ranks[r], c)
+                                       for c in ("params", "grads", "optimizer")}
+        if predicted_ranks[r].peak_live is not None:
+            predicted["memory/peak_live_bytes"] = predicted_ranks[r].peak_live
+        for c in comm[r] if r < len(comm) else comm[0]:
+            key = f"comm/{c.op}/bytes"
+            predicted[key] = predicted.get(key, 0.0) + c.bytes
+        diff = {k: (m[k] / v - 1 if v else None) for k, v in predicted.items() if k in m}
+        rows.append({"rank": r, "measured": {k: v for k, v in m.items() if k != "rank"}, "predicted": predicted,
+                     "diff": diff})
+    return rows
+
+
+def dryrun_section(rows: list[dict[str, Any]], *, world_size: int) -> str:
+    """The dry run's rows as a text table: per rank, what it measured, the prediction and the difference."""
+    from dist_train.estimate.render import human_bytes, text_table
+
+    keys = list(dict.fromkeys(k for row in rows for k in (*row["measured"], *row["predicted"])))
+    table = []
+    for key in keys:
+        cells: list[object] = [key]
+        for row in rows:
+            m, p, d = row["measured"].get(key), row["predicted"].get(key), row["diff"].get(key)
+            fmt = (lambda v: f"{v:,.0f}") if key.endswith("/count") else (
+                (lambda v: f"{v:,.1f} s") if key.endswith("_s") else human_bytes)
+            cells += [fmt(m) if m is not None else "-", human_bytes(p) if p is not None else "-",
+                      f"{d:+.1%}" if d is not None else "-"]
+        table.append(cells)
+    headers = ["figure", *(h for row in rows for h in (f"rank {row['rank']} dry run", "predicted", "diff"))]
+    return "\n".join([
+        f"dry run: the real strategy code as each rank of {world_size}, one process each here (fake process group, "
+        "FakeTensorMode: no data, no GPU); comm per step",
+        text_table(headers, table),
+    ])
 
 
 def main() -> None:
