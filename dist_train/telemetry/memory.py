@@ -70,7 +70,7 @@ def _step_tracker() -> Any:
     run again in backward (activation checkpointing's recomputation) files what it makes as activations."""
     import weakref
 
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     from torch.utils.weak import WeakIdKeyDictionary
 
     class StepTracker(MemTracker):
@@ -81,9 +81,20 @@ def _step_tracker() -> Any:
         def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
             if module not in self._seen:
                 self._seen[module] = True
-                self._track_module_params_and_buffers(module, install_grad_hooks=True)
+                # MemTracker hooks every parameter; a frozen one (LoRA's base) cannot take a hook.
+                self._track_module_params_and_buffers(module, install_grad_hooks=False)
+                for param in module.parameters():
+                    if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                        self._param_to_grad_hook_handles[param] = (
+                            param.register_hook(self._file_grad),
+                            param.register_post_accumulate_grad_hook(lambda p: self._file_grad(p.grad)),
+                        )
             elif self._mod_tracker.is_bw and self._ac_mod is None:
                 self._ac_mod, self._in_ac = weakref.ref(module), True
+
+        def _file_grad(self, grad: torch.Tensor | None) -> None:
+            if grad is not None:
+                self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
         def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
             if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
