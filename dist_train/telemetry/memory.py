@@ -53,7 +53,7 @@ class LiveMeter:
                 if isinstance(t, torch.Tensor):
                     tracker._update_and_maybe_create_winfos(t, reftype)
         # Hold no reference through the step: the last step's gradients must be free to go at zero_grad.
-        del state, tensors, t
+        state = tensors = t = None  # type: ignore[assignment]
         with tracker:
             yield
         peak = tracker.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
