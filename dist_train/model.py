@@ -424,8 +424,11 @@ def apply_lora(model: nn.Module, peft: Any, *, seed: int, compute_dtype: torch.d
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; `labels` are already shifted by the data pipeline."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+    """Mean next-token cross-entropy; `labels` are already shifted by the data pipeline.
+
+    Under tensor parallelism the logits are a DTensor split by vocabulary and the loss (computed under torch's
+    `loss_parallel`) a replicated one: every rank holds the same value, returned as a plain tensor."""
+    return local_tensor(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1)))
 
 
 def forward_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -221,14 +221,16 @@ def test_strategies_that_cannot_split_an_architecture_say_so_before_starting(tmp
 @pytest.mark.multiproc
 def test_tensor_parallelism_follows_each_architectures_own_plan(tmp_path):
     """2 ranks, every tested architecture, with and without sequence parallelism: the loss and every parameter's
-    gradient (gathered whole) as the unsplit model's. Qwen3's q/k norms see only each rank's heads: their gradient
+    gradient (gathered whole) as the unsplit model's, the embedding and head split by vocabulary. Qwen3's q/k norms see only each rank's heads: their gradient
     is summed over the ranks (without that it is off by 1e-2, measured)."""
     import subprocess
     import sys
 
     from tests.helpers import ROOT, env
 
-    dirs = [str(make_model_dir(tmp_path, arch)) for arch in ARCHS]
+    # GPT-2 with its head tied to the embedding, as OpenAI's: both split by vocabulary, one weight; Gemma's
+    # embedding scales its rows and keeps a padding row (pad_token_id=0), whose gradient stays zero
+    dirs = [str(make_model_dir(tmp_path, arch, tie=arch == "gpt2")) for arch in ARCHS]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "tests/scripts/tp_archs.py", *dirs], cwd=ROOT, env=env(), capture_output=True, text=True,
                           timeout=600)

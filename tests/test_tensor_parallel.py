@@ -14,14 +14,18 @@ from tests.helpers import FAST, assert_same_losses, compare_from, last_step, rel
 pytestmark = pytest.mark.multiproc
 
 LLAMA = ["model.arch=llama", "model.num_heads=4", "model.num_kv_heads=2"]
+# The vocabulary split's all-reduces per micro-batch (2 x 64 tokens, hidden 64, fp32): the embedding's rows in
+# forward, the head's input gradient in backward, and loss_parallel's max, sum of exponentials and target logit.
+VOCAB_SPLIT = 2 * (2 * 64 * 64 * 4) + 3 * (2 * 64 * 4)
 
 
 
 def _split_elements(model_cfg: ModelConfig) -> int:
-    """Elements of the model that TP splits: every block's projection weights and column-parallel biases,
-    counted from the model as transformers builds it."""
+    """Elements of the model that TP splits: every block's projection weights and column-parallel biases, the
+    token embedding and the (untied) LM head, counted from the model as transformers builds it."""
     model = build_model(model_cfg, seed=0)
-    total = 0
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    total = embed.numel() + (0 if head is embed else head.numel())
     for block in transformer_blocks(model):
         for name, p in block.named_parameters():
             projection = name.endswith("weight") and p.dim() == 2
@@ -45,7 +49,7 @@ def test_gpt2_tp_matches_single_splits_the_blocks_and_all_reduces_activations(st
         # Megatron: per layer and micro-batch, 2 all-reduces of a (micro-batch x seq x hidden) fp32 activation in
         # forward and 2 of its gradient in backward; plus the gradient norm's partial sums (a few bytes).
         activation = 2 * 64 * cfg.hidden_size * 4
-        expected = 4 * cfg.num_layers * 4 * activation
+        expected = 4 * cfg.num_layers * 4 * activation + 4 * VOCAB_SPLIT
         assert expected <= rec["comm/all_reduce/bytes"] <= expected + 1024
         assert rec["comm/all_gather/count"] == rec["comm/reduce_scatter/count"] == 0
         assert rec["comm/tp/all_reduce/bytes"] == rec["comm/all_reduce/bytes"]  # all of it on the tp group
@@ -71,8 +75,10 @@ def test_sequence_parallel_splits_the_norms_and_trades_each_all_reduce_for_a_gat
         assert rec["comm/tp/reduce_scatter/bytes"] == 4 * 4 * 4 * activation
         assert rec["comm/tp/all_gather/bytes"] == 4 * (4 * 4 + 2) * activation
         # what remains all-reduced: the norms' weight and bias gradients (partial over the sequence shards,
-        # 64 floats each, 4 per block and 2 for the final norm, every micro-batch), and the gradient norm
-        assert 4 * 18 * 64 * 4 <= rec["comm/all_reduce/bytes"] <= 4 * 18 * 64 * 4 + 1024
+        # 64 floats each, 4 per block and 2 for the final norm, every micro-batch), the vocabulary split's, and
+        # the gradient norm
+        expected = 4 * 18 * 64 * 4 + 4 * VOCAB_SPLIT
+        assert expected <= rec["comm/all_reduce/bytes"] <= expected + 1024
         # the norms' inputs are split by sequence: fewer activation bytes than tp's (same batch)
         assert rec["memory/activations_bytes"] < tp_rec["memory/activations_bytes"]
     row = compare_from(tmp_path / "compare", single_dir, run_dir)["tp"]
@@ -99,7 +105,7 @@ def test_llama_tp_with_grouped_query_attention_matches_single(tmp_path):
         assert rec["memory/params_bytes"] == 4 * (tp["num_params"] - _split_elements(cfg) // 2)
         # backward reduces the input gradient of q, k, v, gate and up separately (torch's ColwiseParallel)
         activation = 2 * 64 * cfg.hidden_size * 4
-        expected = 4 * cfg.num_layers * (2 + 5) * activation
+        expected = 4 * cfg.num_layers * (2 + 5) * activation + 4 * VOCAB_SPLIT
         assert expected <= rec["comm/all_reduce/bytes"] <= expected + 1024
 
 
@@ -127,7 +133,8 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_single_and_names_each_dimensions_traffic(
         assert rec["comm/dp/reduce_scatter/bytes"] == rec["comm/reduce_scatter/bytes"] == 4 * tp_rank
         assert rec["comm/dp/all_gather/bytes"] == rec["comm/all_gather/bytes"] > 0
         activation = 2 * 64 * 64 * 4
-        assert 2 * 4 * 4 * activation <= rec["comm/tp/all_reduce/bytes"] <= 2 * 4 * 4 * activation + 1024
+        expected = 2 * 4 * 4 * activation + 2 * (2 * activation + 3 * 2 * 64 * 4)  # 2 micro-batches per rank
+        assert expected <= rec["comm/tp/all_reduce/bytes"] <= expected + 1024
     rows = compare_from(tmp_path / "compare", single_dir, run_dir)
     assert rows["fsdp_tp"]["prediction_ok"] is True, rows["fsdp_tp"]
     assert rows["fsdp_tp"]["agrees"] is True, rows["fsdp_tp"]["verdict"]

@@ -183,12 +183,18 @@ def _tensor_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
     tokens = setup.seq_len * setup.micro_batch_size * shape.hidden_size
     compute = element_bytes(setup.precision)
     grad = 4 if setup.resolved_regime == "autocast" else compute
+    # The vocabulary split, per micro-batch: the embedding's looked-up rows (forward, the parameters' dtype), the
+    # head's input gradient (backward), and loss_parallel's fp32 max, sum of exponentials and target logit per token
+    vocab = Collective("all_reduce", m * (2 * tokens * grad + 3 * setup.seq_len * setup.micro_batch_size * 4),
+                       f"vocabulary split: embedding rows, head input gradient, 3 loss reductions, {m} micro-batch(es)",
+                       grad)
     if setup.sequence_parallel:
-        return _sequence_parallel(shape, setup, tokens=tokens, compute=compute, wide=grad)
+        return [*_sequence_parallel(shape, setup, tokens=tokens, compute=compute, wide=grad), vocab]
     backward = 2 if shape.arch == "gpt2" else 5
     return [
         Collective("all_reduce", m * layers * (2 * tokens * compute + backward * tokens * grad),
                    f"activations: 2 forward + {backward} backward per layer, {m} micro-batch(es)", compute),
+        vocab,
     ]
 
 

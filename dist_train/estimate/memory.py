@@ -304,9 +304,12 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
 
 def tp_rank_params(shape: ModelShape, setup: Setup) -> float:
     """Parameters one rank holds under tensor parallelism of degree t (all of them when t = 1): each layer's
-    matmul weights and column-parallel biases split t ways, everything else whole."""
-    layers = shape.num_layers * shape.layer_params_tp(setup.tensor_parallel_size)
-    return shape.embedding_params() + layers + shape.head_params()
+    matmul weights and column-parallel biases, the token embedding and the untied LM head split t ways (by
+    vocabulary), everything else (norms, GPT-2's positions, row-parallel biases) whole."""
+    t = setup.tensor_parallel_size
+    layers = shape.num_layers * shape.layer_params_tp(t)
+    vocab_split = shape.vocab_size * shape.hidden_size * (1 if shape.tie_embeddings else 2)
+    return shape.embedding_params() + layers + shape.head_params() - vocab_split * (1 - 1 / t)
 
 
 def _param_elem(setup: Setup) -> int:
@@ -348,7 +351,7 @@ def weight_copy_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_
     if not setup.autocast_16bit:
         return 0.0
     layer = shape.layer_matmul_weights() / setup.tensor_parallel_size
-    head = shape.head_matmul_weights() if with_head else 0
+    head = shape.head_matmul_weights() / setup.tensor_parallel_size if with_head else 0
     if setup.activation_checkpointing:
         # the blocks' copies exist only while one block is recomputed, after its micro-batch's head is released
         return float(((in_flight - 1) * head + max(head, layer)) * element_bytes(setup.precision))
@@ -416,9 +419,9 @@ def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_h
     layer = layer_activation_bytes(shape, micro_batch_size=b, seq_len=s, elem=elem, norm_elem=norm_elem,
                                    autocast=setup.autocast_16bit, tp=tp, sequence_parallel=sp)
     # the final norm's saved tensors (split by sequence under sequence parallelism), the head's input, the
-    # fp32 log-softmax of the logits
+    # fp32 log-softmax of the logits (split by vocabulary under tensor parallelism)
     final_norm = shape.hidden_size * norm_saved_bytes(shape, norm_elem) / (tp if sp else 1)
-    head = s * b * (final_norm + shape.hidden_size * elem + shape.vocab_size * 4) if with_head else 0.0
+    head = s * b * (final_norm + shape.hidden_size * elem + shape.vocab_size * 4 / tp) if with_head else 0.0
     if setup.activation_checkpointing:
         # Each micro-batch in flight keeps its layers' inputs (the residual stream: fp32 under autocast). The
         # peak is either the end of the last forward (its head's tensors alive) or the first recomputation in

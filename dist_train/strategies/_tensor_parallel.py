@@ -6,9 +6,11 @@ import, and the registry imports every family module whatever the strategy.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -19,11 +21,12 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dist_train.contracts import full_of, place_like
+from dist_train.contracts import Batch, StepOutput, full_of, place_like
 from dist_train.model import model_layout, transformer_blocks
 from dist_train.strategies.torch_strategy import TorchStrategy
 
@@ -207,8 +210,56 @@ def _split_sequence(mesh: DeviceMesh) -> Any:
     return hook
 
 
+def _split_vocabulary(model: nn.Module, mesh: DeviceMesh) -> None:
+    """The token embedding and the LM head split by vocabulary row (Megatron's and torchtitan's layout).
+
+    The embedding looks up the ids in this rank's rows and all-reduces the result (`_vocab_parallel_lookup`);
+    the head (torch's ColwiseParallel) computes each rank's vocabulary slice of the logits, left as a DTensor
+    that `loss_parallel` (see TPStrategy) reduces without gathering: the max, the sum of exponentials and the
+    target's logit are all-reduced per token. A tied head shares the embedding's sharded weight (both store
+    vocab x hidden)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    if type(embed).forward is nn.Embedding.forward or hasattr(embed, "embed_scale"):  # Gemma's scales its rows
+        _distribute(embed, "weight", mesh, Shard(0), None)
+        # Shard(0)'s rows: torch.chunk's, ceil(vocab / t) per rank, the last ranks' fewer
+        vocab, per_rank = embed.weight.shape[0], -(-embed.weight.shape[0] // mesh.size())
+        first = min(mesh.get_local_rank() * per_rank, vocab)
+        embed.vocab_rows = (first, first + embed.weight.to_local().shape[0])
+        embed.forward = types.MethodType(_vocab_parallel_lookup, embed)
+    else:  # an embedding with its own forward: torch's style (its gradient is computed whole on every rank)
+        parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                           src_data_rank=None)
+    if head is None:
+        return
+    parallelize_module(head, mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                   use_local_output=False), src_data_rank=None)
+    if tied:
+        head.weight = embed.weight
+
+
+def _vocab_parallel_lookup(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """Megatron's VocabParallelEmbedding as an nn.Embedding's forward: ids outside this rank's rows look up
+    row 0 and are zeroed, and the ranks' partial results are all-reduced. Unlike torch's RowwiseParallel
+    (torch 2.13), the weight's gradient is this rank's rows only, not the whole table on every rank (measured).
+    A padding row (`padding_idx`, whose gradient stays zero) is on one rank: its index in that rank's rows."""
+    weight = self.weight
+    first, end = self.vocab_rows  # type: ignore[misc]
+    local_ids = ids - first
+    outside = (local_ids < 0) | (local_ids >= end - first)
+    pad = None if self.padding_idx is None or not first <= self.padding_idx < end else self.padding_idx - first
+    rows = F.embedding(local_ids.masked_fill(outside, 0), weight.to_local(), pad, self.max_norm, self.norm_type,
+                       self.scale_grad_by_freq, self.sparse)
+    rows = rows.masked_fill(outside.unsqueeze(-1), 0)
+    out = DTensor.from_local(rows, weight.device_mesh, [Partial()], run_check=False)
+    out = out.redistribute(weight.device_mesh, [Replicate()]).to_local()
+    scale = getattr(self, "embed_scale", None)
+    return out if scale is None else out * scale.to(out.dtype)
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> nn.Module:
-    """Shard each block's projections over `mesh` (1-D) and replicate the rest, in place.
+    """Shard each block's projections, the token embedding and the LM head over `mesh` (1-D) and replicate the
+    rest, in place.
 
     Sequence parallelism: the first block takes its rank's slice of the sequence, the final norm runs on
     it too, and its output is gathered whole for the head (and for GPT-2's reshape before it)."""
@@ -231,6 +282,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool =
         parallelize_module(norm, mesh, SequenceParallel(), src_data_rank=None)
         parallelize_module(norm, mesh, PrepareModuleOutput(
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
+    _split_vocabulary(model, mesh)
     for module in list(model.modules()):
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             parallelize_module(module, mesh, Replicated(), src_data_rank=None)
@@ -260,11 +312,23 @@ def like(loaded: Any, current: Any) -> Any:
 
 
 class TPStrategy(TorchStrategy):
-    """A TorchStrategy whose state dicts hold GPT-2's fused q/k/v shards as plain column blocks.
+    """A TorchStrategy whose logits stay split by vocabulary, and whose state dicts hold GPT-2's fused q/k/v
+    shards as plain column blocks.
+
+    The cross-entropy of the vocabulary-split logits runs under torch's `loss_parallel` (forward and backward):
+    each rank computes on its slice, never the whole logits.
 
     torch.distributed.checkpoint writes each rank's shard as one contiguous chunk of the global tensor, which
     a `_StridedShard` (a rank's q, k and v columns) is not; on save those tensors are laid out `Shard(dim)`
     (same global values: any strategy can read them), on load put back. One tensor at a time is gathered."""
+
+    def train_step(self, batch: Batch) -> StepOutput:
+        with loss_parallel():
+            return super().train_step(batch)
+
+    def eval_step(self, batch: Batch) -> StepOutput:
+        with loss_parallel():
+            return super().eval_step(batch)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

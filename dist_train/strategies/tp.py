@@ -4,8 +4,10 @@ Per block, attention's query/key/value projection and the MLP's first projection
 column (each rank computes its own heads and its own slice of the intermediate), attention's output
 projection and the MLP's second projection by input row; the partial outputs of the row-parallel
 projections are summed by one all-reduce each in forward, and the gradients of the column-parallel inputs
-by one all-reduce each in backward. Everything else (embeddings, norms, the head, row-parallel biases) is
-replicated: a `Replicate` DTensor, so one optimizer and one gradient norm cover all parameters.
+by one all-reduce each in backward. The token embedding and the LM head are split by vocabulary row (Megatron's
+VocabParallelEmbedding; the loss under torch's `loss_parallel`, on each rank's slice of the logits). Everything
+else (norms, GPT-2's positions, row-parallel biases) is replicated: a `Replicate` DTensor, so one optimizer and
+one gradient norm cover all parameters.
 
 Every rank sees the whole batch (data-parallel size 1): the ranks of a TP group compute one model together.
 
