@@ -135,8 +135,9 @@ def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[tuple[int, int], t
         nbytes = t.numel() * t.element_size()
         try:
             storage = t.untyped_storage()
-            # A fake tensor's storage (the dry run's FakeTensorMode) has no data: its address is 0 for all of them.
-            key = (storage.data_ptr() or storage._cdata, t.storage_offset())
+            # A fake tensor's storage (the dry run's FakeTensorMode) has no data (no address): its handle instead.
+            fake = getattr(t, "fake_mode", None) is not None
+            key = (storage._cdata if fake else storage.data_ptr(), t.storage_offset())
         except (RuntimeError, NotImplementedError):
             key = (id(t), 0)
         if nbytes >= seen.get(key, (0, t.dtype))[0]:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 # Strategy families whose set-up and step run under a fake process group and FakeTensorMode (tested at world
 # sizes 2 and 4 against real gloo runs: tests/test_dryrun.py).
-DRYRUN_FAMILIES = ("fsdp", "tp", "fsdp_tp")
+DRYRUN_FAMILIES = ("fsdp", "tp", "fsdp_tp", "pipeline")
 # Why the others do not run there yet (each found by trying it).
 NOT_YET = {
     "ddp": "DistributedDataParallel's constructor compares parameter data across ranks",
@@ -77,6 +77,30 @@ def _meshes_outside_fake_mode() -> Iterator[None]:
             setattr(owner, name, fn)
 
 
+@contextlib.contextmanager
+def _pipeline_shapes_given() -> Iterator[None]:
+    """torch's pipeline schedules vote, at the first step, on whether every stage was given its input and output
+    shapes (STATIC) or must exchange them (DYNAMIC): a value passed from stage to stage, which the fake process
+    group does not carry. dist_train's pipelines give every stage both (PipelineStrategy.setup), so a real run's
+    vote is STATIC on every rank: here each of this rank's stages is set so, after checking its own vote."""
+    from torch.distributed.pipelining._utils import InferenceMode
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    def vote(self: Any, stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise RuntimeError(f"pipeline stage {stage.stage_index} was built without its input and output "
+                                   "shapes: the dry run cannot exchange them")
+            stage._inference_mode = InferenceMode.STATIC
+
+    original = _PipelineSchedule._warmup_p2p
+    _PipelineSchedule._warmup_p2p = vote  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _PipelineSchedule._warmup_p2p = original  # type: ignore[method-assign]
+
+
 def training_run(overrides: list[str], *, world_size: int) -> Any:
     """The RunConfig `launch/train.py <overrides>` would train on `world_size` ranks, checked as training checks it
     (batch divisibility, degrees, ...): a ConfigError otherwise."""
@@ -101,6 +125,7 @@ def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, A
     from dist_train.model import _constructor, apply_activation_checkpointing
     from dist_train.optim import OptimizerFactory
     from dist_train.strategies.base import StrategyContext
+    from dist_train.strategies.pipeline import PipelineConfig
     from dist_train.strategies.registry import build_strategy
     from dist_train.telemetry.comm import CommTracker
     from dist_train.telemetry.memory import HostPeak, LiveMeter
@@ -117,7 +142,7 @@ def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, A
     strategy = build_strategy(run.strategy, ctx)
     dp = run.strategy.data_parallel_size(world_size)
     local = t.global_batch_size // dp
-    with FakeTensorMode(allow_non_fake_inputs=True), _meshes_outside_fake_mode():
+    with FakeTensorMode(allow_non_fake_inputs=True), _meshes_outside_fake_mode(), _pipeline_shapes_given():
         model = _constructor(run.model)()
         if t.activation_checkpointing:
             apply_activation_checkpointing(model)
@@ -125,8 +150,11 @@ def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, A
         tracker.name_groups(getattr(strategy, "mesh_groups", dict)())  # comm/<dim>/<op>/... where there is a mesh
         ids = torch.zeros(local, t.seq_len, dtype=torch.long)
         # As a training run measures: a first step makes the optimizer's state (and runs lazy initialisation);
-        # the second is the one whose collectives are counted and whose live tensors MemTracker follows.
-        strategy.train_step(Batch(ids, ids))
+        # the second is the one whose collectives are counted and whose live tensors MemTracker follows. The first
+        # takes one micro-batch (its figures are dropped): with accumulation it costs 1/m of a step, not one step.
+        # A pipeline's schedule is built for its number of micro-batches: it takes the whole batch.
+        first = ids if isinstance(run.strategy, PipelineConfig) else ids[:t.micro_batch_size]
+        strategy.train_step(Batch(first, first))
         tracker.drain()
         meter = LiveMeter()
         with meter.measuring(strategy.model_state()):
