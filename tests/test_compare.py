@@ -27,7 +27,7 @@ def comparison(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     cmd = [sys.executable, str(COMPARE), f"compare.strategies={STRATEGIES}", "compare.nproc=2",
            f"compare.out_dir={out}", "compare.wandb=true", "compare.fit_gpus=[8,1024]",
            "logger=wandb", "model=tiny", "train.steps=3", "train.log_every=1",  # W&B offline (tests.helpers.env)
-           "eval.every_steps=3"]
+           "eval.every_steps=3", "compare.dryrun_world_sizes=[8]"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     rows = {r["strategy"]: r for r in json.loads((out / "table.json").read_text())}
@@ -134,6 +134,24 @@ def test_report_and_pictures(comparison):
     assert "llama2-70b" in report
     for row in rows.values():
         assert Path(row["run_dir"]).name in report  # every row names its run directory
+
+
+def test_dry_run_rows_at_a_world_size_the_comparison_did_not_run(comparison):
+    """compare.dryrun_world_sizes=[8]: fsdp as ranks 0 and 7 of 8 under the fake process group, beside the estimator;
+    single and ddp, which the dry run does not cover, say why in one line; the report marks them as not measured."""
+    out, rows, _ = comparison
+    dry = {r["strategy"]: r for r in json.loads((out / "dryruns.json").read_text())}
+    assert list(dry) == ["single", "ddp", "fsdp"] and all(r["world_size"] == 8 for r in dry.values())
+    assert "strategy=single" in dry["single"]["skipped"] and "strategy=ddp" in dry["ddp"]["skipped"]
+    ranks = dry["fsdp"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 7]
+    measured_at_2 = rows["fsdp"]["mem_params_max_bytes"]
+    for r in ranks:
+        params = r["measured"]["memory/params_bytes"]
+        assert params * 8 == pytest.approx(measured_at_2 * 2, rel=0.02)  # the same model state, over 8 ranks, not 2
+        assert abs(r["diff"]["memory/params_bytes"]) < 0.02 and r["measured"]["comm/all_gather/bytes"] > 0
+    report = (out / "report.md").read_text()
+    assert "## Dry runs at other world sizes (not measured)" in report and "no dry run: strategy=ddp" in report
 
 
 def test_wandb_comparison_run_written_offline(comparison):
@@ -249,6 +267,20 @@ def test_strategy_specs_and_argv_split():
     assert own == ["nproc=4", "out_dir=/x"] and training == ["model=tiny"]
     with pytest.raises(ValueError, match="compare.strategies"):
         split_argv(["strategy=ddp"])
+
+
+def test_bad_dry_run_world_sizes_are_one_line():
+    from omegaconf.errors import ValidationError
+
+    from dist_train.compare.settings import parse
+
+    assert parse(["dryrun_world_sizes=[64,1024]"]).dryrun_world_sizes == [64, 1024]
+    with pytest.raises(ValueError, match=r"compare.dryrun_world_sizes=\[8, 0\]: 0 is not a world size; each must be >= 1"):
+        parse(["dryrun_world_sizes=[8,0]"])
+    with pytest.raises(ValueError, match="compare.from has none"):
+        parse(["dryrun_world_sizes=[8]", "from_=[x]"])
+    with pytest.raises(ValidationError):
+        parse(["dryrun_world_sizes=[big]"])
 
 
 def test_failure_reason_prefers_the_child_error_over_torchrun():

@@ -7,6 +7,7 @@ from typing import Any
 
 from dist_train.compare.report import (comm_table, dtype_table, effects_table, md_table, prediction_table, runs_table,
                                        summary_table)
+from dist_train.compare.dryruns import DRYRUN_INTRO, dryrun_table
 from dist_train.compare.settings import CompareConfig
 from dist_train.estimate.render import human_bytes, human_count
 
@@ -34,7 +35,7 @@ category's worst rank, measured, with the size after the change and the estimato
 
 def render(*, rows: list[dict[str, Any]], cfg: CompareConfig, out_dir: Path, group: str, command: str,
            training: list[str], base: dict[str, Any], plots: dict[str, Path], fit: str,
-           effects: list[dict[str, Any]]) -> str:
+           effects: list[dict[str, Any]], dryruns: list[dict[str, Any]] | None = None) -> str:
     model, train = base["model"], base["train"]
     num_params = next((r["num_params"] for r in rows if "num_params" in r), None)
     parts = [
@@ -60,6 +61,7 @@ def render(*, rows: list[dict[str, Any]], cfg: CompareConfig, out_dir: Path, gro
         *(["## What each knob changes", EFFECTS_INTRO, effects_table(effects)] if effects else []),
         "## Pictures",
         "\n\n".join(f"![{name}]({path.name})" for name, path in plots.items()),
+        *(["## Dry runs at other world sizes (not measured)", DRYRUN_INTRO, dryrun_table(dryruns)] if dryruns else []),
         "## Would it fit?",
         fit,
         "## Runs (every number above comes from these directories)",

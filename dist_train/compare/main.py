@@ -74,10 +74,17 @@ def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = ""
     write_tables(rows, out_dir)
     (out_dir / "compare.json").write_text(json.dumps({"compare": asdict(cfg), "training_overrides": training,
                                                       "group": group, "command": command}, indent=2))
+    dryruns: list[dict[str, Any]] = []
+    if cfg.dryrun_world_sizes:
+        from dist_train.compare.dryruns import run_dryruns
+
+        dryruns = run_dryruns(specs, training, world_sizes=[int(n) for n in cfg.dryrun_world_sizes],
+                              timeout_s=cfg.timeout_s)
+        (out_dir / "dryruns.json").write_text(json.dumps(dryruns, indent=1))
     fit = fit_section(base, cfg, strategies=[s.name for s in specs])
     report = out_dir / "report.md"
     report.write_text(render(rows=rows, cfg=cfg, out_dir=out_dir, group=group, command=command,
-                             training=training, base=base, plots=plots, fit=fit, effects=effects))
+                             training=training, base=base, plots=plots, fit=fit, effects=effects, dryruns=dryruns))
     wandb_dir = None
     if _wants_wandb(cfg, base):
         from dist_train.compare.wandb_log import log_comparison

@@ -44,6 +44,9 @@ class CompareConfig:
     gpu_gib: float = 80.0
     fit_gpus: list[int] = field(default_factory=lambda: [8, 64, 1024])
     fit_models: list[str] = field(default_factory=lambda: ["7b", "70b"])
+    # Dry-run rows (dryruns.py): every strategy also as the first and last rank of jobs of these sizes, under a
+    # fake process group (the real code, nothing trained), beside the estimator; [] = none.
+    dryrun_world_sizes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -51,6 +54,13 @@ class CompareConfig:
         if not self.strategies:
             raise ValueError("compare.strategies is empty; e.g. compare.strategies=[single,ddp,fsdp]")
         self.sweep = flatten_sweep(self.sweep)
+        bad = [n for n in self.dryrun_world_sizes if int(n) < 1]
+        if bad:
+            raise ValueError(f"compare.dryrun_world_sizes={list(self.dryrun_world_sizes)}: {bad[0]} is not a world "
+                             "size; each must be >= 1")
+        if self.dryrun_world_sizes and self.from_:
+            raise ValueError("compare.dryrun_world_sizes runs the rows' training overrides at other sizes; "
+                             "compare.from has none: run the dry runs with the comparison that trains them")
         if self.launcher not in ("local", "slurm"):
             raise ValueError(f"compare.launcher={self.launcher!r} is not supported; allowed: local, slurm")
 

@@ -10,7 +10,8 @@ with the same code a training run uses, on the second step (the first makes the 
 sees, and the peak of all live tensors that torch's MemTracker follows (it works under FakeTensorMode). The figures
 use the keys of summary.json's `ranks[]`.
 
-Strategies: fsdp, tp and fsdp_tp. The others are refused with one line saying why (NOT_YET).
+Strategies: fsdp, tp, fsdp_tp and the pipelines (gpipe, 1f1b, pp_dp). The others are refused with one line saying
+why (NOT_YET).
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ NOT_YET = {
     "dp": "nn.DataParallel is one process",
     "single": "one process: the estimator and a real run need no dry run",
     "accelerate": "Accelerate prepares the model with real tensors",
-    "zero": "DeepSpeed's engine moves and flattens real parameter storage",
-    "pipeline": "torch.distributed.pipelining exchanges the stages' shapes by value at the first step",
+    "zero": "DeepSpeed's engine moves the model with .to(), which cannot swap fake tensors, and flattens real storage",
 }
 
 
