@@ -23,7 +23,7 @@ def dry_run(overrides: list[str], *, world_size: int, ranks: list[int]) -> subpr
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize(("strategy", "nproc"), [("fsdp", 2), ("tp", 2), ("fsdp_tp", 4), ("pp_dp", 4), ("1f1b", 2)])
+@pytest.mark.parametrize(("strategy", "nproc"), [("fsdp", 2), ("tp", 2), ("fsdp_tp", 4), ("pp_dp", 4), ("1f1b", 2), ("zero2", 2), ("zero3", 2)])
 def test_dry_run_equals_a_real_run(strategy, nproc, tmp_path):
     overrides = [f"strategy={strategy}", *FAST]
     real = train_ok([*overrides, "logger=none"], run_dir=tmp_path, nproc=nproc)
@@ -56,7 +56,7 @@ def test_dry_run_refuses_what_it_cannot_run_in_one_line():
     proc = dry_run(["strategy=ddp", "model=tiny"], world_size=2, ranks=[0])
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "strategy=ddp" in lines[0] and "fsdp, tp, fsdp_tp, pipeline" in lines[0], proc.stderr
+    assert len(lines) == 1 and "strategy=ddp" in lines[0] and "fsdp, tp, fsdp_tp, pipeline, zero" in lines[0], proc.stderr
     proc = dry_run(["strategy=fsdp", "model=tiny"], world_size=4, ranks=[0, 4])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

@@ -10,8 +10,10 @@ with the same code a training run uses, on the second step (the first makes the 
 sees, and the peak of all live tensors that torch's MemTracker follows (it works under FakeTensorMode). The figures
 use the keys of summary.json's `ranks[]`.
 
-Strategies: fsdp, tp, fsdp_tp and the pipelines (gpipe, 1f1b, pp_dp). The others are refused with one line saying
-why (NOT_YET).
+Strategies: fsdp, tp, fsdp_tp, the pipelines (gpipe, 1f1b, pp_dp) and the DeepSpeed ZeRO stages (without offload,
+which needs a GPU). The others are refused with one line saying why (NOT_YET). Where the real code reads a value back
+after a collective (a pipeline's shape vote, DeepSpeed's order and overflow checks), the collective still runs and the
+read-back takes a healthy run's answer; each such place is one context manager below.
 """
 
 from __future__ import annotations
@@ -31,14 +33,13 @@ if TYPE_CHECKING:
 
 # Strategy families whose set-up and step run under a fake process group and FakeTensorMode (tested at world
 # sizes 2 and 4 against real gloo runs: tests/test_dryrun.py).
-DRYRUN_FAMILIES = ("fsdp", "tp", "fsdp_tp", "pipeline")
+DRYRUN_FAMILIES = ("fsdp", "tp", "fsdp_tp", "pipeline", "zero")
 # Why the others do not run there yet (each found by trying it).
 NOT_YET = {
     "ddp": "DistributedDataParallel's constructor compares parameter data across ranks",
     "dp": "nn.DataParallel is one process",
     "single": "one process: the estimator and a real run need no dry run",
     "accelerate": "Accelerate prepares the model with real tensors",
-    "zero": "DeepSpeed's engine moves the model with .to(), which cannot swap fake tensors, and flattens real storage",
 }
 
 
@@ -101,6 +102,80 @@ def _pipeline_shapes_given() -> Iterator[None]:
         _PipelineSchedule._warmup_p2p = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _moves_in_place() -> Iterator[None]:
+    """`module.to(device)` where every tensor is there already returns the module: a fake tensor cannot be swapped
+    (torch's _apply swaps tensor subclasses), and DeepSpeed's engine moves the model it is given."""
+    from torch import nn
+
+    original = nn.Module.to
+
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        device = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
+        if device is not None and len(args) + len(kwargs) == 1:
+            target = torch.device(device)
+            if all(t.device.type == target.type for t in [*self.parameters(), *self.buffers()]):
+                return self
+        return original(self, *args, **kwargs)
+
+    nn.Module.to = to  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.to = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _deepspeed_checks_pass(on: bool) -> Iterator[None]:
+    """DeepSpeed reads values back after some collectives: ZeRO-3 broadcasts rank 0's module and parameter order to
+    check that every rank traces the same one, and all-reduces an inf/NaN flag before each step. The fake process
+    group carries no value, so the `.item()` that follows fails. The collectives themselves run (and are counted);
+    the read-back takes the answer of a healthy run: the ranks agree, no overflow."""
+    if not on:
+        yield
+        return
+    from deepspeed.runtime.zero import partitioned_param_coordinator, stage3, stage_1_and_2
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    def passing(fn: Any, answer: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except DataDependentOutputException:
+                return answer
+
+        return call
+
+    def same_ints_as_rank0(ints: list[int]) -> None:
+        """assert_ints_same_as_other_ranks' two broadcasts (the length, then rank 0's list), not read back: a fake
+        tensor made from a literal keeps that literal through the fake broadcast, so the check would compare each
+        rank's own placeholder with rank 0's list."""
+        import torch
+        from deepspeed import comm
+
+        comm.broadcast(torch.tensor(len(ints), dtype=int), src=0, async_op=False)
+        comm.broadcast(torch.tensor(ints, dtype=int), src=0, async_op=False)
+
+    patches = [(partitioned_param_coordinator, "assert_ints_same_as_other_ranks", same_ints_as_rank0),
+               (stage3, "assert_ints_same_as_other_ranks", same_ints_as_rank0),
+               (stage3.DeepSpeedZeroOptimizer_Stage3, "has_overflow",
+                passing(stage3.DeepSpeedZeroOptimizer_Stage3.has_overflow, False)),
+               (stage3, "is_invalid_grad_norm", passing(stage3.is_invalid_grad_norm, False)),
+               (stage_1_and_2.DeepSpeedZeroOptimizer, "has_overflow",
+                passing(stage_1_and_2.DeepSpeedZeroOptimizer.has_overflow, False)),
+               (stage_1_and_2, "is_invalid_grad_norm", passing(stage_1_and_2.is_invalid_grad_norm, False))]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, fn in patches:
+        setattr(owner, name, fn)
+    try:
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
 def training_run(overrides: list[str], *, world_size: int) -> Any:
     """The RunConfig `launch/train.py <overrides>` would train on `world_size` ranks, checked as training checks it
     (batch divisibility, degrees, ...): a ConfigError otherwise."""
@@ -125,8 +200,9 @@ def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, A
     from dist_train.model import _constructor, apply_activation_checkpointing
     from dist_train.optim import OptimizerFactory
     from dist_train.strategies.base import StrategyContext
-    from dist_train.strategies.pipeline import PipelineConfig
     from dist_train.strategies.registry import build_strategy
+    from dist_train.strategies.torch_strategy import TorchStrategy
+    from dist_train.strategies.zero import ZeroConfig
     from dist_train.telemetry.comm import CommTracker
     from dist_train.telemetry.memory import HostPeak, LiveMeter
 
@@ -142,7 +218,8 @@ def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, A
     strategy = build_strategy(run.strategy, ctx)
     dp = run.strategy.data_parallel_size(world_size)
     local = t.global_batch_size // dp
-    with FakeTensorMode(allow_non_fake_inputs=True), _meshes_outside_fake_mode(), _pipeline_shapes_given():
+    with FakeTensorMode(allow_non_fake_inputs=True), _meshes_outside_fake_mode(), _pipeline_shapes_given(), _moves_in_place(), \
+            _deepspeed_checks_pass(isinstance(run.strategy, ZeroConfig)):
         model = _constructor(run.model)()
         if t.activation_checkpointing:
             apply_activation_checkpointing(model)
@@ -152,8 +229,8 @@ def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, A
         # As a training run measures: a first step makes the optimizer's state (and runs lazy initialisation);
         # the second is the one whose collectives are counted and whose live tensors MemTracker follows. The first
         # takes one micro-batch (its figures are dropped): with accumulation it costs 1/m of a step, not one step.
-        # A pipeline's schedule is built for its number of micro-batches: it takes the whole batch.
-        first = ids if isinstance(run.strategy, PipelineConfig) else ids[:t.micro_batch_size]
+        # Pipelines' schedules and DeepSpeed's engine are built for their number of micro-batches: the whole batch.
+        first = ids[:t.micro_batch_size] if isinstance(strategy, TorchStrategy) else ids
         strategy.train_step(Batch(first, first))
         tracker.drain()
         meter = LiveMeter()
