@@ -33,10 +33,11 @@ def run_dryruns(specs: list[StrategySpec], training: list[str], *, world_sizes: 
                    f"world_size={n}", f"dryrun.ranks=[{','.join(map(str, ranks))}]", f"dryrun.timeout_s={timeout_s}",
                    "format=json"]
             row: dict[str, Any] = {"strategy": spec.label, "world_size": n}
+            limit_s = timeout_s * len(ranks) + 60  # each rank's own limit, one after the other, and the start-up
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s * len(ranks) + 60)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s)
             except subprocess.TimeoutExpired:
-                row["skipped"] = f"over {timeout_s * len(ranks) + 60:.0f} s"
+                row["skipped"] = f"over {limit_s:.0f} s"
             else:
                 if proc.returncode == 0:
                     row["ranks"] = json.loads(proc.stdout)["dryrun"]["ranks"]

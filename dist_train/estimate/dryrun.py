@@ -13,7 +13,7 @@ use the keys of summary.json's `ranks[]`.
 Strategies: fsdp, tp, fsdp_tp, the pipelines (gpipe, 1f1b, pp_dp) and the DeepSpeed ZeRO stages (without offload,
 which needs a GPU). The others are refused with one line saying why (NOT_YET). Where the real code reads a value back
 after a collective (a pipeline's shape vote, DeepSpeed's order and overflow checks), the collective still runs and the
-read-back takes a healthy run's answer; each such place is one context manager below.
+read-back takes a healthy run's answer; each such place is one function below.
 """
 
 from __future__ import annotations
@@ -52,8 +52,25 @@ def supported(family: str, strategy: str) -> str | None:
             "the estimator alone still predicts it (drop dryrun.ranks)")
 
 
+# (owner, attribute, replacement): what the dry run swaps in while a rank runs (`_under_fake_group`)
+Patch = tuple[Any, str, Any]
+
+
 @contextlib.contextmanager
-def _meshes_outside_fake_mode() -> Iterator[None]:
+def _under_fake_group(*, zero: bool) -> Iterator[None]:
+    """The places where the real code needs a real tensor or a value a collective carried, swapped for the dry
+    run's answer while a rank runs (each function below says why), and put back after."""
+    from unittest import mock
+
+    patches = [*_meshes_outside_fake_mode(), *_pipeline_shapes_given(), *_moves_in_place(),
+               *(_deepspeed_checks_pass() if zero else [])]
+    with contextlib.ExitStack() as stack:
+        for owner, name, replacement in patches:
+            stack.enter_context(mock.patch.object(owner, name, replacement))
+        yield
+
+
+def _meshes_outside_fake_mode() -> list[Patch]:
     """Device meshes compute their coordinates from real rank tensors: FakeTensorMode is lifted while one is made
     (init_device_mesh, DeviceMesh(...), or slicing a mesh into a dimension)."""
     import torch.distributed.device_mesh as device_mesh
@@ -67,19 +84,11 @@ def _meshes_outside_fake_mode() -> Iterator[None]:
         return call
 
     mesh = device_mesh.DeviceMesh
-    originals = [(device_mesh, "init_device_mesh"), (mesh, "__init__"), (mesh, "__getitem__")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name in originals]
-    for owner, name, fn in saved:
-        setattr(owner, name, lifted(fn))
-    try:
-        yield
-    finally:
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
+    return [(owner, name, lifted(getattr(owner, name)))
+            for owner, name in [(device_mesh, "init_device_mesh"), (mesh, "__init__"), (mesh, "__getitem__")]]
 
 
-@contextlib.contextmanager
-def _pipeline_shapes_given() -> Iterator[None]:
+def _pipeline_shapes_given() -> list[Patch]:
     """torch's pipeline schedules vote, at the first step, on whether every stage was given its input and output
     shapes (STATIC) or must exchange them (DYNAMIC): a value passed from stage to stage, which the fake process
     group does not carry. dist_train's pipelines give every stage both (PipelineStrategy.setup), so a real run's
@@ -94,25 +103,18 @@ def _pipeline_shapes_given() -> Iterator[None]:
                                    "shapes: the dry run cannot exchange them")
             stage._inference_mode = InferenceMode.STATIC
 
-    original = _PipelineSchedule._warmup_p2p
-    _PipelineSchedule._warmup_p2p = vote  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        _PipelineSchedule._warmup_p2p = original  # type: ignore[method-assign]
+    return [(_PipelineSchedule, "_warmup_p2p", vote)]
 
 
-@contextlib.contextmanager
-def _moves_in_place() -> Iterator[None]:
+def _moves_in_place() -> list[Patch]:
     """`module.to(device)` where every tensor is there already returns the module: a fake tensor cannot be swapped
     (torch's _apply swaps tensor subclasses), and DeepSpeed's engine moves the model it is given."""
+    import torch
     from torch import nn
 
     original = nn.Module.to
 
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
-        import torch
-
         device = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
         if device is not None and len(args) + len(kwargs) == 1:
             target = torch.device(device)
@@ -120,22 +122,14 @@ def _moves_in_place() -> Iterator[None]:
                 return self
         return original(self, *args, **kwargs)
 
-    nn.Module.to = to  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.to = original  # type: ignore[method-assign]
+    return [(nn.Module, "to", to)]
 
 
-@contextlib.contextmanager
-def _deepspeed_checks_pass(on: bool) -> Iterator[None]:
+def _deepspeed_checks_pass() -> list[Patch]:
     """DeepSpeed reads values back after some collectives: ZeRO-3 broadcasts rank 0's module and parameter order to
     check that every rank traces the same one, and all-reduces an inf/NaN flag before each step. The fake process
     group carries no value, so the `.item()` that follows fails. The collectives themselves run (and are counted);
     the read-back takes the answer of a healthy run: the ranks agree, no overflow."""
-    if not on:
-        yield
-        return
     from deepspeed.runtime.zero import partitioned_param_coordinator, stage3, stage_1_and_2
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
@@ -158,22 +152,14 @@ def _deepspeed_checks_pass(on: bool) -> Iterator[None]:
         comm.broadcast(torch.tensor(len(ints), dtype=int), src=0, async_op=False)
         comm.broadcast(torch.tensor(ints, dtype=int), src=0, async_op=False)
 
-    patches = [(partitioned_param_coordinator, "assert_ints_same_as_other_ranks", same_ints_as_rank0),
-               (stage3, "assert_ints_same_as_other_ranks", same_ints_as_rank0),
-               (stage3.DeepSpeedZeroOptimizer_Stage3, "has_overflow",
-                passing(stage3.DeepSpeedZeroOptimizer_Stage3.has_overflow, False)),
-               (stage3, "is_invalid_grad_norm", passing(stage3.is_invalid_grad_norm, False)),
-               (stage_1_and_2.DeepSpeedZeroOptimizer, "has_overflow",
-                passing(stage_1_and_2.DeepSpeedZeroOptimizer.has_overflow, False)),
-               (stage_1_and_2, "is_invalid_grad_norm", passing(stage_1_and_2.is_invalid_grad_norm, False))]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, fn in patches:
-        setattr(owner, name, fn)
-    try:
-        yield
-    finally:
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
+    return [(partitioned_param_coordinator, "assert_ints_same_as_other_ranks", same_ints_as_rank0),
+            (stage3, "assert_ints_same_as_other_ranks", same_ints_as_rank0),
+            (stage3.DeepSpeedZeroOptimizer_Stage3, "has_overflow",
+             passing(stage3.DeepSpeedZeroOptimizer_Stage3.has_overflow, False)),
+            (stage3, "is_invalid_grad_norm", passing(stage3.is_invalid_grad_norm, False)),
+            (stage_1_and_2.DeepSpeedZeroOptimizer, "has_overflow",
+             passing(stage_1_and_2.DeepSpeedZeroOptimizer.has_overflow, False)),
+            (stage_1_and_2, "is_invalid_grad_norm", passing(stage_1_and_2.is_invalid_grad_norm, False))]
 
 
 def training_run(overrides: list[str], *, world_size: int) -> Any:
@@ -218,8 +204,7 @@ def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, A
     strategy = build_strategy(run.strategy, ctx)
     dp = run.strategy.data_parallel_size(world_size)
     local = t.global_batch_size // dp
-    with FakeTensorMode(allow_non_fake_inputs=True), _meshes_outside_fake_mode(), _pipeline_shapes_given(), _moves_in_place(), \
-            _deepspeed_checks_pass(isinstance(run.strategy, ZeroConfig)):
+    with FakeTensorMode(allow_non_fake_inputs=True), _under_fake_group(zero=isinstance(run.strategy, ZeroConfig)):
         model = _constructor(run.model)()
         if t.activation_checkpointing:
             apply_activation_checkpointing(model)
