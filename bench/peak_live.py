@@ -61,7 +61,7 @@ def main() -> None:
             "activations, weight copies); the peak of live tensors is torch's MemTracker over one step, seeded with "
             "what the rank holds (memory/peak_live_bytes; its composition in MemTracker's categories: params sharded "
             "and gathered, grads sharded and unsharded, temporaries made in backward). Predicted: the estimator's "
-            "predicted_memory_bytes.peak_live, where it models the strategy (single, dp, fsdp); '-' where it does not. "
+            "predicted_memory_bytes.peak_live, where it models the strategy (single, dp, ddp, fsdp); '-' where it does not. "
             "DeepSpeed's peak holds its reduction bucket, reduce_bucket_size (5e8) elements of fp32 allocated whole, "
             "which a GPU would hold and the CPU never touches.")
     write_section("peak-live", "The peak of all live tensors", md_table(headers, rows),

@@ -137,12 +137,16 @@ def test_report_and_pictures(comparison):
 
 
 def test_dry_run_rows_at_a_world_size_the_comparison_did_not_run(comparison):
-    """compare.dryrun_world_sizes=[8]: fsdp as ranks 0 and 7 of 8 under the fake process group, beside the estimator;
-    single and ddp, which the dry run does not cover, say why in one line; the report marks them as not measured."""
+    """compare.dryrun_world_sizes=[8]: ddp and fsdp as ranks 0 and 7 of 8 under the fake process group, beside the
+    estimator; single, which the dry run does not cover, says why in one line; the report marks them as not
+    measured."""
     out, rows, _ = comparison
     dry = {r["strategy"]: r for r in json.loads((out / "dryruns.json").read_text())}
     assert list(dry) == ["single", "ddp", "fsdp"] and all(r["world_size"] == 8 for r in dry.values())
-    assert "strategy=single" in dry["single"]["skipped"] and "strategy=ddp" in dry["ddp"]["skipped"]
+    assert "strategy=single" in dry["single"]["skipped"] and "skipped" not in dry["ddp"]
+    for r in dry["ddp"]["ranks"]:  # a replica whatever the world size: the whole model, all of it all-reduced
+        assert r["measured"]["memory/params_bytes"] == rows["ddp"]["mem_params_max_bytes"]
+        assert r["measured"]["comm/all_reduce/bytes"] == r["measured"]["memory/grads_bytes"] > 0
     ranks = dry["fsdp"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 7]
     measured_at_2 = rows["fsdp"]["mem_params_max_bytes"]
@@ -151,7 +155,7 @@ def test_dry_run_rows_at_a_world_size_the_comparison_did_not_run(comparison):
         assert params * 8 == pytest.approx(measured_at_2 * 2, rel=0.02)  # the same model state, over 8 ranks, not 2
         assert abs(r["diff"]["memory/params_bytes"]) < 0.02 and r["measured"]["comm/all_gather/bytes"] > 0
     report = (out / "report.md").read_text()
-    assert "## Dry runs at other world sizes (not measured)" in report and "no dry run: strategy=ddp" in report
+    assert "## Dry runs at other world sizes (not measured)" in report and "no dry run: strategy=single" in report
 
 
 def test_wandb_comparison_run_written_offline(comparison):

@@ -23,9 +23,12 @@ def dry_run(overrides: list[str], *, world_size: int, ranks: list[int]) -> subpr
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize(("strategy", "nproc"), [("fsdp", 2), ("tp", 2), ("fsdp_tp", 4), ("pp_dp", 4), ("1f1b", 2), ("zero2", 2), ("zero3", 2)])
+@pytest.mark.parametrize(("strategy", "nproc"), [("ddp", 2), ("fsdp", 2), ("tp", 2), ("fsdp_tp", 4), ("pp_dp", 4),
+                                                  ("1f1b", 2), ("zero2", 2), ("zero3", 2)])
 def test_dry_run_equals_a_real_run(strategy, nproc, tmp_path):
-    overrides = [f"strategy={strategy}", *FAST]
+    # ddp with 0.2 MB buckets: tiny's 0.96 MB of gradients go in several all-reduces, not one
+    extra = ["strategy.bucket_cap_mb=0.2"] if strategy == "ddp" else []
+    overrides = [f"strategy={strategy}", *FAST, *extra]
     real = train_ok([*overrides, "logger=none"], run_dir=tmp_path, nproc=nproc)
     proc = dry_run(overrides, world_size=nproc, ranks=list(range(nproc)))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -46,6 +49,9 @@ def test_dry_run_equals_a_real_run(strategy, nproc, tmp_path):
         # Every live tensor at the peak: the fake CPU attention kernel saves a little more than the real one.
         live, want_live = measured["memory/peak_live_bytes"], want["memory/peak_live_bytes"]
         assert abs(live - want_live) <= 0.05 * want_live, (strategy, live, want_live)
+        if "memory/peak_live_bytes" in got["predicted"]:  # where the estimator models the peak (ddp, fsdp)
+            predicted_live = got["predicted"]["memory/peak_live_bytes"]
+            assert abs(predicted_live - want_live) <= 0.10 * want_live, (strategy, predicted_live, want_live)
         # Beside it, the estimator's prediction and the difference, for the same keys.
         assert got["predicted"]["memory/params_bytes"] > 0
         assert got["diff"]["memory/params_bytes"] == pytest.approx(
@@ -53,10 +59,11 @@ def test_dry_run_equals_a_real_run(strategy, nproc, tmp_path):
 
 
 def test_dry_run_refuses_what_it_cannot_run_in_one_line():
-    proc = dry_run(["strategy=ddp", "model=tiny"], world_size=2, ranks=[0])
+    proc = dry_run(["strategy=accelerate", "model=tiny"], world_size=2, ranks=[0])
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "strategy=ddp" in lines[0] and "fsdp, tp, fsdp_tp, pipeline, zero" in lines[0], proc.stderr
+    assert len(lines) == 1 and "strategy=accelerate" in lines[0] and "Accelerate prepares" in lines[0], proc.stderr
+    assert "ddp, fsdp, tp, fsdp_tp, pipeline, zero" in lines[0], proc.stderr
     proc = dry_run(["strategy=fsdp", "model=tiny"], world_size=4, ranks=[0, 4])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

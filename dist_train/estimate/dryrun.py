@@ -10,10 +10,11 @@ with the same code a training run uses, on the second step (the first makes the 
 sees, and the peak of all live tensors that torch's MemTracker follows (it works under FakeTensorMode). The figures
 use the keys of summary.json's `ranks[]`.
 
-Strategies: fsdp, tp, fsdp_tp, the pipelines (gpipe, 1f1b, pp_dp) and the DeepSpeed ZeRO stages (without offload,
+Strategies: ddp, fsdp, tp, fsdp_tp, the pipelines (gpipe, 1f1b, pp_dp) and the DeepSpeed ZeRO stages (without offload,
 which needs a GPU). The others are refused with one line saying why (NOT_YET). Where the real code reads a value back
 after a collective (a pipeline's shape vote, DeepSpeed's order and overflow checks), the collective still runs and the
-read-back takes a healthy run's answer; each such place is one function below.
+read-back takes a healthy run's answer (DDP's shape check and bucket regrouping, likewise); each such place is one
+function below.
 """
 
 from __future__ import annotations
@@ -33,10 +34,9 @@ if TYPE_CHECKING:
 
 # Strategy families whose set-up and step run under a fake process group and FakeTensorMode (tested at world
 # sizes 2 and 4 against real gloo runs: tests/test_dryrun.py).
-DRYRUN_FAMILIES = ("fsdp", "tp", "fsdp_tp", "pipeline", "zero")
+DRYRUN_FAMILIES = ("ddp", "fsdp", "tp", "fsdp_tp", "pipeline", "zero")
 # Why the others do not run there yet (each found by trying it).
 NOT_YET = {
-    "ddp": "DistributedDataParallel's constructor compares parameter data across ranks",
     "dp": "nn.DataParallel is one process",
     "single": "one process: the estimator and a real run need no dry run",
     "accelerate": "Accelerate prepares the model with real tensors",
@@ -62,7 +62,7 @@ def _under_fake_group(*, zero: bool) -> Iterator[None]:
     run's answer while a rank runs (each function below says why), and put back after."""
     from unittest import mock
 
-    patches = [*_meshes_outside_fake_mode(), *_pipeline_shapes_given(), *_moves_in_place(),
+    patches = [*_meshes_outside_fake_mode(), *_pipeline_shapes_given(), *_moves_in_place(), *_ddp_replicas_agree(),
                *(_deepspeed_checks_pass() if zero else [])]
     with contextlib.ExitStack() as stack:
         for owner, name, replacement in patches:
@@ -104,6 +104,31 @@ def _pipeline_shapes_given() -> list[Patch]:
             stage._inference_mode = InferenceMode.STATIC
 
     return [(_PipelineSchedule, "_warmup_p2p", vote)]
+
+
+def _ddp_replicas_agree() -> list[Patch]:
+    """DistributedDataParallel reads tensors' data in three places that a fake tensor has none of:
+    - its constructor all-gathers every parameter's shape and checks that the ranks agree, then broadcasts rank 0's
+      parameters and buffers. Every rank builds the same model from the same config, so a real run's check passes
+      and its broadcast changes nothing the dry run counts (set-up, before the measured step): both are skipped.
+    - at the second step its reducer regroups the gradient buckets in the order the first backward made them ready
+      (a first bucket of 1 MiB, then `bucket_cap_mb` each), and checks the grouping against rank 0's with a
+      broadcast it reads back. Here the buckets are grouped with those sizes from the start, in DDP's reversed
+      parameter order, and not regrouped: the same bytes all-reduced; the number of buckets can differ from a real
+      run's by where the boundaries fall (the first step groups everything in one bucket, and is not measured)."""
+    from torch._C._distributed_c10d import Reducer
+    from torch.nn.parallel import distributed
+
+    def agree(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    def rebuilt_sizes(self: Any, static_graph: bool, find_unused_parameters: bool) -> tuple[list[int], list[int]]:
+        limits = [self.first_bucket_bytes_cap, self.bucket_bytes_cap]
+        return (limits if self.first_bucket_bytes_cap < self.bucket_bytes_cap else limits[1:]), []
+
+    return [(distributed, "_verify_param_shape_across_processes", agree), (distributed, "_sync_module_states", agree),
+            (distributed._BucketCapacityConfig, "compute_bucket_size_limits", rebuilt_sizes),
+            (Reducer, "_rebuild_buckets", lambda self: False)]
 
 
 def _moves_in_place() -> list[Patch]:
