@@ -3,7 +3,7 @@
     python bench/dryrun_scale.py            # writes the 'dryrun-scale' section of docs/BENCHMARKS.md
 
 Runs `python -m dist_train.estimate model=70b train.seq_len=1024 world_size=N dryrun.ranks=[0] format=json` for
-fsdp, fsdp_tp (tp=8), pp_dp (pp=8) and zero3 and tabulates what rank 0 holds and sends per step against the estimator's ZeRO-paper
+ddp, fsdp, fsdp_tp (tp=8), pp_dp (pp=8) and zero3 and tabulates what rank 0 holds and sends per step against the estimator's ZeRO-paper
 arithmetic, with what the dry run cost here (wall time and peak resident memory of the rank's process).
 """
 
@@ -20,7 +20,7 @@ from common import PYTHON, md_table, run, write_section  # noqa: E402
 
 GIB = 2**30
 # (strategy, its overrides, over how many ranks the ZeRO paper's arithmetic splits the model state at world size n)
-CASES = [("fsdp", [], lambda n: n), ("fsdp_tp", ["strategy.tp=8"], lambda n: n),
+CASES = [("ddp", [], lambda n: 1), ("fsdp", [], lambda n: n), ("fsdp_tp", ["strategy.tp=8"], lambda n: n),
          ("pp_dp", ["strategy.pp=8"], lambda n: 8), ("zero3", [], lambda n: n)]
 SHOWN = ["memory/params_bytes", "memory/optimizer_bytes", "comm/all_gather/bytes", "comm/reduce_scatter/bytes",
          "comm/all_reduce/bytes", "memory/peak_live_bytes"]
@@ -65,11 +65,11 @@ def main() -> None:
             "pipelines and DeepSpeed; the second measured). Llama-2-70B shape (the estimator's 70b preset: 80 layers, hidden 8192, 64 "
             "heads, 8 KV heads, vocabulary 32,000), fp32, AdamW, micro-batch 1 x " + str(args.seq_len) + " tokens, the "
             "default global batch. pp_dp: 8 stages of 10 layers, replicated over N/8. 'params vs 4Ψ/shards': the ZeRO "
-            "paper's arithmetic, fp32 parameters 4Ψ over the ranks that split them (N for fsdp and fsdp_tp, the 8 "
+            "paper's arithmetic, fp32 parameters 4Ψ over the ranks that split them (1 for ddp, N for fsdp and fsdp_tp, the 8 "
             "stages for pp_dp; optimizer bytes are twice the parameters, three times under zero3, whose fp32 master copy "
             "DeepSpeed keeps even in fp32 and dist_train counts as optimizer state). Predicted: the estimator's "
             "arithmetic and collective model for the same config, stage by stage (diff = dry run / predicted - 1). "
-            "Comm bytes per step. The peak of live tensors is predicted for fsdp only. "
+            "Comm bytes per step. The peak of live tensors is predicted for ddp and fsdp only. "
             "Disagreements found and where they stand: (1) fsdp_tp held 5.3% more parameters per rank than 4Ψ/N: the "
             "embedding and the LM head were not split over the tensor-parallel group. Fixed: TP splits them by "
             "vocabulary now (with loss_parallel), and the estimator follows. (2) pp_dp's first stage holds the "
