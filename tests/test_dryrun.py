@@ -68,3 +68,22 @@ def test_dry_run_refuses_what_it_cannot_run_in_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "config error: dryrun.ranks: rank 4 is not one of world_size=4's (0 to 3)"], proc.stderr
+
+
+@pytest.mark.parametrize(("shape", "num_chunks", "dim"), [((10, 3), 4, 0), ((7,), 3, 0), ((0, 5), 4, 0), ((5,), 8, 0),
+                                                        ((6, 8), 4, 1), ((2, 4), 1, 0), ((3 * 1024 + 1, 2), 1024, 0)])
+def test_fsdp_chunks_made_on_demand_are_torch_chunks(shape, num_chunks, dim):
+    """The dry run's stand-in for FSDP2's per-rank chunking (a cost, not a value): the same views, read lazily."""
+    import torch
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from dist_train.estimate.dryrun import _fsdp_chunks_on_demand
+
+    (_, _, on_demand), = _fsdp_chunks_on_demand()
+    t = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float32).reshape(shape)
+    want, got = _chunk_with_empty(t, num_chunks, dim), on_demand(t, num_chunks, dim)
+    assert len(got) == len(want) == num_chunks
+    for a, b in zip(want, [*got[:1], *got[1:]]):
+        assert (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
+        assert torch.equal(a, b)
+    assert got[-1].shape == want[-1].shape

@@ -63,6 +63,7 @@ def _under_fake_group(*, zero: bool) -> Iterator[None]:
     from unittest import mock
 
     patches = [*_meshes_outside_fake_mode(), *_pipeline_shapes_given(), *_moves_in_place(), *_ddp_replicas_agree(),
+               *_fsdp_chunks_on_demand(),
                *(_deepspeed_checks_pass() if zero else [])]
     with contextlib.ExitStack() as stack:
         for owner, name, replacement in patches:
@@ -131,6 +132,44 @@ def _ddp_replicas_agree() -> list[Patch]:
             (Reducer, "_rebuild_buckets", lambda self: False)]
 
 
+def _fsdp_chunks_on_demand() -> list[Patch]:
+    """Not a value but a cost: at set-up FSDP2 cuts every parameter into one view per rank (`torch.chunk`), twice,
+    and reads two of them (this rank's and the first, the padded size). Under FakeTensorMode each view is a Python
+    object: at 1,024 ranks that is 1.5 million of them for a 70B model, three quarters of the dry run's time
+    (profiled). Here the same views (the same `narrow`s torch.chunk makes, and the same empty ones past the end) are
+    made when read."""
+    from collections.abc import Sequence
+
+    import torch
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    class Chunks(Sequence):  # type: ignore[type-arg]
+        def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
+            self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
+            size = tensor.size(dim)
+            self.step = -(-size // num_chunks) if size else 0  # torch.chunk's: ceil(size / num_chunks)
+            self.made = -(-size // self.step) if size else num_chunks  # how many torch.chunk makes
+
+        def __len__(self) -> int:
+            return self.num_chunks
+
+        def __getitem__(self, i: Any) -> Any:
+            if isinstance(i, slice):
+                return [self[j] for j in range(*i.indices(self.num_chunks))]
+            i = range(self.num_chunks)[i]
+            if i >= self.made:
+                return self[0].new_empty(0)
+            if not self.step:
+                return self.tensor.narrow(self.dim, 0, 0)
+            start = i * self.step
+            return self.tensor.narrow(self.dim, start, min(self.step, self.tensor.size(self.dim) - start))
+
+    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Any:
+        return Chunks(tensor, num_chunks, dim)
+
+    return [(_fsdp_param, "_chunk_with_empty", chunk_with_empty)]
+
+
 def _moves_in_place() -> list[Patch]:
     """`module.to(device)` where every tensor is there already returns the module: a fake tensor cannot be swapped
     (torch's _apply swaps tensor subclasses), and DeepSpeed's engine moves the model it is given."""
@@ -177,7 +216,8 @@ def _deepspeed_checks_pass() -> list[Patch]:
         comm.broadcast(torch.tensor(len(ints), dtype=int), src=0, async_op=False)
         comm.broadcast(torch.tensor(ints, dtype=int), src=0, async_op=False)
 
-    return [(partitioned_param_coordinator, "assert_ints_same_as_other_ranks", same_ints_as_rank0),
+    return [*_zero3_reduce_scatter_by_shape(), *_zero3_gathered_by_shape(),
+            (partitioned_param_coordinator, "assert_ints_same_as_other_ranks", same_ints_as_rank0),
             (stage3, "assert_ints_same_as_other_ranks", same_ints_as_rank0),
             (stage3.DeepSpeedZeroOptimizer_Stage3, "has_overflow",
              passing(stage3.DeepSpeedZeroOptimizer_Stage3.has_overflow, False)),
@@ -185,6 +225,67 @@ def _deepspeed_checks_pass() -> list[Patch]:
             (stage_1_and_2.DeepSpeedZeroOptimizer, "has_overflow",
              passing(stage_1_and_2.DeepSpeedZeroOptimizer.has_overflow, False)),
             (stage_1_and_2, "is_invalid_grad_norm", passing(stage_1_and_2.is_invalid_grad_norm, False))]
+
+
+def _zero3_reduce_scatter_by_shape() -> list[Patch]:
+    """Not a value but a cost: ZeRO-3's gradient reduce-scatter (`reduce_scatter_coalesced`) interleaves every
+    rank's slice of every gradient of a bucket into one buffer, one view per rank and gradient (at 1,024 ranks,
+    hundreds of thousands per bucket; as fake tensors, minutes per step). Here the same buffer (its size, dtype and
+    division), the same reduce-scatter into this rank's part, and the same outputs (this rank's slice of each
+    gradient, as views of its part) are made directly; only the copy of values into the buffer, which a fake
+    tensor has none of, is left out."""
+    import math
+
+    import torch
+    from deepspeed.runtime.comm import coalesced_collectives
+    from deepspeed.runtime.zero import stage3
+
+    @torch.no_grad()
+    def reduce_scatter_coalesced(tensors: list[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
+        rank, world = coalesced_collectives.dist.get_rank(group), coalesced_collectives.dist.get_world_size(group)
+        padded = [math.ceil(t.numel() / world) for t in tensors]
+        if len(tensors) == 1 and tensors[0].numel() % world == 0:
+            flat = tensors[0].view(-1)
+        else:
+            flat = torch.empty(world * sum(padded), dtype=tensors[0].dtype, device=tensors[0].device)
+        flat.div_(world)
+        mine = flat.narrow(0, rank * sum(padded), sum(padded))  # torch.chunk(flat, world)[rank]
+        coalesced_collectives._torch_reduce_scatter_fn(flat, mine, group=group)
+        out, offset = [], 0
+        for t, p in zip(tensors, padded):
+            out.append(mine.narrow(0, offset, max(0, min(p, t.numel() - rank * p))))
+            offset += p
+        return out
+
+    return [(stage3, "reduce_scatter_coalesced", reduce_scatter_coalesced)]
+
+
+def _zero3_gathered_by_shape() -> list[Patch]:
+    """Not a value but a cost: after ZeRO-3's coalesced all-gather, DeepSpeed rebuilds each parameter by
+    concatenating its slice of every rank's partition (one view per rank and parameter: at 1,024 ranks, 300,000
+    per step as fake tensors, several minutes). Here each parameter gets the tensor that concatenation makes (its
+    whole size, the gathered dtype cast to the parameter's) directly. Quantized gathers, and devices that need
+    stream bookkeeping, keep DeepSpeed's own code."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero import partition_parameters as pp
+
+    original = pp.AllGatherCoalescedHandle.wait
+
+    def wait(self: Any, handle_dependency: bool = True) -> None:
+        if self.complete or self.quantization or not get_accelerator().is_synchronized_device():
+            return original(self, handle_dependency)
+        self.allgather_handle.wait()
+        gathered = self.partitions[0]
+        for param in self.params:
+            assert param.ds_status == pp.ZeroParamStatus.INFLIGHT, f"expected param {param.ds_summary()} inflight"
+            param.data = torch.empty(param.ds_numel, dtype=gathered.dtype, device=gathered.device).view(
+                param.ds_shape).to(param.ds_tensor.dtype)
+            param.ds_status = pp.ZeroParamStatus.AVAILABLE
+        self.complete = True
+        return None
+
+    return [(pp.AllGatherCoalescedHandle, "wait", wait)]
 
 
 def training_run(overrides: list[str], *, world_size: int) -> Any:
