@@ -77,13 +77,15 @@ def main() -> None:
             "the estimator's stage split predicts. (3) The peak of live tensors of fsdp is 10-14% above the "
             "prediction at this size (within 5% on the tiny model): the prediction leaves out backward's temporaries "
             "(8 GB here) and the fake CPU attention kernel keeps a little more than the real one. (4) zero3's all-gather "
-            "bytes are 0.7% under the estimator's at 64 ranks (not investigated yet). (5) Wall time: "
-            "over the issue's 2 minutes where the wall column says so, and zero3 at 1,024 ranks did not finish within "
-            "the bench's limit (nor in 13 minutes in an earlier try; not profiled yet). Every op on a fake "
-            "tensor pays Python dispatch, FSDP2 splits each gathered output into one chunk per rank, DTensor adds "
-            "its own dispatch, and MemTracker follows the measured step (about half of the time, profiled). The "
-            "unmeasured first step on one micro-batch took fsdp_tp at 64 ranks from 175 s to 137 s alone. Memory "
-            "stays under 0.5 GiB.")
+            "bytes are 0.7% under the estimator's at 64 ranks (not investigated yet). (5) Wall time, profiled at 1,024 ranks: three quarters of fsdp's "
+            "time went to FSDP2 cutting every parameter into one view per rank at set-up (1.5 million fake tensors), "
+            "and zero3's to DeepSpeed slicing every gradient bucket and every gathered parameter per rank. The dry "
+            "run now makes those views and buffers by shape (same sizes, same collectives; see "
+            "dist_train/estimate/dryrun.py): fsdp went from 121 to 40 s, zero3 from no result in 13 minutes to "
+            "about 4 minutes. Still over the issue's 2 minutes where the wall column says so: fsdp_tp (DTensor's "
+            "dispatch and fake-tensor cache keys; MemTracker follows the measured step) and zero3 at 1,024 (DeepSpeed's "
+            "coalesced all-gather still makes one view per rank for each bucket, inside a nested function the dry run "
+            "cannot replace without copying DeepSpeed's). Memory stays under 0.6 GiB.")
     write_section("dryrun-scale", "The dry run at scale", md_table(headers, rows),
                   command=f"python bench/dryrun_scale.py --world-sizes {args.world_sizes} --seq-len {args.seq_len} "
                           f"--timeout {args.timeout:g}",
