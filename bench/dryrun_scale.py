@@ -81,7 +81,7 @@ def main() -> None:
             "time went to FSDP2 cutting every parameter into one view per rank at set-up (1.5 million fake tensors), "
             "and zero3's to DeepSpeed slicing every gradient bucket and every gathered parameter per rank. The dry "
             "run now makes those views and buffers by shape (same sizes, same collectives; see "
-            "dist_train/estimate/dryrun.py): fsdp went from 121 to 40 s, zero3 from no result in 13 minutes to "
+            "dist_train/estimate/dryrun.py): fsdp went from 121 to 31 s, zero3 from no result in 13 minutes to "
             "about 4 minutes. Still over the issue's 2 minutes where the wall column says so: fsdp_tp (DTensor's "
             "dispatch and fake-tensor cache keys; MemTracker follows the measured step) and zero3 at 1,024 (DeepSpeed's "
             "coalesced all-gather still makes one view per rank for each bucket, inside a nested function the dry run "
