@@ -319,14 +319,20 @@ class CommTracker:
         """torch's default all-reduce hook, issued through the wrapped `dist.all_reduce` so it is seen.
 
         (No annotations: DDP compares them with dist.GradBucket / Future, and this module's are strings.)
-        The all-reduce is in place, so the future resolves to the bucket's own buffer (torch's hook reads it back
-        from the work's result, which the dry run's fake process group leaves empty).
+        The all-reduce is in place, so the future resolves to the bucket's own buffer (torch's hook returns the
+        work's result, which the dry run's fake process group leaves empty); reading the result still raises
+        when the all-reduce failed (a timed-out or aborted peer), so the step fails with it.
         """
         group = process_group if process_group is not None else dist.group.WORLD
         tensor = bucket.buffer()
         tensor.div_(dist.get_world_size(group))
         work = dist.all_reduce(tensor, group=group, async_op=True)
-        return work.get_future().then(lambda fut: tensor)
+
+        def reduced(fut: Any) -> Any:
+            fut.value()  # raises the collective's error
+            return tensor
+
+        return work.get_future().then(reduced)
 
     # ---------------------------------------------------------------- recording
     def _depth(self) -> int:
