@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:
@@ -132,40 +133,41 @@ def _ddp_replicas_agree() -> list[Patch]:
             (Reducer, "_rebuild_buckets", lambda self: False)]
 
 
+class _Chunks(Sequence):  # type: ignore[type-arg]
+    """`torch.chunk(tensor, num_chunks, dim)` padded with empty views to `num_chunks` (FSDP2's
+    `_chunk_with_empty`), each view made when it is read: the same `narrow`s torch.chunk makes, and the same empty
+    ones past the end."""
+
+    def __init__(self, tensor: Any, num_chunks: int, dim: int) -> None:
+        self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
+        size = tensor.size(dim)
+        self.step = -(-size // num_chunks) if size else 0  # torch.chunk's: ceil(size / num_chunks)
+        self.made = -(-size // self.step) if size else num_chunks  # how many torch.chunk makes
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.num_chunks))]
+        i = range(self.num_chunks)[i]
+        if i >= self.made:
+            return self[0].new_empty(0)
+        if not self.step:
+            return self.tensor.narrow(self.dim, 0, 0)
+        start = i * self.step
+        return self.tensor.narrow(self.dim, start, min(self.step, self.tensor.size(self.dim) - start))
+
+
 def _fsdp_chunks_on_demand() -> list[Patch]:
     """Not a value but a cost: at set-up FSDP2 cuts every parameter into one view per rank (`torch.chunk`), twice,
     and reads two of them (this rank's and the first, the padded size). Under FakeTensorMode each view is a Python
     object: at 1,024 ranks that is 1.5 million of them for a 70B model, three quarters of the dry run's time
-    (profiled). Here the same views (the same `narrow`s torch.chunk makes, and the same empty ones past the end) are
-    made when read."""
-    from collections.abc import Sequence
-
-    import torch
+    (profiled). Here the same views are made when read (`_Chunks`)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param
 
-    class Chunks(Sequence):  # type: ignore[type-arg]
-        def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
-            self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
-            size = tensor.size(dim)
-            self.step = -(-size // num_chunks) if size else 0  # torch.chunk's: ceil(size / num_chunks)
-            self.made = -(-size // self.step) if size else num_chunks  # how many torch.chunk makes
-
-        def __len__(self) -> int:
-            return self.num_chunks
-
-        def __getitem__(self, i: Any) -> Any:
-            if isinstance(i, slice):
-                return [self[j] for j in range(*i.indices(self.num_chunks))]
-            i = range(self.num_chunks)[i]
-            if i >= self.made:
-                return self[0].new_empty(0)
-            if not self.step:
-                return self.tensor.narrow(self.dim, 0, 0)
-            start = i * self.step
-            return self.tensor.narrow(self.dim, start, min(self.step, self.tensor.size(self.dim) - start))
-
-    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Any:
-        return Chunks(tensor, num_chunks, dim)
+    def chunk_with_empty(tensor: Any, num_chunks: int, dim: int) -> Any:
+        return _Chunks(tensor, num_chunks, dim)
 
     return [(_fsdp_param, "_chunk_with_empty", chunk_with_empty)]
 
@@ -216,7 +218,7 @@ def _deepspeed_checks_pass() -> list[Patch]:
         comm.broadcast(torch.tensor(len(ints), dtype=int), src=0, async_op=False)
         comm.broadcast(torch.tensor(ints, dtype=int), src=0, async_op=False)
 
-    return [*_zero3_reduce_scatter_by_shape(), *_zero3_gathered_by_shape(),
+    return [*_zero3_reduce_scatter_by_shape(), *_zero3_gathered_by_shape(), *_zero3_gather_buffer_views_on_demand(),
             (partitioned_param_coordinator, "assert_ints_same_as_other_ranks", same_ints_as_rank0),
             (stage3, "assert_ints_same_as_other_ranks", same_ints_as_rank0),
             (stage3.DeepSpeedZeroOptimizer_Stage3, "has_overflow",
@@ -286,6 +288,59 @@ def _zero3_gathered_by_shape() -> list[Patch]:
         return None
 
     return [(pp.AllGatherCoalescedHandle, "wait", wait)]
+
+
+def _zero3_gather_buffer_views_on_demand() -> list[Patch]:
+    """Not a value but a cost: ZeRO-3's coalesced all-gather (`_all_gather_dtype`) cuts its output buffer into one
+    view per rank before it gathers into it, and reads this rank's (and, in `wait`, the first). At 1,024 ranks that
+    is 490,000 fake views a step of a 70B model, four fifths of the dry run's time (profiled). Here the same buffer,
+    the same copy of this rank's partitions into its part, the same all-gather and the same handle are made, with
+    the per-rank views made when read (`_Chunks`: the buffer is world_size partitions long, so torch.chunk's views
+    are DeepSpeed's). DeepSpeed defines `_all_gather_dtype` inside each parameter's conversion; it is swapped in
+    that closure, after the conversion. Gathers through secondary (hpZ) partitions keep DeepSpeed's own code, and
+    so does everything if a DeepSpeed release names these functions differently."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero import partition_parameters as pp
+
+    def cell(fn: Any, name: str, depth: int = 2) -> Any:
+        """The closure cell of `name` in `fn`, or in a function it closes over (a decorator's wrapper)."""
+        code = getattr(fn, "__code__", None)
+        if code is None or not fn.__closure__:
+            return None
+        if name in code.co_freevars:
+            return fn.__closure__[code.co_freevars.index(name)]
+        inner = (cell(c.cell_contents, name, depth - 1) for c in fn.__closure__ if depth and callable(c.cell_contents))
+        return next((c for c in inner if c is not None), None)
+
+    def by_shape(original: Any) -> Any:
+        def all_gather_dtype(params: list[Any], world_size: int, rank_in_group: int, ds_process_group: Any,
+                             allgather_dtype: torch.dtype) -> Any:
+            if params[0].ds_secondary_tensor is not None:
+                return original(params, world_size, rank_in_group, ds_process_group, allgather_dtype)
+            device = get_accelerator().current_device_name()
+            partition_sz = sum(p.ds_tensor.ds_numel for p in params)
+            flat = torch.empty(partition_sz * world_size, dtype=allgather_dtype, device=device, requires_grad=False)
+            partitions = _Chunks(flat, world_size, 0)
+            mine = partitions[rank_in_group]
+            torch.cat([p.ds_tensor.to(device).to(allgather_dtype) for p in params], out=mine)
+            handle = pp._dist_allgather_fn(mine, flat, ds_process_group)
+            return pp.AllGatherCoalescedHandle(allgather_handle=handle, params=params, partitions=partitions,
+                                               world_size=world_size, use_secondary_tensor=False)
+
+        return all_gather_dtype
+
+    original_convert = pp.Init._convert_to_deepspeed_param
+
+    def convert(self: Any, param: Any) -> Any:
+        out = original_convert(self, param)
+        coalesced = cell(getattr(param, "all_gather_coalesced", None), "_all_gather_coalesced")
+        dtype_cell = cell(coalesced.cell_contents, "_all_gather_dtype") if coalesced is not None else None
+        if dtype_cell is not None:
+            dtype_cell.cell_contents = by_shape(dtype_cell.cell_contents)
+        return out
+
+    return [(pp.Init, "_convert_to_deepspeed_param", convert)]
 
 
 def training_run(overrides: list[str], *, world_size: int) -> Any:
