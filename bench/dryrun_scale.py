@@ -69,7 +69,7 @@ def main() -> None:
             "stages for pp_dp; optimizer bytes are twice the parameters, three times under zero3, whose fp32 master copy "
             "DeepSpeed keeps even in fp32 and dist_train counts as optimizer state). Predicted: the estimator's "
             "arithmetic and collective model for the same config, stage by stage (diff = dry run / predicted - 1). "
-            "Comm bytes per step. The peak of live tensors is predicted for ddp and fsdp only. "
+            "Comm bytes per step. The peak of live tensors is predicted for ddp, fsdp and fsdp_tp (not yet for pipelines and ZeRO). "
             "Disagreements found and where they stand: (1) fsdp_tp held 5.3% more parameters per rank than 4Ψ/N: the "
             "embedding and the LM head were not split over the tensor-parallel group. Fixed: TP splits them by "
             "vocabulary now (with loss_parallel), and the estimator follows. (2) pp_dp's first stage holds the "

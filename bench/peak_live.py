@@ -30,6 +30,8 @@ CASES = [
     ("fsdp, 2 micro-batches, reshard_after_forward=false", 2, ["strategy=fsdp", "strategy.reshard_after_forward=false"]),
     ("fsdp, 2 micro-batches, bf16", 2, ["strategy=fsdp", "precision=bf16"]),
     ("ddp, 2 micro-batches", 2, ["strategy=ddp"]),
+    ("tp, 4 micro-batches", 2, ["strategy=tp"]),
+    ("fsdp_tp tp=2 on 4 ranks, 2 micro-batches", 4, ["strategy=fsdp_tp", "strategy.tp=2"]),
     ("zero2, 2 micro-batches", 2, ["strategy=zero2"]),
 ]
 
@@ -61,7 +63,7 @@ def main() -> None:
             "activations, weight copies); the peak of live tensors is torch's MemTracker over one step, seeded with "
             "what the rank holds (memory/peak_live_bytes; its composition in MemTracker's categories: params sharded "
             "and gathered, grads sharded and unsharded, temporaries made in backward). Predicted: the estimator's "
-            "predicted_memory_bytes.peak_live, where it models the strategy (single, dp, ddp, fsdp); '-' where it does not. "
+            "predicted_memory_bytes.peak_live, where it models the strategy (single, dp, ddp, tp, fsdp, fsdp_tp); '-' where it does not. "
             "DeepSpeed's peak holds its reduction bucket, reduce_bucket_size (5e8) elements of fp32 allocated whole, "
             "which a GPU would hold and the CPU never touches.")
     write_section("peak-live", "The peak of all live tensors", md_table(headers, rows),

@@ -121,7 +121,7 @@ OPTION_HELP = {
     "fit.strategies": "the fit table's strategies (known: " + ", ".join(KNOWN_STRATEGIES) + ")",
     "fit.micro_batch_size": "micro-batch of the fit table's activations (null: train.micro_batch_size)",
     "dryrun.ranks": "ranks of the world_size-rank job to run for real here, one process each, under a fake process "
-                    "group and FakeTensorMode: set-up and one step, figures beside the prediction (ddp, fsdp)",
+                    "group and FakeTensorMode: set-up and one step, figures beside the prediction",
     "dryrun.timeout_s": "seconds one rank's dry run may take",
 }
 
