@@ -76,6 +76,9 @@ class Setup:
     zero3_max_live_parameters: int = 10**9
     zero3_max_reuse_distance: int = 10**9
     zero3_prefetch_bucket_size: int = 5 * 10**7
+    # ZeRO 1 and 2's reduction bucket (zero_optimization.reduce_bucket_size, in elements; DeepSpeed's default),
+    # allocated whole in the training dtype at the first reduction
+    zero_reduce_bucket_size: int = 5 * 10**8
     # strategy=accelerate: what Accelerate wraps the model in (ddp | fsdp)
     plugin: str = "ddp"
     # strategy=fsdp_tp: ranks per tensor-parallel group
@@ -212,11 +215,13 @@ _ZERO3_KEYS = {
     "stage3_max_live_parameters": "zero3_max_live_parameters",
     "stage3_max_reuse_distance": "zero3_max_reuse_distance",
     "stage3_prefetch_bucket_size": "zero3_prefetch_bucket_size",
+    "reduce_bucket_size": "zero_reduce_bucket_size",
 }
 
 
 def _zero3_fields(strategy: Mapping[str, Any]) -> dict[str, int]:
-    """ZeRO-3 knobs a run overrides through strategy.extra.zero_optimization."""
+    """ZeRO knobs the estimator follows (ZeRO-3's gathering, the reduction bucket) that a run overrides through
+    strategy.extra.zero_optimization."""
     zero = (strategy.get("extra") or {}).get("zero_optimization") or {}
     return {field: int(float(zero[key])) for key, field in _ZERO3_KEYS.items() if key in zero}
 
