@@ -26,6 +26,42 @@ SHOWN = ["memory/params_bytes", "memory/optimizer_bytes", "comm/all_gather/bytes
          "comm/all_reduce/bytes", "memory/peak_live_bytes"]
 
 
+def note_text(seq_len: int) -> str:
+    """What the table's columns are, and the disagreements found with it and where they stand."""
+    return (
+        "Rank 0 of each job, one process here: fake process group, FakeTensorMode (no weights allocated), the real "
+        "fully_shard, tensor-parallel, pipeline and DeepSpeed code, two training steps (the first on one micro-batch, "
+        "except pipelines and DeepSpeed; the second measured). Llama-2-70B shape (the estimator's 70b preset: 80 "
+        "layers, hidden 8192, 64 heads, 8 KV heads, vocabulary 32,000), fp32, AdamW, micro-batch 1 x " + str(seq_len)
+        + " tokens, the default global batch (one micro-batch per process: 8 a step for each rank of fsdp_tp's "
+        "N/8-way data parallelism). pp_dp: 8 stages of 10 layers, replicated over N/8. 'params vs 4Ψ/shards': the "
+        "ZeRO paper's arithmetic, fp32 parameters 4Ψ over the ranks that split them (1 for ddp, N for fsdp and "
+        "fsdp_tp, the 8 stages for pp_dp; optimizer bytes are twice the parameters, three times under zero3, whose "
+        "fp32 master copy DeepSpeed keeps even in fp32 and dist_train counts as optimizer state). Predicted: the "
+        "estimator's arithmetic and collective model for the same config, stage by stage (diff = dry run / "
+        "predicted - 1). Comm bytes per step. The peak of live tensors is predicted for ddp, fsdp and fsdp_tp (not "
+        "yet for pipelines and ZeRO-3). Disagreements found and where they stand: (1) fsdp_tp held 5.3% more "
+        "parameters per rank than 4Ψ/N: the embedding and the LM head were not split over the tensor-parallel "
+        "group. Fixed: TP splits them by vocabulary now (with loss_parallel), and the estimator follows. (2) pp_dp's "
+        "first stage holds the embedding beside its 10 layers (the last the head and final norm): +2.3% over the "
+        "even 4Ψ/8, exactly as the estimator's stage split predicts; no split of 80 layers into 8 stages does "
+        "better for both ends. (3) The peak of live tensors of fsdp is 10-14% above the prediction at this size "
+        "(within 5% on the tiny model), fsdp_tp's 3-4% above: the prediction leaves out backward's temporaries (8 GB "
+        "here) and the fake CPU attention kernel keeps a little more than the real one. (4) zero3's all-gather bytes "
+        "are 0.7% under the estimator's at both sizes: DeepSpeed keeps the modules at the forward/backward turn "
+        "gathered into backward (here 966,803,456 parameters: the head, the final norm, the last block's MLP and its "
+        "norm), so they are gathered once, not twice. The estimator's two gathers per micro-batch stay as the upper "
+        "bound: which modules stay depends on DeepSpeed's prefetch and reuse bookkeeping (on the tiny model "
+        "stage3_max_reuse_distance alone does not predict it). (5) Wall time, profiled at 1,024 ranks: three "
+        "quarters of fsdp's time went to FSDP2 cutting every parameter into one view per rank at set-up (1.5 million "
+        "fake tensors), and zero3's to DeepSpeed cutting every gradient bucket, every gathered parameter and every "
+        "all-gather buffer into one view per rank. The dry run now makes those views and buffers by shape, or when "
+        "read (same sizes, same collectives, same figures; see dist_train/estimate/dryrun.py): fsdp went from 121 to "
+        "31 s, zero3 from no result in 13 minutes to under a minute. Still over the issue's 2 minutes: fsdp_tp "
+        "(DTensor's dispatch and fake-tensor cache keys over the measured step's 8 micro-batches; MemTracker "
+        "follows that step). Memory stays under 0.6 GiB.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="64,1024")
@@ -60,32 +96,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     headers = ["strategy", "ranks", "params vs 4Ψ/shards", *(f"{k.split('/', 1)[1].removesuffix('_bytes')}, GiB (vs predicted)" for k in SHOWN),
                "dry run wall, s", "dry run peak RSS, GiB"]
-    note = ("Rank 0 of each job, one process here: fake process group, FakeTensorMode (no weights allocated), the real "
-            "fully_shard, tensor-parallel, pipeline and DeepSpeed code, two training steps (the first on one micro-batch, except "
-            "pipelines and DeepSpeed; the second measured). Llama-2-70B shape (the estimator's 70b preset: 80 layers, hidden 8192, 64 "
-            "heads, 8 KV heads, vocabulary 32,000), fp32, AdamW, micro-batch 1 x " + str(args.seq_len) + " tokens, the "
-            "default global batch. pp_dp: 8 stages of 10 layers, replicated over N/8. 'params vs 4Ψ/shards': the ZeRO "
-            "paper's arithmetic, fp32 parameters 4Ψ over the ranks that split them (1 for ddp, N for fsdp and fsdp_tp, the 8 "
-            "stages for pp_dp; optimizer bytes are twice the parameters, three times under zero3, whose fp32 master copy "
-            "DeepSpeed keeps even in fp32 and dist_train counts as optimizer state). Predicted: the estimator's "
-            "arithmetic and collective model for the same config, stage by stage (diff = dry run / predicted - 1). "
-            "Comm bytes per step. The peak of live tensors is predicted for ddp, fsdp and fsdp_tp (not yet for pipelines and ZeRO). "
-            "Disagreements found and where they stand: (1) fsdp_tp held 5.3% more parameters per rank than 4Ψ/N: the "
-            "embedding and the LM head were not split over the tensor-parallel group. Fixed: TP splits them by "
-            "vocabulary now (with loss_parallel), and the estimator follows. (2) pp_dp's first stage holds the "
-            "embedding beside its 10 layers (the last the head and final norm): +2.3% over the even 4Ψ/8, exactly as "
-            "the estimator's stage split predicts. (3) The peak of live tensors of fsdp is 10-14% above the "
-            "prediction at this size (within 5% on the tiny model): the prediction leaves out backward's temporaries "
-            "(8 GB here) and the fake CPU attention kernel keeps a little more than the real one. (4) zero3's all-gather "
-            "bytes are 0.7% under the estimator's at 64 ranks (not investigated yet). (5) Wall time, profiled at 1,024 ranks: three quarters of fsdp's "
-            "time went to FSDP2 cutting every parameter into one view per rank at set-up (1.5 million fake tensors), "
-            "and zero3's to DeepSpeed slicing every gradient bucket and every gathered parameter per rank. The dry "
-            "run now makes those views and buffers by shape (same sizes, same collectives; see "
-            "dist_train/estimate/dryrun.py): fsdp went from 121 to 31 s, zero3 from no result in 13 minutes to "
-            "about 4 minutes. Still over the issue's 2 minutes where the wall column says so: fsdp_tp (DTensor's "
-            "dispatch and fake-tensor cache keys; MemTracker follows the measured step) and zero3 at 1,024 (DeepSpeed's "
-            "coalesced all-gather still makes one view per rank for each bucket, inside a nested function the dry run "
-            "cannot replace without copying DeepSpeed's). Memory stays under 0.6 GiB.")
+    note = note_text(args.seq_len)
     write_section("dryrun-scale", "The dry run at scale", md_table(headers, rows),
                   command=f"python bench/dryrun_scale.py --world-sizes {args.world_sizes} --seq-len {args.seq_len} "
                           f"--timeout {args.timeout:g}",
