@@ -282,7 +282,7 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
 
     ZeRO 1 and 2: the categories at their peak plus DeepSpeed's reduction bucket, reduce_bucket_size elements of
     the training dtype allocated whole (2 GB in fp32 by default; measured on 2 CPU ranks, model=tiny, with a
-    100,000-element bucket so that the rest shows: zero1 -5.1%, zero2 -3.6%; bf16 -6.9%, -3.3%).
+    100,000-element bucket so that the rest shows: zero1 -3.6%, zero2 -2.3%; dry runs in bf16 -6.9%, -3.3%).
     single, dp and tp: the categories at their peak, model state plus the working set (`rank.total`; tp's
     micro-batches accumulate into the same sharded gradients; measured on 2 CPU ranks, model=tiny, 4 micro-batches:
     +5.3% over this, backward's temporaries).
