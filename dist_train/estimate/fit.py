@@ -1,4 +1,5 @@
-"""Which strategies fit in G GiB per GPU, for a model on N GPUs: the worst rank's predicted total."""
+"""Which strategies fit in G GiB per GPU, for a model on N GPUs: the worst rank's predicted peak (RankMemory.peak:
+the peak of all live tensors where the estimator models it, else model state plus the working set)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class FitCell:
 
 
 def worst_rank(ranks: list[RankMemory]) -> RankMemory:
-    return max(ranks, key=lambda r: r.total)
+    return max(ranks, key=lambda r: r.peak)
 
 
 def fit_cell(model: FitModel, *, base: Setup, strategy: str, world_size: int, gpu_bytes: float) -> FitCell:
@@ -54,7 +55,7 @@ def fit_cell(model: FitModel, *, base: Setup, strategy: str, world_size: int, gp
         if family == "pipeline" and world_size > model.shape.num_layers:
             return FitCell(model.name, strategy, world_size, None, False,
                            f"{world_size} stages > {model.shape.num_layers} layers")
-        peak = worst_rank(predict_memory(model.shape, setup)).total
+        peak = worst_rank(predict_memory(model.shape, setup)).peak
         note = ""
     else:
         if setup.optimizer in SHAPED_OPTIMIZERS:

@@ -203,6 +203,11 @@ class RankMemory:
     def total(self) -> float:
         return self.model_state + self.working_set
 
+    @property
+    def peak(self) -> float:
+        """What decides out-of-memory: the peak of all live tensors where it is modelled, else the categories'."""
+        return self.total if self.peak_live is None else self.peak_live
+
 
 # The telemetry's memory categories (memory/<category>_bytes) that the estimator predicts.
 MEASURED_CATEGORIES = ("params", "grads", "optimizer", "activations", "weight_copies", "gathered_params", "step_grads")
