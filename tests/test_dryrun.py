@@ -55,7 +55,9 @@ def test_dry_run_equals_a_real_run(strategy, nproc, tmp_path):
         assert abs(live - want_live) <= 0.05 * want_live, (strategy, live, want_live)
         if "memory/peak_live_bytes" in got["predicted"]:  # where the estimator models the peak (not zero3, pipelines)
             predicted_live = got["predicted"]["memory/peak_live_bytes"]
-            assert abs(predicted_live - want_live) <= 0.10 * want_live, (strategy, predicted_live, want_live)
+            # ddp within 5%: two micro-batches accumulate into DDP's buckets, no second copy of the gradients
+            tolerance = 0.05 if strategy == "ddp" else 0.10
+            assert abs(predicted_live - want_live) <= tolerance * want_live, (strategy, predicted_live, want_live)
         # Beside it, the estimator's prediction and the difference, for the same keys.
         assert got["predicted"]["memory/params_bytes"] > 0
         assert got["diff"]["memory/params_bytes"] == pytest.approx(

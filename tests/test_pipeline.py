@@ -358,7 +358,7 @@ STAGE_PARAMS = {0: EMBED + 2 * BLOCK, 1: 2 * BLOCK + HEAD}  # model=tiny split 2
 
 @pytest.mark.multiproc
 def test_pp_dp_replicated_stages_match_single_with_tied_embeddings(tied_single, tmp_path):
-    """Each stage whole on both replicas: one all-reduce of its gradients over them per step, the tied
+    """Each stage whole on both replicas (DDP): one all-reduce of its gradients over them per step, the tied
     embedding/head gradient summed within each replica, the same losses as one process."""
     run = (tmp_path / "pp_dp", train_ok(["strategy=pp_dp", *TIED], run_dir=tmp_path / "pp_dp", nproc=4))
     _assert_same_as_single(tied_single, run)
@@ -373,6 +373,11 @@ def test_pp_dp_replicated_stages_match_single_with_tied_embeddings(tied_single, 
         assert r["comm/pp/all_reduce/bytes"] == 4 + 4 * 256 * 64
         assert r["comm/all_reduce/bytes"] == 4 * own + 4 + 4 * 256 * 64
         assert r["comm/pp/send/bytes"] == r["comm/pp/recv/bytes"] == 2 * ACTIVATION_BYTES
+    for r in run[1]["ranks"]:  # summary.json's: the peak of live tensors over a step
+        own = STAGE_PARAMS[r["rank"] // 2]
+        # DDP per stage: at the peak the stage's weights once (torch's FSDP-based replicate held an unsharded copy
+        # beside them), and its gradients once, the buckets the micro-batches accumulate into
+        assert r["memory/peak_live/params_bytes"] == r["memory/peak_live/grads_bytes"] == 4 * own, r
 
 
 @pytest.mark.multiproc

@@ -291,11 +291,12 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     single, dp and tp: the categories at their peak, model state plus the working set (`rank.total`; tp's
     micro-batches accumulate into the same sharded gradients; measured on 2 CPU ranks, model=tiny, 4 micro-batches:
     +5.3% over this, backward's temporaries).
-    ddp: the same with one micro-batch a step (the gradients are views into DDP's all-reduce buckets; without
-    gradient_as_bucket_view the buckets are filled as the gradients are freed). While it accumulates (no_sync until
-    the last micro-batch), autograd accumulates into gradients of its own, outside the buckets, and the last
-    micro-batch's backward copies them in: a second copy of every gradient at the peak (measured on 2 CPU ranks,
-    model=tiny: +3.7% over this with one micro-batch, +3.2% with two, either setting).
+    ddp: the same. The gradients are views into DDP's all-reduce buckets, and dist_train zeroes them in place
+    between steps rather than dropping them, so that micro-batches under no_sync accumulate into the buckets too
+    (dropped, they would be accumulated apart and copied in by the last micro-batch's backward: a second copy of
+    every gradient at the peak). From the second step on: DDP makes the gradients bucket views at its first
+    reduction, and the first step, without optimizer state yet, holds less anyway (fp32 AdamW: 2 B/param less).
+    Measured on 2 CPU ranks, model=tiny: +3.7% over this with one micro-batch and with two.
     fsdp (FSDP2), and fsdp_tp, whose FSDP shards each rank's tensor-parallel slice: at the start of backward it also
     holds gathered parameters, in the compute dtype: the root's (embeddings, final norm, head), kept from forward
     to backward, and the last block's (with reshard_after_forward=false, every parameter). While it accumulates
@@ -309,8 +310,6 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
         return None
     if setup.family == "zero":
         return rank.total + setup.zero_reduce_bucket_size * element_bytes(setup.precision)
-    if setup.family == "ddp" and setup.microbatches_per_step > 1:
-        return rank.total + rank.grads
     if setup.family not in ("fsdp", "fsdp_tp"):
         return rank.total
     slice_params = tp_rank_params(shape, setup)  # all of them without tensor parallelism

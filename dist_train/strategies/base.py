@@ -123,8 +123,14 @@ def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, *, total: to
 class LocalOptimizer:
     """Optimizer, LR schedule, loss scaling (fp16) and clipping over parameters this process updates."""
 
-    def __init__(self, ctx: StrategyContext, params: list[nn.Parameter]) -> None:
+    def __init__(self, ctx: StrategyContext, params: list[nn.Parameter], *, zero_in_place: bool = False) -> None:
+        """`zero_in_place`: the gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view).
+        Zeroed rather than dropped between steps, they stay views: micro-batches accumulate into the buckets under
+        no_sync, where dropped gradients would be accumulated apart and copied into the buckets by the last
+        micro-batch's backward, a second copy of every gradient at the peak. Zero plus a gradient is that
+        gradient, bit for bit: the training is the same."""
         self.params = params
+        self.zero_in_place = zero_in_place
         self.max_norm = ctx.train.grad_clip
         self.optimizer = ctx.optimizer.build(params)
         self.scheduler = ctx.optimizer.scheduler(self.optimizer)
@@ -138,7 +144,7 @@ class LocalOptimizer:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.zero_in_place)
 
     def step(self, *, total_norm: torch.Tensor | None = None) -> torch.Tensor:
         """Clip (by `total_norm` if given, else the norm of these parameters), step, advance the schedule."""

@@ -45,7 +45,8 @@ class TorchStrategy:
         if self.ctx.materialize is not None:  # built on meta: storage and weights now that it is sharded
             self.ctx.materialize(self.wrapped)
         # After wrapping: FSDP2's parameters are DTensor shards only from here on.
-        self.opt = LocalOptimizer(self.ctx, list(self.wrapped.parameters()))
+        self.opt = LocalOptimizer(self.ctx, list(self.wrapped.parameters()),
+                                  zero_in_place=bool(getattr(self.wrapped, "gradient_as_bucket_view", False)))
 
     def train_step(self, batch: Batch) -> StepOutput:
         assert self.wrapped is not None and self.opt is not None, "setup() first"
