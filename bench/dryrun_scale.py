@@ -60,7 +60,7 @@ def note_text(seq_len: int) -> str:
         "31 s, zero3 from no result in 13 minutes to under a minute. fsdp_tp spends its time in DTensor's dispatch "
         "and fake-tensor cache keys over the measured step's 8 micro-batches, and a quarter of it went to "
         "MemTracker's bookkeeping of ops that make no tensor (prim.device, half the ops of a tensor-parallel step); "
-        "the tracker now skips those (same figures): 129 to about 110 s at 1,024 ranks. Memory stays under 0.6 GiB. "
+        "the tracker now skips those (same figures): 128 and 129 s at 64 and 1,024 ranks went to 107 and 113 s. Memory stays under 0.6 GiB. "
         "(6) pp_dp's replicated stages held an unsharded copy of every parameter beside it at the peak (torch's "
         "FSDP-based replicate, kept gathered across the schedule's micro-batches): +32.85 GiB of parameters on rank "
         "0. Fixed in the code: each stage is under DDP now, its gradients zeroed in place so that the micro-batches "
