@@ -42,6 +42,7 @@ class Session:
     progress: Any = None  # Progress: the step being trained, for failure messages
     eval_batches: Any = None  # the held-out batches (eval.every_steps > 0), sliced per data-parallel rank
     stop: Any = None  # interrupt.StopRequest: Ctrl-C and SIGTERM, agreed on by every rank
+    device_name: str = "cpu"  # torch.cuda.get_device_name() on a GPU: which datasheet (MFU, the plan's profile)
 
 
 def build_session(
@@ -95,6 +96,7 @@ def build_session(
         start_step=saved.get("step", 0), resumed_from=resume,
     )
     device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
+    session.device_name = device_name
     session.telemetry = _telemetry(session, tracker, saved=saved, device_name=device_name)
     session.telemetry.setup_memory = setup_memory
     d = run.data

@@ -381,6 +381,7 @@ def _summary(session: Session) -> dict[str, Any]:
         "checkpoint_blocking_s": session.checkpointer.blocking_s,
         "backend": runtime.backend,
         "device": str(runtime.device),
+        "device_name": session.device_name,
         "run_dir": str(session.run_dir),
         "ranks": telemetry.per_rank_summary(session.start_step + warmup),
         "predicted_memory_bytes": predicted_memory(session),

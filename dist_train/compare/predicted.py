@@ -70,6 +70,31 @@ def add_prediction(row: dict[str, Any], *, memory_rtol: float) -> None:
     row["prediction_ok"] = all_ok
     row["pred_regime"] = setup.regime_description
     add_comm_prediction(row, shape=shape, setup=setup)
+    add_step_prediction(row, shape=shape, setup=setup, train=cfg.get("train") or {})  # type: ignore[arg-type]
+
+
+def add_step_prediction(row: dict[str, Any], *, shape: ModelShape, setup: Any, train: dict[str, Any],
+                        profile_dir: Optional[Path] = None) -> None:
+    """pred_step_s and err_step_s: the advisor's time model (dist_train/plan) for the run's device, with this
+    machine's stored profile of it (plan.calibrate, plan.verify) or the datasheet's; pred_step_profile says which.
+    A device with no profile (a CPU never calibrated here, an unknown GPU) gets pred_step_note instead."""
+    from dataclasses import replace
+
+    from dist_train.plan.hardware import default_profile_dir, profile_for_device, resolve
+    from dist_train.plan.time_model import predict_step
+
+    device = row.get("device_name", "cpu")
+    name = profile_for_device(device)
+    hw, how = resolve(name, profile_dir or default_profile_dir()) if name else (None, "")
+    if hw is None:
+        row["pred_step_note"] = (f"no profile of {device}" if name is None else
+                                 "no cpu profile yet (python launch/plan.py cluster.gpu=cpu plan.calibrate=true)")
+        return
+    hw = replace(hw, gpus_per_node=max(1, row["world_size"] // max(1, row.get("nodes", 1))))
+    step = predict_step(shape, setup, hw, allow_tf32=bool(train.get("allow_tf32", False)))
+    row["pred_step_s"] = step.step_s
+    row["err_step_s"] = rel_error(step.step_s, row.get("step_s", 0.0))
+    row["pred_step_profile"] = f"{hw.name}, {how}"
 
 
 def add_comm_prediction(row: dict[str, Any], *, shape: ModelShape, setup: Any) -> None:

@@ -16,7 +16,7 @@ from dist_train.estimate.render import human_bytes
 CSV_COLUMNS = [
     "strategy", "knobs", "status", "reason", "verdict", "agrees", "world_size", "nodes", "data_parallel_size", "num_params",
     "steps",
-    "step_s", "compute_s", "comm_s", "tokens_per_s",
+    "step_s", "pred_step_s", "err_step_s", "pred_step_profile", "compute_s", "comm_s", "tokens_per_s",
     *(f"comm_{op}_s" for op in COMM_OPS),
     *(f"mem_{c}_{k}_bytes" for c in MEMORY_FIGURES
       for k in ("max", "spread")),
@@ -29,8 +29,13 @@ CSV_COLUMNS = [
 ]
 
 
+# The predicted memory columns are stored as pred_<category>_bytes; every other column under its own name.
+_PREDICTED_BYTES = {f"pred_{c}" for c in ("params", "grads", "optimizer", "activations", *TRANSIENT_CATEGORIES,
+                                          "peak_live")}
+
+
 def _csv_key(name: str) -> str:
-    return f"{name}_bytes" if name.startswith("pred_") and not name.startswith("pred_regime") else name
+    return f"{name}_bytes" if name in _PREDICTED_BYTES else name
 
 
 def write_tables(rows: list[dict[str, Any]], out_dir: Path) -> tuple[Path, Path]:
@@ -121,7 +126,8 @@ def comm_table(rows: list[dict[str, Any]]) -> str:
 
 def prediction_table(rows: list[dict[str, Any]], *, memory_rtol: float) -> str:
     transient = [c for c in (*TRANSIENT_CATEGORIES, "peak_live") if any(f"pred_{c}_bytes" in r for r in rows)]
-    headers = ["strategy", "regime", *(f"{c} pred / meas (err)" for c in ("params", "grads", "optimizer")),
+    headers = ["strategy", "regime", "step pred / meas (err)",
+               *(f"{c} pred / meas (err)" for c in ("params", "grads", "optimizer")),
                f"model state within {memory_rtol:.0%}", "activations pred / meas (err)",
                *(f"{c.replace('_', ' ')} pred / meas (err)" for c in transient)]
     body = []
@@ -129,8 +135,16 @@ def prediction_table(rows: list[dict[str, Any]], *, memory_rtol: float) -> str:
         if r["status"] != "ok" or "pred_params_bytes" not in r:
             continue
         cells = [_pred_cell(r, c) for c in ("params", "grads", "optimizer", "activations", *transient)]
-        body.append([r["strategy"], r["pred_regime"], *cells[:3], "yes" if r["model_state_ok"] else "**NO**", *cells[3:]])
+        body.append([r["strategy"], r["pred_regime"], _step_cell(r), *cells[:3],
+                     "yes" if r["model_state_ok"] else "**NO**", *cells[3:]])
     return md_table(headers, body)
+
+
+def _step_cell(row: dict[str, Any]) -> str:
+    """The advisor's predicted step (dist_train/plan) beside the measured one, or why there is none."""
+    if "pred_step_s" not in row:
+        return row.get("pred_step_note", "-")
+    return f"{ms(row['pred_step_s'])} / {ms(row['step_s'])} ({pct(row['err_step_s'])})"
 
 
 def _pred_cell(row: dict[str, Any], cat: str) -> str:

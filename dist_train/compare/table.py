@@ -58,6 +58,7 @@ def build_row(result: RunResult) -> dict[str, Any]:
         "world_size": summary["world_size"], "nodes": summary.get("nodes", 1),
         "data_parallel_size": summary["data_parallel_size"],
         "num_params": summary["num_params"], "steps": summary["steps"],
+        "device_name": summary.get("device_name", "cpu"),
     })
     row.update(memory_columns(ranks))
     row.update(time_columns(summary, records))

@@ -19,7 +19,7 @@ CHARTS = (
     ("mem_optimizer_max_bytes", "optimizer state bytes, worst rank"),
     ("loss_max_rel_dev", "max relative loss deviation from single"),
 )
-SUMMARY_KEYS = ("step_s", "compute_s", "comm_s", "tokens_per_s", "comm_bytes_per_step", "final_loss",
+SUMMARY_KEYS = ("step_s", "pred_step_s", "err_step_s", "compute_s", "comm_s", "tokens_per_s", "comm_bytes_per_step", "final_loss",
                 "loss_max_rel_dev", "mem_params_max_bytes", "mem_grads_max_bytes", "mem_optimizer_max_bytes",
                 "mem_activations_max_bytes", "err_params", "err_grads", "err_optimizer")
 

@@ -21,6 +21,7 @@ parallelism all-reduces s x b x h activations inside every layer, forward and ba
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from dist_train.estimate.memory import element_bytes, state_bytes, tp_rank_params
@@ -31,6 +32,15 @@ from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
 # gathered if it is used again within this many fetched elements. A whole model at most this size is
 # never re-gathered in backward.
 DS_STAGE3_MAX_REUSE_DISTANCE = 1e9
+# Buckets that set how many calls carry the bytes: DDP's bucket_cap_mb (25, this project's default), DeepSpeed
+# ZeRO-1/2's allgather_bucket_size (elements, its default). ZeRO's reduce bucket is Setup.zero_reduce_bucket_size.
+DDP_BUCKET_BYTES = 25 * 2**20
+DS_ALLGATHER_BUCKET_SIZE = 5 * 10**8
+
+
+def buckets(size: float, bucket: float) -> int:
+    """Calls that carry `size` in buckets of at most `bucket` (the same unit)."""
+    return max(1, math.ceil(size / bucket))
 
 
 def bus_factor(op: str, group_size: int) -> float:
@@ -52,6 +62,7 @@ class Collective:
     elem: int = 4  # bytes per element moved
     dim: str = ""  # the mesh dimension it runs over (fsdp_tp: tp or dp); "" = the strategy's one group
     group_size: int = 0  # ranks in that group; 0 = the group size the caller passes
+    calls: int = 1  # separate calls per step (buckets, one per block, ...): what latency costs (plan/time_model.py)
 
     def ring_bytes(self, group_size: int) -> float:
         return self.bytes * bus_factor(self.op, self.group_size or group_size)
@@ -88,7 +99,7 @@ def _data_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
     )
     if setup.kind == "ddp":
         return [Collective("all_reduce", num_params * b.grads, "gradients, once per step (no_sync while accumulating)",
-                           int(b.grads))]
+                           int(b.grads), calls=buckets(num_params * b.grads, DDP_BUCKET_BYTES))]
     if setup.kind == "fsdp":
         return _fsdp(shape, setup, block_params=shape.num_layers * shape.layer_params(), num_params=num_params)
     stage = setup.zero_stage
@@ -102,16 +113,20 @@ def _data_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
         when = "forward only (kept until backward: stage3_max_reuse_distance)" if reused else "forward + backward"
         return [
             Collective("all_gather", gathers * num_params * b.weights,
-                       f"parameters, {when}, {m} micro-batch(es)", int(b.weights)),
-            Collective("reduce_scatter", m * num_params * b.grads, f"gradients, every micro-batch ({m})", int(b.grads)),
+                       f"parameters, {when}, {m} micro-batch(es)", int(b.weights),
+                       calls=gathers * len(shape.module_params())),
+            Collective("reduce_scatter", m * num_params * b.grads, f"gradients, every micro-batch ({m})", int(b.grads),
+                       calls=m * buckets(num_params, setup.zero_reduce_bucket_size)),
         ]
     reduces = m if stage == 2 else 1
     # The paper reduce-scatters gradients (Ψ of ring traffic); DeepSpeed 0.19's stage 1/2 all-reduces each
     # gradient bucket and keeps its own partition (use_multi_rank_bucket_allreduce=True by default): 2Ψ.
     op = "all_reduce" if setup.resolved_regime == "deepspeed" else "reduce_scatter"
     return [
-        Collective(op, reduces * num_params * b.grads, f"gradients, {reduces}x per step", int(b.grads)),
-        Collective("all_gather", num_params * b.weights, "updated parameters after the step", int(b.weights)),
+        Collective(op, reduces * num_params * b.grads, f"gradients, {reduces}x per step", int(b.grads),
+                   calls=reduces * buckets(num_params, setup.zero_reduce_bucket_size)),
+        Collective("all_gather", num_params * b.weights, "updated parameters after the step", int(b.weights),
+                   calls=buckets(num_params, DS_ALLGATHER_BUCKET_SIZE)),
     ]
 
 
@@ -128,8 +143,10 @@ def _fsdp(shape: ModelShape, setup: Setup, *, block_params: float, num_params: f
     reduces = m if setup.reduce_every_microbatch else 1
     when = f"every micro-batch ({m})" if reduces > 1 else "once per step"
     return [
-        Collective("all_gather", gathered, f"parameters: blocks {block_gathers}x, root {m}x per step", compute),
-        Collective("reduce_scatter", reduces * num_params * 4, f"fp32 gradients (reduce_dtype), {when}", 4),
+        Collective("all_gather", gathered, f"parameters: blocks {block_gathers}x, root {m}x per step", compute,
+                   calls=block_gathers * shape.num_layers + m),
+        Collective("reduce_scatter", reduces * num_params * 4, f"fp32 gradients (reduce_dtype), {when}", 4,
+                   calls=reduces * (shape.num_layers + 1)),
     ]
 
 
@@ -142,8 +159,10 @@ def _pipeline(shape: ModelShape, setup: Setup, *, stage: int) -> list[Collective
     d = setup.data_parallel_size
     dim = "pp" if d > 1 else ""
     out = [
-        Collective("send", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem, dim=dim),
-        Collective("recv", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem, dim=dim),
+        Collective("send", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem, dim=dim,
+                   calls=sends * m),
+        Collective("recv", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem, dim=dim,
+                   calls=sends * m),
     ]
     if d > 1:
         out += [replace(c, dim="dp", group_size=d) for c in _stage_data_parallel(shape, setup, stage=stage)]
@@ -162,12 +181,14 @@ def _stage_data_parallel(shape: ModelShape, setup: Setup, *, stage: int) -> list
     split = list(setup.split_points) if setup.split_points else None
     params = stage_params(shape, num_stages=k, split_points=split)[stage]
     if setup.dp_mode == "replicate":
-        return [Collective("all_reduce", params * 4, "the stage's fp32 gradients over its replicas, once per step", 4)]
-    blocks = stage_layers(shape, num_stages=k, split_points=split)[stage] * shape.layer_params()
+        return [Collective("all_reduce", params * 4, "the stage's fp32 gradients over its replicas, once per step", 4,
+                           calls=buckets(params * 4, DDP_BUCKET_BYTES))]
+    layers = stage_layers(shape, num_stages=k, split_points=split)[stage]
+    blocks = layers * shape.layer_params()
     return [
         Collective("all_gather", ((m + 1) * blocks + (params - blocks)) * 4,
-                   f"the stage's parameters: blocks {m + 1}x, root 1x per step", 4),
-        Collective("reduce_scatter", params * 4, "the stage's fp32 gradients, once per step", 4),
+                   f"the stage's parameters: blocks {m + 1}x, root 1x per step", 4, calls=(m + 1) * layers + 1),
+        Collective("reduce_scatter", params * 4, "the stage's fp32 gradients, once per step", 4, calls=layers + 1),
     ]
 
 
@@ -187,13 +208,14 @@ def _tensor_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
     # head's input gradient (backward), and loss_parallel's fp32 max, sum of exponentials and target logit per token
     vocab = Collective("all_reduce", m * (2 * tokens * grad + 3 * setup.seq_len * setup.micro_batch_size * 4),
                        f"vocabulary split: embedding rows, head input gradient, 3 loss reductions, {m} micro-batch(es)",
-                       grad)
+                       grad, calls=5 * m)
     if setup.sequence_parallel:
         return [*_sequence_parallel(shape, setup, tokens=tokens, compute=compute, wide=grad), vocab]
     backward = 2 if shape.arch == "gpt2" else 5
     return [
         Collective("all_reduce", m * layers * (2 * tokens * compute + backward * tokens * grad),
-                   f"activations: 2 forward + {backward} backward per layer, {m} micro-batch(es)", compute),
+                   f"activations: 2 forward + {backward} backward per layer, {m} micro-batch(es)", compute,
+                   calls=m * layers * (2 + backward)),
         vocab,
     ]
 
@@ -211,10 +233,12 @@ def _sequence_parallel(shape: ModelShape, setup: Setup, *, tokens: int, compute:
     norm_grads = per_norm * (2 * layers + 1)
     return [
         Collective("all_gather", m * (layers * 2 * tokens * (wide + compute) + 2 * tokens * wide),
-                   f"activations: 2 forward + 2 backward per layer, entry and exit, {m} micro-batch(es)", compute),
+                   f"activations: 2 forward + 2 backward per layer, entry and exit, {m} micro-batch(es)", compute,
+                   calls=m * (4 * layers + 2)),
         Collective("reduce_scatter", m * layers * 2 * tokens * (compute + wide),
-                   f"activations: 2 forward + 2 backward per layer, {m} micro-batch(es)", compute),
-        Collective("all_reduce", m * norm_grads * h * 4, f"{norm_grads} norm weight gradients, {m} micro-batch(es)", 4),
+                   f"activations: 2 forward + 2 backward per layer, {m} micro-batch(es)", compute, calls=m * 4 * layers),
+        Collective("all_reduce", m * norm_grads * h * 4, f"{norm_grads} norm weight gradients, {m} micro-batch(es)", 4,
+                   calls=m * norm_grads),
     ]
 
 

@@ -9,6 +9,7 @@ their config.json sets: a head_dim of their own, biases (Qwen2's on q, k and v),
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -185,14 +186,21 @@ def stage_bounds(shape: ModelShape, *, num_stages: int, split_points: Optional[l
         return list(split_points)
     if num_stages > shape.num_layers:
         raise ValueError(f"{num_stages} pipeline stages need as many blocks; {shape.name} has {shape.num_layers}")
+    return list(_balanced_bounds(shape, num_stages))
+
+
+@functools.lru_cache(maxsize=1024)
+def _balanced_bounds(shape: ModelShape, num_stages: int) -> tuple[int, ...]:
+    """The balanced split, once per shape and stage count: an exact search, O(K L^2), that the advisor asks for
+    thousands of times (70B: 80 layers)."""
     try:
         from dist_train.strategies.pipeline_stages import split_layers
     except ImportError:  # no pipeline strategy installed: cut evenly by block count
-        return [round(k * shape.num_layers / num_stages) for k in range(1, num_stages)]
-    return split_layers(
+        return tuple(round(k * shape.num_layers / num_stages) for k in range(1, num_stages))
+    return tuple(split_layers(
         [shape.layer_params()] * shape.num_layers, num_stages=num_stages,
         first_extra=shape.embedding_params(), last_extra=shape.last_stage_params(),
-    )
+    ))
 
 
 def stage_params(shape: ModelShape, *, num_stages: int, split_points: Optional[list[int]] = None) -> list[int]:

@@ -1,0 +1,341 @@
+"""`python launch/plan.py [training overrides] cluster.* plan.* [format=json]`: which configuration, how fast, how
+much memory; then, with plan.verify=K, checked by real runs. `--help` lists every option with its default."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from dist_train.estimate.render import human_bytes, human_count, text_table
+from dist_train.estimate.shapes import ModelShape
+from dist_train.plan.hardware import ClusterArgs, Hardware, apply_overrides, default_profile_dir, resolve, save_profile
+from dist_train.plan.search import SEARCHED, Candidate, Search, search
+
+
+@dataclass
+class PlanOptions:
+    top: int = 5  # configurations shown, best first
+    verify: int = 0  # run the best K here for plan.steps steps, predicted beside measured, then refit the profile
+    steps: int = 6  # steps of each verified run (the first are warm-up, not timed)
+    calibrate: bool = False  # measure this machine first (cpu: done by itself when no profile is stored)
+    profile_dir: Optional[str] = None  # where measured profiles are kept; null: ~/.cache/dist_train/profiles
+    strategies: list[str] = field(default_factory=lambda: list(SEARCHED))  # the strategies searched
+    micro_batch_sizes: list[int] = field(default_factory=list)  # tried; empty: every power of two that fits
+    checkpointing: list[bool] = field(default_factory=lambda: [False, True])  # activation checkpointing, tried
+    optimizers: list[str] = field(default_factory=list)  # empty: the training config's optimizer only
+    distinct: bool = True  # one configuration per strategy and degrees (its fastest); false: every one
+    memory_fraction: float = 0.9  # the share of a device's memory a configuration may fill at its peak
+    out_dir: Optional[str] = None  # plan.verify's runs; null: outputs/plan-<time>
+    timeout_s: float = 900.0  # per verified run
+
+    def __post_init__(self) -> None:
+        if self.top < 1:
+            raise ValueError(f"plan.top={self.top} must be >= 1")
+        if self.verify < 0 or self.steps < 3:
+            raise ValueError(f"plan.verify={self.verify} must be >= 0 and plan.steps={self.steps} >= 3 (the first "
+                             "steps are warm-up, not timed)")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"plan.memory_fraction={self.memory_fraction} must be in (0, 1]")
+        bad = [s for s in self.strategies if s not in SEARCHED]
+        if bad:
+            raise ValueError(f"plan.strategies: {', '.join(bad)} cannot be searched; allowed: {', '.join(SEARCHED)}")
+        if any(b < 1 for b in self.micro_batch_sizes):
+            raise ValueError(f"plan.micro_batch_sizes={self.micro_batch_sizes}: each must be >= 1")
+
+
+@dataclass
+class PlanArgs:
+    cluster: ClusterArgs = field(default_factory=ClusterArgs)
+    plan: PlanOptions = field(default_factory=PlanOptions)
+    format: str = "text"
+
+    def __post_init__(self) -> None:
+        if self.format not in ("text", "json"):
+            raise ValueError(f"format={self.format!r} is not supported; allowed: text, json")
+
+
+_OWN = ("cluster", "plan", "format")
+
+def help_text() -> str:
+    from dist_train.entry import dataclass_options, help_text as entry_help, option_line
+
+    from dist_train.plan.hardware import KNOWN_GPUS
+
+    return entry_help(
+        ABOUT,
+        usage="python launch/plan.py [training overrides] [cluster.KEY=VALUE] [plan.KEY=VALUE] [format=json]",
+        sections=[
+            (f"the cluster (cluster.gpu: {', '.join(KNOWN_GPUS)}):", dataclass_options(ClusterArgs, "cluster.")),
+            ("the search (plan.KEY=VALUE):", dataclass_options(PlanOptions, "plan.")),
+            ("everything else:", [
+                *option_line("format=text", "text: tables for a person; json: the same for tools"),
+                *option_line("GROUP=OPTION, KEY=VALUE", "a training override (see python launch/train.py --help); "
+                                                        "model= also takes the estimator's presets 7b, 13b, 70b"),
+                *option_line("-h, --help", "this help"),
+            ]),
+        ],
+        examples=[
+            "python launch/plan.py model=70b precision=bf16 train.seq_len=4096 train.global_batch_size=512 "
+            "cluster.gpu=h100 cluster.nodes=16",
+            "python launch/plan.py model=7b precision=bf16 train.seq_len=4096 train.global_batch_size=256 "
+            "cluster.gpu=h100 cluster.nodes=4 format=json",
+            "python launch/plan.py model=tiny train.global_batch_size=8 cluster.gpu=cpu plan.verify=4",
+        ],
+    )
+
+
+ABOUT = """Which configuration for this model on this cluster: predicted memory and step time, best first.
+
+Searches strategies and their degrees (ddp, zero1-3, fsdp; tp within a node; fsdp_tp; 1f1b, gpipe; pp_dp), micro-batch
+sizes and activation checkpointing for the training config's model, global batch and sequence length; predicts each
+one's peak memory per device (the estimator) and step time (compute, exposed communication, pipeline bubble, optimizer
+step, the framework's per-block work); drops what does not fit or cannot run, with the reason; prints the best as
+commands. plan.verify=K runs the best K here for a few steps and prints predicted beside measured. Bad input is one
+`config error:` line on stderr, exit code 2.
+"""
+
+
+def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    own, training = [], []
+    for arg in argv:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        (own if key.split(".")[0] in _OWN else training).append(arg)
+    return own, training
+
+
+def parse_args(own: list[str]) -> PlanArgs:
+    merged = OmegaConf.merge(OmegaConf.structured(PlanArgs), OmegaConf.from_dotlist(own))
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def profile(args: PlanArgs, shape: ModelShape, cfg: dict[str, Any]) -> tuple[Hardware, str]:
+    """The hardware profile and how it was obtained: stored, datasheet, or measured now."""
+    from dist_train.plan.calibrate import calibrate
+
+    c = args.cluster
+    profile_dir = Path(args.plan.profile_dir or default_profile_dir())
+    hw, how = resolve(c.gpu, profile_dir)
+    if args.plan.calibrate or hw is None:
+        procs = c.gpus_per_node or (hw.gpus_per_node if hw is not None and c.gpu == "cpu" else 2)
+        if c.gpu != "cpu":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"plan.calibrate=true measures this machine, which has no GPU: it cannot stand for "
+                                 f"cluster.gpu={c.gpu}; use cluster.gpu=cpu, or calibrate on the GPU machine")
+            procs = min(procs, torch.cuda.device_count())
+        print(f"[plan] calibrating {c.gpu} on this machine ({procs} processes) ...", file=sys.stderr, flush=True)
+        train = cfg["train"]
+        hw = calibrate(c.gpu, shape, tokens=int(train["micro_batch_size"]) * int(train["seq_len"]),
+                       precision=str(cfg["precision"]["name"]), procs=procs)
+        path = save_profile(hw, profile_dir)
+        how = f"measured now, stored in {path}"
+    return apply_overrides(hw, c), how
+
+
+def candidate_check(training: list[str], global_batch: int, world_size: int):  # noqa: ANN201
+    """Why launch/train.py would refuse a candidate (its own checks, for world_size processes), or None."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from dist_train.checks import validate
+    from dist_train.entry import one_line
+    from dist_train.estimate.compose import compose_run
+
+    def check(c: Candidate) -> Optional[str]:
+        try:
+            run = compose_run([*training, f"train.global_batch_size={global_batch}", *c.overrides])
+            validate(run, world_size)
+        except (ValueError, HydraException, OmegaConfBaseException) as exc:
+            return one_line(exc)
+        return None
+
+    return check
+
+
+def command(c: Candidate, *, training: list[str], global_batch: int, nodes: int, gpus_per_node: int) -> str:
+    args = " ".join(shlex.quote(a) for a in [*training, f"train.global_batch_size={global_batch}", *c.overrides])
+    if nodes > 1:
+        return f"sbatch --nodes={nodes} --gpus-per-node={gpus_per_node} launch/slurm.sbatch {args}"
+    if c.setup.world_size == 1:
+        return f"python launch/train.py {args}"
+    return f"torchrun --nproc_per_node={gpus_per_node} launch/train.py {args}"
+
+
+PARTS = (("compute_s", "compute"), ("exposed_comm_s", "exposed communication"), ("bubble_s", "pipeline bubble"),
+         ("optimizer_s", "optimizer step"), ("framework_s", "ZeRO-3 module fetches"))
+
+
+def why_lost(c: Candidate, winner: Candidate) -> str:
+    """What makes `c` slower than the winner: the part of the step that grew the most."""
+    ratio = c.time.step_s / winner.time.step_s
+    key, label = max(PARTS, key=lambda p: getattr(c.time, p[0]) - getattr(winner.time, p[0]))
+    extra = getattr(c.time, key) - getattr(winner.time, key)
+    return f"{ratio:.2f}x the best step: {label} +{_seconds(extra)}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def candidate_json(c: Candidate, cmd: str) -> dict[str, Any]:
+    t = c.time
+    return {
+        "strategy": c.strategy, "overrides": list(c.overrides), "command": cmd,
+        "predicted": {"step_s": t.step_s, "peak_bytes": c.peak_bytes, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
+                      "compute_s": t.compute_s, "exposed_comm_s": t.exposed_comm_s, "comm_s": t.comm_s,
+                      "bubble_s": t.bubble_s, "optimizer_s": t.optimizer_s, "framework_s": t.framework_s,
+                      "memory": {**asdict(c.memory), "total": c.memory.total}},
+    }
+
+
+def losers(result: Search, shown: list[Candidate]) -> list[dict[str, Any]]:
+    """Each strategy not shown, by its best candidate, with why it lost; each with nothing ranked, with why not."""
+    out: list[dict[str, Any]] = []
+    shown_names = {c.strategy for c in shown}
+    best: dict[str, Candidate] = {}
+    for c in result.ranked:
+        best.setdefault(c.strategy, c)
+    for name, c in best.items():
+        if name not in shown_names:
+            out.append({"strategy": name, "overrides": list(c.overrides), "step_s": c.time.step_s,
+                        "why": why_lost(c, result.ranked[0])})
+    dropped: dict[str, list[str]] = {}
+    for r in result.rejected:
+        if r.strategy not in best:
+            dropped.setdefault(r.strategy, []).append(r.reason)
+    for name, reasons in dropped.items():
+        out.append({"strategy": name, "overrides": [], "step_s": None, "why": "dropped: " + _reasons(reasons)})
+    return out
+
+
+def _reasons(reasons: list[str]) -> str:
+    """The distinct reasons, out-of-memory ones folded into the smallest need."""
+    oom = [r for r in reasons if r.startswith("out of memory")]
+    rest = list(dict.fromkeys(r for r in reasons if not r.startswith("out of memory")))
+    if oom:
+        rest.append(f"out of memory in all {len(oom)} configuration(s) that could run, the least: "
+                    f"{min(oom, key=lambda r: float(r.split(':')[1].split()[0]))[len('out of memory: '):]}")
+    return "; ".join(rest[:3]) + (f" (+{len(rest) - 3} more)" if len(rest) > 3 else "")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from dist_train.entry import one_line, report_config_error
+    from dist_train.estimate.cli import compose, resolve_model_choice
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return 0
+    own, user_training = split_args(argv)
+    try:
+        args = parse_args(own)
+        training = resolve_model_choice(user_training)
+        cfg, unlisted = compose(training)
+        if unlisted:
+            raise ValueError(f"strategy={unlisted}: no conf/strategy/{unlisted}.yaml; the plan chooses the strategy "
+                             "(plan.strategies= limits the search)")
+        training = [a for a in training if not a.startswith(("strategy=", "train.global_batch_size=",
+                                                              "train.micro_batch_size=",
+                                                              "train.activation_checkpointing="))]
+        shape = ModelShape.from_config(cfg["model"])
+        hw, how = profile(args, shape, cfg)
+        world = args.cluster.nodes * hw.gpus_per_node
+        if args.plan.verify:
+            _check_verifiable(args, world)
+        result = _search(shape, cfg, hw, args, training)
+    except (ValueError, OmegaConfBaseException, HydraException) as exc:
+        return report_config_error(one_line(exc))
+    except RuntimeError as exc:  # calibration's own runs
+        print(f"plan failed: {one_line(exc)}", file=sys.stderr)
+        return 1
+    shown = result.ranked[:args.plan.top]
+    cmds = [command(c, training=training, global_batch=result.global_batch_size, nodes=args.cluster.nodes,
+                    gpus_per_node=hw.gpus_per_node) for c in shown]
+    out: dict[str, Any] = {
+        "model": {"name": shape.name, "num_params": shape.num_params},
+        "cluster": {**asdict(args.cluster), "world_size": world, "gpus_per_node": hw.gpus_per_node},
+        "hardware": {**hw.to_json(), "how": how},
+        "global_batch_size": result.global_batch_size, "seq_len": int(cfg["train"]["seq_len"]),
+        "precision": str(cfg["precision"]["name"]), "optimizer": str(cfg["optimizer"]["name"]),
+        "searched": len(result.ranked) + len(result.rejected), "ranked": len(result.ranked),
+        "candidates": [candidate_json(c, cmd) for c, cmd in zip(shown, cmds)],
+        "others": losers(result, shown),
+        "rejected": [{"strategy": r.strategy, "overrides": list(r.overrides), "reason": r.reason}
+                     for r in result.rejected],
+    }
+    if args.format == "text":
+        print(render(out, shown, hw))
+    if args.plan.verify and shown:
+        from dist_train.plan.verify import verify
+
+        out["verify"] = verify(shown[:args.plan.verify], out, shape=shape, cfg=cfg, hw=hw, args=args,
+                               training=training, global_batch=result.global_batch_size, text=args.format == "text")
+    if args.format == "json":
+        print(json.dumps(out, indent=1, default=str))
+    return 0 if shown else 1
+
+
+def _check_verifiable(args: PlanArgs, world: int) -> None:
+    if args.cluster.nodes != 1:
+        raise ValueError(f"plan.verify runs the candidates here, on one node; cluster.nodes={args.cluster.nodes}")
+    if args.cluster.gpu != "cpu":
+        import torch
+
+        have = torch.cuda.device_count()
+        if have < world:
+            raise ValueError(f"plan.verify runs the candidates here: cluster.gpu={args.cluster.gpu} with {world} "
+                             f"devices, and this machine has {have} GPU(s); use cluster.gpu=cpu here")
+
+
+def _search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, args: PlanArgs, training: list[str]) -> Search:
+    p = args.plan
+    world = args.cluster.nodes * hw.gpus_per_node
+    train = cfg["train"]
+    global_batch = int(train.get("global_batch_size") or int(train["micro_batch_size"]) * world)
+    return search(shape, cfg, hw, nodes=args.cluster.nodes, strategies=tuple(p.strategies),
+                  micro_batch_sizes=list(p.micro_batch_sizes) or None, checkpointing=tuple(p.checkpointing),
+                  optimizers=list(p.optimizers) or None, memory_fraction=p.memory_fraction,
+                  check=candidate_check(training, global_batch, world), top=max(p.top, p.verify),
+                  distinct=p.distinct)
+
+
+def render(out: dict[str, Any], shown: list[Candidate], hw: Hardware) -> str:
+    c = out["cluster"]
+    head = [
+        f"plan for {out['model']['name']} ({human_count(out['model']['num_params'])} parameters) on {c['nodes']} "
+        f"node(s) x {c['gpus_per_node']} {c['gpu']} = {c['world_size']} devices; global batch "
+        f"{out['global_batch_size']} x {out['seq_len']} tokens, {out['precision']}, {out['optimizer']}",
+        f"profile ({out['hardware']['how']}): " + _describe(hw),
+        f"searched {out['searched']} configurations: {out['ranked']} fit and can run, "
+        f"{out['searched'] - out['ranked']} dropped",
+    ]
+    if not shown:
+        return "\n".join([*head, "", "nothing fits:", *(f"  {o['strategy']}: {o['why']}" for o in out["others"])])
+    rows = []
+    for i, cand in enumerate(shown):
+        t = cand.time
+        rows.append([f"{i + 1}. {cand.label}", _seconds(t.step_s), f"{t.tokens_per_s:,.0f}",
+                     f"{100 * t.mfu:.1f}%", human_bytes(cand.peak_bytes), _seconds(t.compute_s),
+                     _seconds(t.exposed_comm_s), _seconds(t.bubble_s), _seconds(t.optimizer_s + t.framework_s)])
+    table = text_table(["configuration", "step", "tokens/s", "MFU", "peak/device", "compute", "exposed comm",
+                        "bubble", "optimizer+fw"], rows)
+    cmds = [f"  {i + 1}. {cand['command']}" for i, cand in enumerate(out["candidates"])]
+    others = [f"  {o['strategy']}: {o['why']}" for o in out["others"]]
+    return "\n".join([*head, "", table, "", "commands:", *cmds, "", "the rest:", *others])
+
+
+def _describe(hw: Hardware) -> str:
+    from dist_train.plan.calibrate import describe
+
+    assumed = sorted(k for k, v in hw.source.items() if v.startswith("assumed"))
+    return describe(hw) + (f" (assumed, never measured here: {', '.join(assumed)})" if assumed else "")

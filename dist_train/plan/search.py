@@ -1,0 +1,207 @@
+"""Every configuration worth predicting for a model on a cluster, predicted, filtered and ranked.
+
+The space: the strategies and their degrees (ddp, zero1-3, fsdp on all ranks; tp within a node; fsdp_tp with
+tp = 2, 4, ... up to a node; one stage per rank for 1f1b and gpipe; pp_dp for every pp that divides the ranks,
+replicated or FSDP-sharded, GPipe or 1F1B), every micro-batch size that divides the global batch, activation
+checkpointing on and off, and the optimizers the user allows. The global batch and the sequence length are the
+user's: every candidate trains the same samples. A configuration that cannot hold (out of memory at the
+profile's memory x plan.memory_fraction) or cannot run (tp that does not divide the heads, more stages than
+layers) is dropped with its reason; the rest are ranked by predicted step time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+from dist_train.estimate.fit import worst_rank
+from dist_train.estimate.memory import RankMemory, element_bytes, predict_memory
+from dist_train.estimate.setup import Setup, family_of, setup_from_config
+from dist_train.estimate.shapes import ModelShape
+from dist_train.plan.hardware import GIB, Hardware
+from dist_train.plan.time_model import StepTime, predict_step
+
+# What the search enumerates. dp (torch DataParallel: one process drives every GPU) and accelerate (the user's
+# own Accelerate set-up) are left out: neither is a configuration to choose by degrees.
+SEARCHED = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "fsdp_tp", "1f1b", "gpipe", "pp_dp")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str
+    overrides: tuple[str, ...]  # what launch/train.py needs beyond the user's own overrides
+    setup: Setup
+    memory: RankMemory  # the worst rank's
+    time: StepTime
+
+    @property
+    def layout(self) -> tuple[str, ...]:
+        """The strategy and its degrees, without micro-batch, checkpointing and optimizer."""
+        return tuple(o for o in self.overrides if o.startswith("strategy"))
+
+    @property
+    def label(self) -> str:
+        return " ".join(self.overrides)
+
+    @property
+    def peak_bytes(self) -> float:
+        return planning_peak(self.memory, self.setup)
+
+
+def planning_peak(memory: RankMemory, setup: Setup) -> float:
+    """What the plan holds against the device's memory: the estimator's peak of all live tensors where it models
+    it; for ZeRO-3, which it does not, the categories at their peak plus DeepSpeed's reduction bucket
+    (reduce_bucket_size elements of the training dtype, allocated whole; measured 10-12% above this, see
+    estimate/memory.py); for a pipeline the categories at their peak."""
+    if memory.peak_live is None and setup.family == "zero":
+        return memory.total + setup.zero_reduce_bucket_size * element_bytes(setup.precision)
+    return memory.peak
+
+
+@dataclass(frozen=True)
+class Rejected:
+    strategy: str
+    overrides: tuple[str, ...]
+    reason: str
+
+
+@dataclass
+class Search:
+    ranked: list[Candidate]
+    rejected: list[Rejected] = field(default_factory=list)
+    world_size: int = 1
+    global_batch_size: int = 1
+
+
+def _degrees(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, b = [], 1
+    while b <= limit:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
+            strategies: tuple[str, ...]) -> Iterator[tuple[str, dict[str, Any], tuple[str, ...], Optional[str]]]:
+    """(strategy, Setup fields, overrides, why it cannot run or None) for each strategy and degree."""
+    w, heads, kv = world_size, shape.num_heads, shape.kv_heads
+    for name in strategies:
+        if name == "single":
+            if w == 1:
+                yield name, {}, (f"strategy={name}",), None
+            continue
+        if w == 1:
+            yield name, {}, (f"strategy={name}",), "needs more than one process"
+            continue
+        if name in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
+            yield name, {}, (f"strategy={name}",), None
+        elif name == "tp":
+            why = None
+            if w > gpus_per_node:
+                why = f"tp over {w} ranks would span nodes; fsdp_tp keeps tp within a node"
+            elif heads % w or kv % w:
+                why = f"{w} does not divide the {heads} heads and {kv} kv heads"
+            yield name, {}, (f"strategy={name}",), why
+        elif name == "fsdp_tp":
+            for tp in _degrees(min(w, gpus_per_node)):
+                if tp == 1 or tp == w or gpus_per_node % tp:
+                    continue
+                why = f"tp={tp} does not divide the {heads} heads and {kv} kv heads" if heads % tp or kv % tp else None
+                yield name, {"tp": tp}, (f"strategy={name}", f"strategy.tp={tp}"), why
+        elif name in ("1f1b", "gpipe"):
+            why = f"{w} stages > {shape.num_layers} layers" if w > shape.num_layers else None
+            yield name, {}, (f"strategy={name}",), why
+        elif name == "pp_dp":
+            for pp in _degrees(w):
+                if pp == 1 or pp == w:
+                    continue
+                for mode in ("replicate", "fsdp"):
+                    for schedule in ("gpipe", "1f1b"):
+                        why = f"{pp} stages > {shape.num_layers} layers" if pp > shape.num_layers else None
+                        yield name, {"pp": pp, "dp_mode": mode, "schedule": schedule}, (
+                            f"strategy={name}", f"strategy.pp={pp}", f"strategy.dp_mode={mode}",
+                            f"strategy.schedule={schedule}"), why
+
+
+def search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, *, nodes: int, strategies: tuple[str, ...] = SEARCHED,
+           micro_batch_sizes: Optional[list[int]] = None, checkpointing: tuple[bool, ...] = (False, True),
+           optimizers: Optional[list[str]] = None, memory_fraction: float = 0.9,
+           check: Optional[Callable[[Candidate], Optional[str]]] = None, top: int = 0,
+           distinct: bool = False) -> Search:
+    """Ranked candidates and the rejected ones; with `distinct`, only the fastest of each layout (strategy and
+    degrees) is ranked. `check(candidate)`: why training would refuse it, or None; asked
+    of the fastest candidates in order until `top` pass (it composes a config, too slow for every one)."""
+    w = nodes * hw.gpus_per_node
+    train = cfg["train"]
+    global_batch = int(train.get("global_batch_size") or int(train["micro_batch_size"]) * w)
+    budget = hw.memory_bytes * memory_fraction
+    allow_tf32 = bool(train.get("allow_tf32", False))
+    ranked: list[Candidate] = []
+    rejected: list[Rejected] = []
+    base_optimizer = str(cfg["optimizer"]["name"])
+    for name, extra, strategy_overrides, why in layouts(shape, world_size=w, gpus_per_node=hw.gpus_per_node,
+                                                        strategies=strategies):
+        if why:
+            rejected.append(Rejected(name, strategy_overrides, why))
+            continue
+        family, stage, schedule = family_of(name)
+        base = setup_from_config(cfg, world_size=w, strategy=name)
+        base = replace(base, family=family, zero_stage=stage, schedule=extra.get("schedule", schedule),
+                       global_batch_size=global_batch, num_microbatches=None, split_points=None,
+                       **{k: v for k, v in extra.items() if k != "schedule"})
+        dp = base.data_parallel_size
+        if global_batch < dp:
+            rejected.append(Rejected(name, strategy_overrides, f"global batch {global_batch} is not a multiple of "
+                                                               f"micro-batch 1 x {dp} data-parallel ranks"))
+            continue
+        sizes = micro_batch_sizes or _powers_of_two(global_batch // dp)
+        for optimizer in optimizers or [base_optimizer]:
+            for b in sizes:
+                mb = (f"train.micro_batch_size={b}",)
+                opt = () if optimizer == base_optimizer else (f"optimizer={optimizer}",)
+                if global_batch % (b * dp):
+                    rejected.append(Rejected(name, strategy_overrides + mb + opt,
+                                             f"global batch {global_batch} is not a multiple of micro-batch {b} x "
+                                             f"{dp} data-parallel ranks"))
+                    continue
+                for ckpt in checkpointing:
+                    overrides = strategy_overrides + mb + (f"train.activation_checkpointing={str(ckpt).lower()}",) + opt
+                    setup = replace(base, micro_batch_size=b, activation_checkpointing=ckpt, optimizer=optimizer)
+                    ranks = predict_memory(shape, setup)
+                    memory = worst_rank(ranks)
+                    peak = planning_peak(memory, setup)
+                    if peak > budget:
+                        rejected.append(Rejected(name, overrides, f"out of memory: {peak / GIB:.1f} GiB > "
+                                                                  f"{budget / GIB:.1f} GiB usable"))
+                        continue
+                    step = predict_step(shape, setup, hw, allow_tf32=allow_tf32,
+                                        model_state_bytes=max(r.model_state for r in ranks))
+                    ranked.append(Candidate(name, overrides, setup, memory, step))
+    ranked.sort(key=lambda c: (c.time.step_s, c.peak_bytes))
+    if distinct:
+        seen: set[tuple[str, ...]] = set()
+        ranked = [c for c in ranked if not (c.layout in seen or seen.add(c.layout))]  # the fastest of each layout
+    if check is not None and top:
+        ranked, refused = _checked(ranked, check, top)
+        rejected += refused
+    return Search(ranked, rejected, world_size=w, global_batch_size=global_batch)
+
+
+def _checked(ranked: list[Candidate], check: Callable[[Candidate], Optional[str]],
+             top: int) -> tuple[list[Candidate], list[Rejected]]:
+    """The ranking without the candidates training would refuse, checked from the fastest until `top` pass."""
+    kept, refused, passed = [], [], 0
+    for c in ranked:
+        if passed < top:
+            why = check(c)
+            if why:
+                refused.append(Rejected(c.strategy, c.overrides, why))
+                continue
+            passed += 1
+        kept.append(c)
+    return kept, refused

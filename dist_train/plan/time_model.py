@@ -1,0 +1,158 @@
+"""Step time of one configuration: compute, exposed communication, pipeline bubble, optimizer step, framework.
+
+- **Compute**: the matrix products' FLOPs of the busiest rank (6 per parameter and token for forward and
+  backward, 12 L H T for attention scores; a recomputed forward adds 2 per parameter under activation
+  checkpointing), at `efficiency` x the profile's peak for the compute dtype.
+- **Communication**: each collective of the estimator's per-step list (estimate/comm.py), as a ring: its
+  latency per call plus the bytes the rank sends (buffer x nccl-tests bus factor) at the bus bandwidth of the
+  link its group uses: within a node, or between nodes where the group spans them.
+- **Overlap**: data-parallel traffic issued during forward and backward (DDP's bucketed all-reduce, FSDP's and
+  ZeRO-3's gathers and reduce-scatters, ZeRO-2's per-micro-batch reduction) hides behind up to `overlap` x the
+  compute; tensor-parallel all-reduces, pipeline sends and ZeRO-1/2's all-gather after the step sit on the
+  critical path.
+- **Bubble**: a pipeline of K stages and M micro-batches idles (K - 1) / M of its stage's compute (GPipe and
+  1F1B alike).
+- **Optimizer step**: the rank's model state read and written once at the memory bandwidth.
+- **Framework**: the strategy's own work per block and micro-batch where it hooks every block (FSDP's and
+  ZeRO-3's gathers, DTensor's dispatch, a pipeline's schedule): the profile's `overhead_s` for the strategy,
+  which dominates a small model on a CPU, and which plan.verify fits from real runs.
+
+MFU uses telemetry's definition (6 N + 12 L H T per token, N without embedding lookups, no recompute), so the
+predicted and the measured MFU of a run mean the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dist_train.estimate.comm import Collective, bus_factor, predict_comm
+from dist_train.estimate.memory import predict_memory
+from dist_train.estimate.setup import Setup
+from dist_train.estimate.shapes import ModelShape, stage_layers
+from dist_train.plan.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    comm_s: float  # every collective of the busiest rank, one after another
+    exposed_comm_s: float  # what the step waits for
+    bubble_s: float
+    optimizer_s: float
+    framework_s: float
+    tokens_per_step: int
+    world_size: int
+    model_flops_per_token: float
+    peak_flops: float  # per device
+    overhead_key: str = ""  # which of the profile's overhead_s applies ("": none)
+    overhead_units: int = 0  # blocks x micro-batches it applies to
+    comm_by_op: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s + self.bubble_s + self.optimizer_s + self.framework_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_token * self.tokens_per_s / (self.world_size * self.peak_flops)
+
+
+def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """telemetry.flops.flops_per_token for a shape: what MFU divides by."""
+    return 6.0 * (shape.num_params - shape.embedding_params()) + 12.0 * shape.num_layers * shape.hidden_size * seq_len
+
+
+def _matmul_flops_per_token(shape: ModelShape, *, layers: int, head: bool, seq_len: int, recompute: bool) -> float:
+    """Forward + backward FLOPs per token of `layers` blocks (and the LM head): 2 per weight forward, 4 backward,
+    2 more where checkpointing recomputes the forward; attention's scores and values 4 L H T forward."""
+    per_pass = 2.0 * (layers * shape.layer_matmul_weights() + (shape.head_matmul_weights() if head else 0))
+    per_pass += 4.0 * layers * shape.q_dim * seq_len
+    return per_pass * (4 if recompute else 3)
+
+
+def tokens_per_step(setup: Setup) -> int:
+    return setup.micro_batch_size * setup.seq_len * setup.microbatches_per_step * setup.data_parallel_size
+
+
+def overlaps(c: Collective, setup: Setup) -> bool:
+    """Whether a collective runs during forward/backward, where compute can hide it (see the module's doc)."""
+    if c.dim == "tp" or setup.family == "tp" or c.op in ("send", "recv"):
+        return False
+    if setup.family == "zero" and setup.zero_stage < 3:
+        return c.op != "all_gather" and setup.zero_stage == 2  # ZeRO-1 reduces after the last backward
+    return True
+
+
+def spans_nodes(c: Collective, setup: Setup, *, gpus_per_node: int) -> bool:
+    """Ranks are laid out tensor-parallel innermost, then data-parallel, then pipeline stages (rank = stage x D
+    + replica): a group spans nodes unless its ranks fit in one node's consecutive devices."""
+    if setup.world_size <= gpus_per_node:
+        return False
+    if c.dim == "tp" or setup.family == "tp":
+        return setup.tensor_parallel_size > gpus_per_node
+    if setup.family == "pipeline":
+        if c.op in ("send", "recv"):  # a neighbour stage is D ranks away
+            return setup.data_parallel_size >= gpus_per_node or gpus_per_node % setup.data_parallel_size != 0
+        return setup.data_parallel_size > gpus_per_node
+    return True  # data parallel over every node
+
+
+def collective_s(c: Collective, setup: Setup, hw: Hardware) -> float:
+    group = c.group_size or setup.comm_group_size
+    ring = c.bytes * bus_factor(c.op, group) if c.op != "recv" else c.bytes  # a recv waits for the peer's send
+    return hw.link(spans_nodes=spans_nodes(c, setup, gpus_per_node=hw.gpus_per_node)).seconds(ring, c.calls)
+
+
+def predict_step(shape: ModelShape, setup: Setup, hw: Hardware, *, allow_tf32: bool = False,
+                 model_state_bytes: Optional[float] = None) -> StepTime:
+    """`model_state_bytes`: the busiest rank's (estimate.predict_memory's), when the caller has it already."""
+    peak = hw.peak(setup.precision, allow_tf32=allow_tf32)
+    tokens = tokens_per_step(setup)
+    recompute = setup.activation_checkpointing
+    if setup.family == "pipeline":
+        k, m = setup.num_stages, setup.microbatches_per_step
+        split = list(setup.split_points) if setup.split_points else None
+        layers = stage_layers(shape, num_stages=k, split_points=split)
+        per_stage = [_matmul_flops_per_token(shape, layers=n, head=i == k - 1, seq_len=setup.seq_len, recompute=recompute)
+                     for i, n in enumerate(layers)]
+        compute = max(per_stage) * tokens / setup.data_parallel_size / (peak * hw.efficiency)
+        bubble = compute * (k - 1) / m
+    else:
+        flops = _matmul_flops_per_token(shape, layers=shape.num_layers, head=True, seq_len=setup.seq_len,
+                                        recompute=recompute)
+        compute = flops * tokens / setup.world_size / (peak * hw.efficiency)
+        bubble = 0.0
+    # Ranks share their lists (one per pipeline stage, one for everyone else): time each distinct list once.
+    distinct = {id(colls): colls for colls in predict_comm(shape, setup)}.values()
+    timed = [[(c, collective_s(c, setup, hw)) for c in colls] for colls in distinct]
+    colls = max(timed, key=lambda cs: sum(t for _, t in cs), default=[])
+    hidden = sum(t for c, t in colls if overlaps(c, setup))
+    exposed = sum(t for c, t in colls if not overlaps(c, setup)) + max(0.0, hidden - hw.overlap * compute)
+    by_op: dict[str, float] = {}
+    for c, t in colls:
+        by_op[c.op] = by_op.get(c.op, 0.0) + t
+    state = model_state_bytes if model_state_bytes is not None else \
+        max(r.model_state for r in predict_memory(shape, setup))
+    key = overhead_key(setup)
+    units = shape.num_layers * setup.microbatches_per_step if key else 0
+    return StepTime(
+        compute_s=compute, comm_s=sum(t for _, t in colls), exposed_comm_s=exposed, bubble_s=bubble,
+        optimizer_s=2 * state / hw.memory_bw, framework_s=units * hw.overhead_s.get(key, 0.0), tokens_per_step=tokens,
+        world_size=setup.world_size, model_flops_per_token=model_flops_per_token(shape, setup.seq_len),
+        peak_flops=peak, overhead_key=key, overhead_units=units, comm_by_op=by_op,
+    )
+
+
+def overhead_key(setup: Setup) -> str:
+    """The strategies whose framework hooks every block: fsdp, fsdp_tp, tp, zero3, pipeline; "" for the rest
+    (ddp, zero1, zero2, single: a bucketed reduction after backward, no per-block work)."""
+    if setup.family == "zero":
+        return "zero3" if setup.zero_stage >= 3 else ""
+    if setup.family in ("fsdp", "fsdp_tp", "tp", "pipeline"):
+        return setup.family
+    return "fsdp" if setup.kind == "fsdp" else ""

@@ -1,0 +1,239 @@
+"""Run the plan's top candidates for a few steps through the comparison's runner, put predicted beside measured,
+and refit the profile's factors from what was measured.
+
+Each candidate is a training launch of its own (compare/runner.py: the same command, telemetry and summary as a
+`launch/compare.py` row). Measured step time is summary.json's mean step after the warm-up steps; measured peak
+is the worst rank's peak of all live tensors (memory/peak_live_bytes) where the run measured it, else its peak
+allocated. The refit:
+- `efficiency`: for each run of a strategy without per-block work (ddp, zero1, zero2; all runs if none), the
+  compute time that makes the predicted step equal the
+  measured one, as a factor on the predicted compute (the median over runs);
+- `overhead_s.<strategy>` (fsdp, fsdp_tp, tp, zero3, pipeline): for each run of such a strategy, what is left
+  of the measured step beyond the rest of the prediction,
+  per block and micro-batch (the median; kept as it was without a ZeRO-3 run).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from dist_train.estimate.memory import category_bytes
+from dist_train.plan.hardware import Hardware
+from dist_train.plan.search import Candidate
+from dist_train.plan.time_model import StepTime
+
+COMPARED_CATEGORIES = ("params", "grads", "optimizer", "activations")
+
+
+@dataclass
+class Verified:
+    candidate: Candidate
+    row: dict[str, Any]  # the comparison's row (compare/table.py build_row)
+
+    @property
+    def ok(self) -> bool:
+        return self.row.get("status") == "ok"
+
+    @property
+    def step_s(self) -> Optional[float]:
+        return self.row.get("step_s") if self.ok else None
+
+    @property
+    def peak_bytes(self) -> Optional[float]:
+        if not self.ok:
+            return None
+        return self.row.get("mem_peak_live_max_bytes") or self.row.get("mem_peak_allocated_max_bytes")
+
+    @property
+    def comm_s(self) -> Optional[float]:
+        return self.row.get("comm_s") if self.ok else None
+
+
+def run_candidates(candidates: list[Candidate], *, training: list[str], global_batch: int, nproc: int, steps: int,
+                   out_dir: Path, timeout_s: float) -> list[Verified]:
+    """Each candidate trained for `steps` steps, one launch after another, in out_dir/<n>-<strategy>/."""
+    import sys
+
+    from dist_train.compare.runner import run_strategy
+    from dist_train.compare.settings import StrategySpec
+    from dist_train.compare.table import build_row
+
+    out = []
+    for i, c in enumerate(candidates):
+        label = f"{i + 1}-{c.strategy}"
+        spec = StrategySpec(label=label, name=c.strategy, overrides=tuple(o for o in c.overrides
+                                                                         if not o.startswith("strategy=")))
+        print(f"[plan] verifying {i + 1}/{len(candidates)}: {c.label} ...", file=sys.stderr, flush=True)
+        result = run_strategy(spec, training=[*training, f"train.global_batch_size={global_batch}",
+                                              f"train.steps={steps}", "logger=none"],
+                              nproc=nproc, out_dir=out_dir, group=out_dir.name, timeout_s=timeout_s)
+        row = build_row(result)
+        print(f"[plan] {label}: {row['status']} in {result.seconds:.1f} s {result.reason}", file=sys.stderr, flush=True)
+        out.append(Verified(c, row))
+    return out
+
+
+def rel(predicted: float, measured: Optional[float]) -> Optional[float]:
+    return None if not measured else (predicted - measured) / measured
+
+
+def spearman(xs: list[float], ys: list[float]) -> Optional[float]:
+    """Rank correlation (average ranks for ties); None below 3 pairs or when one side is constant."""
+    if len(xs) < 3:
+        return None
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return None if not sxx or not syy else sxy / (sxx * syy) ** 0.5
+
+
+def summary(verified: list[Verified]) -> dict[str, Any]:
+    """Per candidate predicted and measured; the rank correlation of the step times."""
+    rows = []
+    for v in verified:
+        c, t = v.candidate, v.candidate.time
+        measured_cats = {cat: max((m.get(cat, 0) for m in v.row.get("mem_per_rank", [])), default=0)
+                         for cat in COMPARED_CATEGORIES} if v.ok else {}
+        rows.append({
+            "strategy": c.strategy, "overrides": list(c.overrides), "status": v.row.get("status"),
+            "reason": v.row.get("reason", ""), "run_dir": v.row.get("run_dir"),
+            "predicted": {"step_s": t.step_s, "peak_bytes": c.peak_bytes, "comm_s": t.comm_s,
+                          **{f"{cat}_bytes": category_bytes(c.memory, cat) for cat in COMPARED_CATEGORIES}},
+            "measured": {"step_s": v.step_s, "peak_bytes": v.peak_bytes, "comm_s": v.comm_s,
+                         **{f"{cat}_bytes": b for cat, b in measured_cats.items()}},
+            "error": {"step_s": rel(t.step_s, v.step_s), "peak_bytes": rel(c.peak_bytes, v.peak_bytes)},
+        })
+    ok = [v for v in verified if v.ok]
+    rho = spearman([v.candidate.time.step_s for v in ok], [v.step_s for v in ok])  # type: ignore[misc]
+    return {"runs": rows, "rank_correlation": rho}
+
+
+def refit(hw: Hardware, verified: list[Verified], *, predict: Any) -> tuple[Hardware, dict[str, tuple[float, float]]]:
+    """The profile with `efficiency` and `overhead_s` fitted to the runs, and {factor: (before, after)}.
+
+    `predict(candidate, hw)` gives a candidate's StepTime under a profile (the time model, bound to the shape)."""
+    ok = [v for v in verified if v.ok and v.step_s]
+    plain = [v for v in ok if not v.candidate.time.overhead_key] or ok
+    moved: dict[str, tuple[float, float]] = {}
+    new = hw
+    ratios = []
+    for v in plain:
+        t: StepTime = v.candidate.time
+        rest = t.step_s - t.compute_s - t.bubble_s
+        compute = v.step_s - rest  # type: ignore[operator]
+        if compute > 0 and t.compute_s + t.bubble_s > 0:
+            ratios.append((t.compute_s + t.bubble_s) / compute)
+    if ratios:
+        new = replace(new, efficiency=min(1.0, hw.efficiency * statistics.median(ratios)))
+        moved["efficiency"] = (hw.efficiency, new.efficiency)
+    per_unit: dict[str, list[float]] = {}
+    for v in ok:
+        t = v.candidate.time
+        if t.overhead_key:
+            without = predict(v.candidate, replace(new, overhead_s={**new.overhead_s, t.overhead_key: 0.0}))
+            per_unit.setdefault(t.overhead_key, []).append(max(0.0, (v.step_s - without.step_s) / t.overhead_units))  # type: ignore[operator]
+    if per_unit:
+        overhead = dict(new.overhead_s)
+        for key, values in per_unit.items():
+            overhead[key] = statistics.median(values)
+            moved[f"overhead_s.{key}"] = (hw.overhead_s.get(key, 0.0), overhead[key])
+        new = replace(new, overhead_s=overhead)
+    if moved:
+        from datetime import date
+
+        source = dict(new.source)
+        stamp = f"refit {date.today().isoformat()} from {len(ok)} verified run(s) (plan.verify)"
+        for key in moved:
+            source[key.split(".")[0]] = stamp
+        new = replace(new, source=source)
+    return new, moved
+
+def verify(shown: list[Candidate], plan: dict[str, Any], *, shape: Any, cfg: dict[str, Any], hw: Hardware, args: Any,
+           training: list[str], global_batch: int, text: bool) -> dict[str, Any]:
+    """plan.verify=K: run, compare, refit, store the refit profile; prints the tables when `text`."""
+    import json
+    import sys
+    import time as clock
+
+    from dist_train.plan.hardware import default_profile_dir, save_profile
+    from dist_train.plan.time_model import predict_step
+
+    p = args.plan
+    out_dir = Path(p.out_dir or f"outputs/plan-{clock.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "plan.json").write_text(json.dumps(plan, indent=1, default=str))
+    allow_tf32 = bool(cfg["train"].get("allow_tf32", False))
+    verified = run_candidates(shown, training=training, global_batch=global_batch, nproc=shown[0].setup.world_size,
+                              steps=p.steps, out_dir=out_dir, timeout_s=p.timeout_s)
+    result = summary(verified)
+    new, moved = refit(hw, verified, predict=lambda c, h: predict_step(shape, c.setup, h, allow_tf32=allow_tf32))
+    result["refit"] = {k: {"before": a, "after": b} for k, (a, b) in moved.items()}
+    if moved:
+        result["profile"] = str(save_profile(new, Path(p.profile_dir or default_profile_dir())))
+    result["out_dir"] = str(out_dir)
+    (out_dir / "verify.json").write_text(json.dumps(result, indent=1, default=str))
+    if text:
+        print("\n" + render(result), file=sys.stdout, flush=True)
+    return result
+
+
+def _pct(e: Optional[float]) -> str:
+    return "" if e is None else f"{100 * e:+.0f}%"
+
+
+def render(result: dict[str, Any]) -> str:
+    from dist_train.estimate.render import human_bytes, text_table
+
+    def b(v: Optional[float]) -> str:
+        return "" if v is None else human_bytes(v)
+
+    def s(v: Optional[float]) -> str:
+        return "" if v is None else f"{v * 1e3:.1f} ms" if v < 1 else f"{v:.2f} s"
+
+    rows, cats = [], []
+    for i, r in enumerate(result["runs"]):
+        pr, me, err = r["predicted"], r["measured"], r["error"]
+        name = f"{i + 1}. {' '.join(r['overrides'])}"
+        if r["status"] != "ok":
+            rows.append([name, s(pr["step_s"]), r["status"], "", b(pr["peak_bytes"]), "", "", "", ""])
+            continue
+        rows.append([name, s(pr["step_s"]), s(me["step_s"]), _pct(err["step_s"]), b(pr["peak_bytes"]),
+                     b(me["peak_bytes"]), _pct(err["peak_bytes"]), s(pr["comm_s"]), s(me["comm_s"])])
+        cats.append([f"{i + 1}.", *(f"{b(pr[f'{c}_bytes'])} / {b(me.get(f'{c}_bytes'))}" for c in COMPARED_CATEGORIES)])
+    rho = result["rank_correlation"]
+    lines = [
+        f"verified: {len(result['runs'])} configuration(s), runs in {result['out_dir']}",
+        text_table(["configuration", "step pred", "measured", "error", "peak pred", "measured", "error",
+                    "comm pred", "measured"], rows),
+        "memory per category, worst rank, predicted / measured:",
+        text_table(["", *COMPARED_CATEGORIES], cats),
+        "rank correlation of predicted and measured step times (Spearman): "
+        + ("n/a (fewer than 3 runs)" if rho is None else f"{rho:.2f}"),
+        "(comm measured: the collectives dist_train times; tensor parallelism's DTensor all-reduces are counted in "
+        "bytes but not timed)",
+    ]
+    for key, moved in result.get("refit", {}).items():
+        before, after = moved["before"], moved["after"]
+        change = f" ({100 * (after - before) / before:+.0f}%)" if before else ""
+        lines.append(f"refit {key}: {before:.4g} -> {after:.4g}{change}")
+    if result.get("profile"):
+        lines.append(f"profile stored: {result['profile']} (the next plan uses it)")
+    return "\n".join(lines)
