@@ -25,6 +25,8 @@ ENTRIES = {
     "launch/dashboard.py": ["W&B workspace view", "out=FILE", "dashboard.json"],
     "launch/export.py": ["save_pretrained", "--merge", "CHECKPOINT"],
     "launch/prepare_tokens.py": ["data=tokens", "--tokenizer", "default: train", "default: text"],
+    "launch/plan.py": ["cluster.gpu=h100", "cluster.nodes=1", "plan.verify=0", "plan.calibrate=false", "format=text",
+                       "h100, h200, a100, l40s, cpu"],
 }
 
 

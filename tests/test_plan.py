@@ -23,9 +23,9 @@ from dist_train.estimate.comm import Collective
 from dist_train.estimate.setup import setup_from_config
 from dist_train.estimate.shapes import PRESETS, ModelShape
 from dist_train.plan.calibrate import fit_link
-from dist_train.plan.hardware import PROFILES, ClusterArgs, Hardware, Link, apply_overrides, profile_for_device
+from dist_train.estimate.hardware import PROFILES, ClusterArgs, Hardware, Link, apply_overrides, profile_for_device
 from dist_train.plan.search import planning_peak, search
-from dist_train.plan.time_model import collective_s, model_flops_per_token, predict_step
+from dist_train.estimate.step_time import collective_s, model_flops_per_token, predict_step
 from dist_train.plan.verify import Verified, refit, spearman
 from tests.helpers import ROOT, env
 

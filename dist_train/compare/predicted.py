@@ -80,8 +80,8 @@ def add_step_prediction(row: dict[str, Any], *, shape: ModelShape, setup: Any, t
     A device with no profile (a CPU never calibrated here, an unknown GPU) gets pred_step_note instead."""
     from dataclasses import replace
 
-    from dist_train.plan.hardware import default_profile_dir, profile_for_device, resolve
-    from dist_train.plan.time_model import predict_step
+    from dist_train.estimate.hardware import default_profile_dir, profile_for_device, resolve
+    from dist_train.estimate.step_time import predict_step
 
     device = row.get("device_name", "cpu")
     name = profile_for_device(device)

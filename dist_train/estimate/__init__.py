@@ -4,7 +4,9 @@
 
 Pure arithmetic (no torch, no process group): shapes.py counts parameters, memory.py applies the ZeRO
 paper's model-state formulas plus activations and KV cache, comm.py the per-step collective volumes,
-fit.py answers "which strategies fit in G GiB per GPU on N GPUs", cli.py is the command line.
+fit.py answers "which strategies fit in G GiB per GPU on N GPUs", cli.py is the command line; step_time.py
+predicts a step's time from those collectives and a device's profile (hardware.py), for the advisor
+(dist_train/plan) and the comparison report.
 """
 
 from dist_train.estimate.comm import Collective, predict_comm, ring_bytes

@@ -62,7 +62,7 @@ class Collective:
     elem: int = 4  # bytes per element moved
     dim: str = ""  # the mesh dimension it runs over (fsdp_tp: tp or dp); "" = the strategy's one group
     group_size: int = 0  # ranks in that group; 0 = the group size the caller passes
-    calls: int = 1  # separate calls per step (buckets, one per block, ...): what latency costs (plan/time_model.py)
+    calls: int = 1  # separate calls per step (buckets, one per block, ...): what latency costs (estimate/step_time.py)
 
     def ring_bytes(self, group_size: int) -> float:
         return self.bytes * bus_factor(self.op, self.group_size or group_size)

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dist_train.estimate.shapes import ModelShape
-from dist_train.plan.hardware import GIB, PROFILES, Hardware, Link
+from dist_train.estimate.hardware import GIB, PROFILES, Hardware, Link
 
 ROOT = Path(__file__).resolve().parents[2]
 COLLECTIVES = ROOT / "bench" / "collectives.py"

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from dist_train.estimate.render import human_bytes, human_count, text_table
 from dist_train.estimate.shapes import ModelShape
-from dist_train.plan.hardware import ClusterArgs, Hardware, apply_overrides, default_profile_dir, resolve, save_profile
+from dist_train.estimate.hardware import ClusterArgs, Hardware, apply_overrides, default_profile_dir, resolve, save_profile
 from dist_train.plan.search import SEARCHED, Candidate, Search, search
 
 
@@ -65,7 +65,7 @@ _OWN = ("cluster", "plan", "format")
 def help_text() -> str:
     from dist_train.entry import dataclass_options, help_text as entry_help, option_line
 
-    from dist_train.plan.hardware import KNOWN_GPUS
+    from dist_train.estimate.hardware import KNOWN_GPUS
 
     return entry_help(
         ABOUT,
@@ -97,7 +97,7 @@ sizes and activation checkpointing for the training config's model, global batch
 one's peak memory per device (the estimator) and step time (compute, exposed communication, pipeline bubble, optimizer
 step, the framework's per-block work); drops what does not fit or cannot run, with the reason; prints the best as
 commands. plan.verify=K runs the best K here for a few steps and prints predicted beside measured. Bad input is one
-`config error:` line on stderr, exit code 2.
+line on stderr, exit code 2.
 """
 
 

@@ -19,8 +19,8 @@ from dist_train.estimate.fit import worst_rank
 from dist_train.estimate.memory import RankMemory, element_bytes, predict_memory
 from dist_train.estimate.setup import Setup, family_of, setup_from_config
 from dist_train.estimate.shapes import ModelShape
-from dist_train.plan.hardware import GIB, Hardware
-from dist_train.plan.time_model import StepTime, predict_step
+from dist_train.estimate.hardware import GIB, Hardware
+from dist_train.estimate.step_time import StepTime, predict_step
 
 # What the search enumerates. dp (torch DataParallel: one process drives every GPU) and accelerate (the user's
 # own Accelerate set-up) are left out: neither is a configuration to choose by degrees.

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dist_train.estimate.memory import category_bytes
-from dist_train.plan.hardware import Hardware
+from dist_train.estimate.hardware import Hardware
 from dist_train.plan.search import Candidate
-from dist_train.plan.time_model import StepTime
+from dist_train.estimate.step_time import StepTime
 
 COMPARED_CATEGORIES = ("params", "grads", "optimizer", "activations")
 
@@ -173,8 +173,8 @@ def verify(shown: list[Candidate], plan: dict[str, Any], *, shape: Any, cfg: dic
     import sys
     import time as clock
 
-    from dist_train.plan.hardware import default_profile_dir, save_profile
-    from dist_train.plan.time_model import predict_step
+    from dist_train.estimate.hardware import default_profile_dir, save_profile
+    from dist_train.estimate.step_time import predict_step
 
     p = args.plan
     out_dir = Path(p.out_dir or f"outputs/plan-{clock.strftime('%Y%m%d-%H%M%S')}")

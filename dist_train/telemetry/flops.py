@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
-from dist_train.contracts import whole_numel
+if TYPE_CHECKING:  # the table below is read by the estimator and the advisor, which import no torch
+    from torch import nn
 
 # Dense (no sparsity) peak FLOP/s per device, keyed by the name torch.cuda.get_device_name() reports (matched as
 # whole words, see _entry). Some datasheets print tensor-core figures with sparsity only (marked * below): the dense
@@ -39,6 +40,10 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 
 def embedding_params(model: nn.Module) -> int:
     """Parameters of lookup tables (token and position embeddings): they cost no matmul FLOPs."""
+    from torch import nn
+
+    from dist_train.contracts import whole_numel
+
     return sum(whole_numel(m.weight) for m in model.modules() if isinstance(m, nn.Embedding))
 
 

@@ -30,7 +30,7 @@ from dist_train.estimate.comm import Collective, bus_factor, predict_comm
 from dist_train.estimate.memory import predict_memory
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers
-from dist_train.plan.hardware import Hardware
+from dist_train.estimate.hardware import Hardware
 
 
 @dataclass(frozen=True)
