@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PYTHON, md_table, run, write_section  # noqa: E402
+from common import PYTHON, ROOT, env, md_table, write_section  # noqa: E402
 
 CASES = [("7b", 256, 1), ("7b", 256, 16), ("7b", 1024, 128), ("70b", 512, 1), ("70b", 512, 16), ("70b", 1024, 128)]
 
@@ -35,7 +37,12 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for model, batch, nodes in CASES:
-        proc, seconds = run(command(model, batch, nodes), timeout=600)
+        start = time.perf_counter()
+        proc = subprocess.run(command(model, batch, nodes), cwd=ROOT, env=env(), capture_output=True, text=True,
+                              timeout=600)
+        seconds = time.perf_counter() - start
+        if proc.returncode not in (0, 1):  # 1: the plan ran and nothing fits, an answer too
+            raise RuntimeError(f"{shlex.join(command(model, batch, nodes))} failed:\n{proc.stderr[-3000:]}")
         out = json.loads(proc.stdout)
         best = out["candidates"][0] if out["candidates"] else None
         answer = "nothing fits" if best is None else (

@@ -223,6 +223,7 @@ def test_json_answer_for_70b_on_16_nodes():
     (["plan.verify=2", "cluster.nodes=2"], "plan.verify runs the candidates here, on one node"),
     (["plan.verify=2", "cluster.gpu=h100", "cluster.gpus_per_node=2"], "this machine has 0 GPU(s)"),
     (["format=yaml"], "format='yaml' is not supported; allowed: text, json"),
+    (["strategy=fsdp"], "strategy=fsdp: the plan chooses the strategy and its settings; plan.strategies=[...]"),
 ])
 def test_bad_input_is_one_line(args, says):
     proc = _plan("model=tiny", "logger=none", *args)
@@ -253,3 +254,42 @@ def test_verify_on_this_machine(tmp_path):
     assert "refit" in stored["source"]["efficiency"]
     assert stored["efficiency"] == pytest.approx(verify["refit"]["efficiency"]["after"])
     assert (runs / "verify.json").is_file() and (runs / "plan.json").is_file()
+    for candidate, run in zip(out["candidates"], verify["runs"]):
+        assert candidate["measured"]["step_s"] == run["measured"]["step_s"]
+        assert candidate["measured"]["peak_bytes"] == run["measured"]["peak_bytes"]
+
+
+def test_explicit_micro_batch_and_checkpointing_narrow_the_search():
+    from dist_train.plan.cli import PlanOptions, _searched_overrides
+
+    plan = PlanOptions()
+    kept = _searched_overrides(["model=tiny", "train.micro_batch_size=2", "train.activation_checkpointing=true",
+                                "train.global_batch_size=8"], plan)
+    assert kept == ["model=tiny"] and plan.micro_batch_sizes == [2] and plan.checkpointing == [True]
+
+
+# ------------------------------------------------------------------ the comparison report's predicted step
+def test_the_comparison_row_gets_the_predicted_step_of_its_device(tmp_path):
+    from dist_train.compare.predicted import add_step_prediction
+    from dist_train.compare.report import write_tables
+    from dist_train.estimate.hardware import save_profile
+
+    cfg = _cfg("model=tiny", "train.seq_len=128", "train.global_batch_size=8")
+    shape = ModelShape.from_config(cfg["model"])
+    setup = setup_from_config(cfg, world_size=2)
+    row = {"status": "ok", "strategy": "ddp", "world_size": 2, "nodes": 1, "step_s": 0.5,
+           "device_name": "NVIDIA H100 80GB HBM3", "pred_comm_bytes_per_step": 123.0}
+    add_step_prediction(row, shape=shape, setup=setup, train=cfg["train"], profile_dir=tmp_path)
+    expected = predict_step(shape, setup, replace(H100, gpus_per_node=2)).step_s
+    assert row["pred_step_s"] == pytest.approx(expected) and row["pred_step_profile"] == "h100, datasheet"
+    assert row["err_step_s"] == pytest.approx((expected - 0.5) / 0.5)
+    cpu_row = {**row, "device_name": "cpu"}
+    del cpu_row["pred_step_s"]
+    add_step_prediction(cpu_row, shape=shape, setup=setup, train=cfg["train"], profile_dir=tmp_path)
+    assert "pred_step_s" not in cpu_row and "no cpu profile yet" in cpu_row["pred_step_note"]
+    path = save_profile(_cpu(), tmp_path)
+    add_step_prediction(cpu_row, shape=shape, setup=setup, train=cfg["train"], profile_dir=tmp_path)
+    assert cpu_row["pred_step_profile"] == f"cpu, stored: {path}"
+    csv_path, _ = write_tables([row], tmp_path)
+    header = csv_path.read_text().splitlines()[0].split(",")
+    assert {"pred_step_s", "err_step_s", "pred_comm_bytes_per_step"} <= set(header)

@@ -4,6 +4,7 @@ much memory; then, with plan.verify=K, checked by real runs. `--help` lists ever
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 from dataclasses import asdict, dataclass, field
@@ -97,7 +98,7 @@ sizes and activation checkpointing for the training config's model, global batch
 one's peak memory per device (the estimator) and step time (compute, exposed communication, pipeline bubble, optimizer
 step, the framework's per-block work); drops what does not fit or cannot run, with the reason; prints the best as
 commands. plan.verify=K runs the best K here for a few steps and prints predicted beside measured. Bad input is one
-line on stderr, exit code 2.
+line on stderr, exit code 2; exit code 1 when nothing fits (the reasons are printed) or a verified run failed.
 """
 
 
@@ -160,12 +161,22 @@ def candidate_check(training: list[str], global_batch: int, world_size: int):  #
 
 
 def command(c: Candidate, *, training: list[str], global_batch: int, nodes: int, gpus_per_node: int) -> str:
-    args = " ".join(shlex.quote(a) for a in [*training, f"train.global_batch_size={global_batch}", *c.overrides])
+    args = " ".join(shlex.quote(_plain(a)) for a in [*training, f"train.global_batch_size={global_batch}",
+                                                     *c.overrides])
     if nodes > 1:
         return f"sbatch --nodes={nodes} --gpus-per-node={gpus_per_node} launch/slurm.sbatch {args}"
     if c.setup.world_size == 1:
         return f"python launch/train.py {args}"
     return f"torchrun --nproc_per_node={gpus_per_node} launch/train.py {args}"
+
+
+def _plain(override: str) -> str:
+    """`model.name='llama2-70b'` (how the estimator's presets are written) as `model.name=llama2-70b`: Hydra reads
+    both alike, and the shell needs no quotes for the second."""
+    key, sep, value = override.partition("=")
+    if sep and len(value) > 2 and value[0] == value[-1] == "'" and re.fullmatch(r"[A-Za-z][\w.-]*", value[1:-1]):
+        return f"{key}={value[1:-1]}"
+    return override
 
 
 PARTS = (("compute_s", "compute"), ("exposed_comm_s", "exposed communication"), ("bubble_s", "pipeline bubble"),
@@ -244,9 +255,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if unlisted:
             raise ValueError(f"strategy={unlisted}: no conf/strategy/{unlisted}.yaml; the plan chooses the strategy "
                              "(plan.strategies= limits the search)")
-        training = [a for a in training if not a.startswith(("strategy=", "train.global_batch_size=",
-                                                              "train.micro_batch_size=",
-                                                              "train.activation_checkpointing="))]
+        training = _searched_overrides(training, args.plan)
         shape = ModelShape.from_config(cfg["model"])
         hw, how = profile(args, shape, cfg)
         world = args.cluster.nodes * hw.gpus_per_node
@@ -280,9 +289,31 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         out["verify"] = verify(shown[:args.plan.verify], out, shape=shape, cfg=cfg, hw=hw, args=args,
                                training=training, global_batch=result.global_batch_size, text=args.format == "text")
+        for candidate, run in zip(out["candidates"], out["verify"]["runs"]):
+            candidate["measured"] = {**run["measured"], "status": run["status"], "run_dir": run["run_dir"]}
     if args.format == "json":
         print(json.dumps(out, indent=1, default=str))
-    return 0 if shown else 1
+    failed = [r for r in out.get("verify", {}).get("runs", []) if r["status"] != "ok"]
+    return 0 if shown and not failed else 1
+
+
+def _searched_overrides(training: list[str], plan: PlanOptions) -> list[str]:
+    """The training overrides without what each candidate sets itself. An explicit train.micro_batch_size= or
+    train.activation_checkpointing= narrows the search to it (unless plan.* says otherwise); strategy= is refused,
+    since the plan chooses it; the global batch is pinned from the composed config."""
+    kept = []
+    for arg in training:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key == "strategy" or key.startswith("strategy."):
+            raise ValueError(f"{arg}: the plan chooses the strategy and its settings; plan.strategies=[...] limits "
+                             "the search")
+        if key == "train.micro_batch_size" and not plan.micro_batch_sizes:
+            plan.micro_batch_sizes = [int(value)]
+        elif key == "train.activation_checkpointing" and plan.checkpointing == [False, True]:
+            plan.checkpointing = [value.lower() == "true"]
+        if key not in ("train.global_batch_size", "train.micro_batch_size", "train.activation_checkpointing"):
+            kept.append(arg)
+    return kept
 
 
 def _check_verifiable(args: PlanArgs, world: int) -> None:
