@@ -72,6 +72,20 @@ def onto(model: nn.Module, device: torch.device) -> nn.Module:
     return model.to(device)
 
 
+def wrap_ddp(module: nn.Module, ctx: StrategyContext, *, group: Any = None, **options: Any) -> nn.Module:
+    """`module` under DistributedDataParallel over `group` (None: every rank) on this rank's device, with the
+    telemetry's comm hook where it has one: the reducer all-reduces from C++, and the hook issues the same
+    all-reduce where telemetry sees it, over the group it is given as its state. `options`: DDP's own."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = ctx.runtime.device
+    ddp = DistributedDataParallel(module, process_group=group,
+                                  device_ids=[device.index] if device.type == "cuda" else None, **options)
+    if ctx.ddp_comm_hook is not None:
+        ddp.register_comm_hook(state=group, hook=ctx.ddp_comm_hook)
+    return ddp
+
+
 def check_tensor_parallel(run: RunConfig, tp: int, *, what: str) -> None:
     """ConfigError unless the model can be split `tp` ways by tensor parallelism: a plan for its blocks, and heads,
     KV heads and MLP width that divide."""

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dist_train.config import StrategyConfig, require
 from dist_train.contracts import StrategyFamily
-from dist_train.strategies.base import StrategyContext, onto
+from dist_train.strategies.base import StrategyContext, onto, wrap_ddp
 from dist_train.strategies.torch_strategy import TorchStrategy
 
 
@@ -34,17 +34,8 @@ class DDPWrapper:
         self.cfg, self.ctx = cfg, ctx
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        device = self.ctx.runtime.device
-        ddp = DistributedDataParallel(
-            onto(model, device),
-            device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=self.cfg.bucket_cap_mb,
-            gradient_as_bucket_view=self.cfg.gradient_as_bucket_view,
-        )
-        if self.ctx.ddp_comm_hook is not None:
-            # The reducer all-reduces from C++; the hook issues the same all-reduce where telemetry sees it.
-            ddp.register_comm_hook(state=None, hook=self.ctx.ddp_comm_hook)
-        return ddp
+        return wrap_ddp(onto(model, self.ctx.runtime.device), self.ctx, bucket_cap_mb=self.cfg.bucket_cap_mb,
+                        gradient_as_bucket_view=self.cfg.gradient_as_bucket_view)
 
     def no_sync(self, wrapped: nn.Module) -> ContextManager[Any]:
         assert isinstance(wrapped, DistributedDataParallel)

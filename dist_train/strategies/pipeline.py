@@ -62,6 +62,7 @@ from dist_train.strategies.base import (
     onto,
     reshard,
     torch_state_dict,
+    wrap_ddp,
 )
 from dist_train.strategies.pipeline_stages import (
     Stage,
@@ -385,20 +386,8 @@ class PipelineStrategy:
         the first stage's peak of live tensors 271.5 GiB with `replicate`, 253.7 GiB with this; same losses.
         No broadcast at set-up (init_sync=False) and none of buffers per forward: every replica built or loaded
         the same weights, and the stage's buffers (rotary frequencies) are computed, not learned."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        group = self.mesh["dp"].get_group()
-        ddp = DistributedDataParallel(
-            stage,
-            process_group=group,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            gradient_as_bucket_view=True,
-            forward_sync_buffers=False,
-            init_sync=False,
-        )
-        if self.ctx.ddp_comm_hook is not None:
-            ddp.register_comm_hook(state=group, hook=self.ctx.ddp_comm_hook)  # where telemetry sees the all-reduce
-        return ddp
+        return wrap_ddp(stage, self.ctx, group=self.mesh["dp"].get_group(), gradient_as_bucket_view=True,
+                        forward_sync_buffers=False, init_sync=False)
 
     def _tied_pair_group(self) -> Any:
         """The group of each replica's first and last stage (a tied embedding/head weight lives on both).
