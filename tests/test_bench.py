@@ -160,3 +160,22 @@ def test_collectives_and_reference_on_the_cpu(monkeypatch, capsys):
                                       "--hidden=32", "--heads=2", "--seq=16"])
     _bench("reference").main()
     assert json.loads(capsys.readouterr().out)["mean_step_s"] > 0
+
+
+@pytest.mark.multiproc
+def test_peers_train_the_same_samples_as_dist_train(tmp_path):
+    """bench/peers.py: Accelerate's loop and transformers' Trainer, each under torchrun with DDP on 2 processes,
+    give dist_train's losses step by step (fp32, 1e-5), so the step-time ratios compare the same work. (Fabric is
+    the optional `bench` extra's; its rows run where it is installed.)"""
+    peers = _bench("peers")
+    ours = peers.launch("dist_train", "ddp", nproc=2, steps=5, out=tmp_path)
+    assert "error" not in ours, ours
+    for peer in ("accelerate", "trainer"):
+        got = peers.launch(peer, "ddp", nproc=2, steps=5, out=tmp_path)
+        assert "error" not in got, (peer, got)
+        assert len(got["losses"]) == len(ours["losses"]) == 5
+        for a, b in zip(got["losses"], ours["losses"]):
+            assert a == pytest.approx(b, rel=1e-5), (peer, got["losses"], ours["losses"])
+        assert got["mean_step_s"] > 0 and got["time_to_first_step_s"] > 0
+    refused = peers.launch("accelerate", "fsdp", nproc=2, steps=5, out=tmp_path)
+    assert "prepares MULTI_CPU (DDP) on a CPU" in refused["error"]

@@ -1,0 +1,386 @@
+"""dist_train against what its users would run instead: the same training under Accelerate, Lightning Fabric and
+Hugging Face's Trainer, side by side.
+
+    pip install -e ".[bench]"          # the peers: lightning (Fabric); transformers and accelerate are ours already
+    python bench/peers.py              # writes the 'peers' section of docs/BENCHMARKS.md
+
+Every run trains the same thing: the training config's model built by dist_train from the same seed (so the same
+weights), dist_train's deterministic global batches (rank r of N takes the r-th contiguous slice, split into
+micro-batches), AdamW and the LR schedule from the same config, the mean next-token cross-entropy, gradient
+clipping at train.grad_clip, fp32, N processes under torchrun. What differs is what each tool does itself: the
+wrapping (DDP, FSDP), gradient sync during accumulation, backward, clipping and the loop. The peers:
+- dist_train itself, `launch/train.py strategy=ddp|fsdp` (telemetry on, as users run it), and again with its
+  collective, activation and live-tensor telemetry off (`dist_train_bare`);
+- a plain Accelerate loop (`accelerator.prepare`, `no_sync`, `accelerator.backward`, `clip_grad_norm_`): DDP, and
+  FSDP2 (`FullyShardedDataParallelPlugin(fsdp_version=2)`, one unit per block) where it runs: on a CPU Accelerate
+  prepares DDP whatever the plugin says, and the row says so;
+- Lightning Fabric (`fabric.setup`, `no_backward_sync`, `fabric.backward`, `clip_gradients`): its `ddp` and
+  `fsdp` strategies (Fabric refuses FSDP without a GPU, and the row says so);
+- transformers' `Trainer` (DDP), fed the same micro-batches in the order its data loader shards them;
+- torchtitan: not run; see its row.
+
+The runs alternate (every peer once, then again, `--repeats` times). Reported: each peer's steady step (the mean
+after the warm-up steps) and time to first step, as the median of the repeats with their spread and as a ratio to
+dist_train's at the same strategy; whether its losses match dist_train's step by step (fp32, relative 1e-5); and
+the peak memory each reports (Trainer and Fabric report none on a CPU: the row says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import PYTHON, ROOT, env, md_table, write_section  # noqa: E402
+
+def training(steps: int) -> list[str]:
+    return ["model=tiny", "train.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=2",
+            f"train.steps={steps}", "train.log_every=5", "precision=fp32", "logger=none"]
+
+WARMUP = 3  # steps left out of the steady step, as dist_train's summary does
+PEERS = ("dist_train", "dist_train_bare", "accelerate", "fabric", "trainer")
+# dist_train_bare: dist_train with its collective, activation and live-tensor telemetry off, to tell what the
+# telemetry costs from what the framework does
+BARE = ["telemetry.comm=false", "telemetry.activations=false", "telemetry.peak_live=false"]
+TORCHTITAN = ("torchtitan 0.3.0 (the registry's release) is not run: it trains its own model definitions from a TOML "
+              "job config, not a transformers model, and its README asks for a nightly torch; ours is pinned "
+              "to torch 2.13.0")
+
+
+# ------------------------------------------------------------------ the workers (one per process, under torchrun)
+class Setup:
+    """The training config's pieces, built as dist_train builds them, for a peer to train."""
+
+    def __init__(self, overrides: list[str]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from dist_train.checks import validate
+        from dist_train.data import GlobalBatches, build_dataset
+        from dist_train.estimate.compose import compose_run
+        from dist_train.model import build_model
+        from dist_train.optim import OptimizerFactory
+
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.run = compose_run(overrides)
+        validate(self.run, self.world)
+        t = self.run.train
+        self.steps, self.micro = t.steps, t.micro_batch_size
+        self.device = torch.device("cpu")
+        self.model = build_model(self.run.model, seed=t.seed)
+        dataset = build_dataset(self.run.data, vocab_size=self.run.model.vocab_size, seq_len=t.seq_len, seed=t.seed)
+        self.batches = GlobalBatches(dataset, global_batch_size=t.global_batch_size, dp_rank=self.rank,
+                                     dp_size=self.world)
+        self.factory = OptimizerFactory(self.run.optimizer, t, device=self.device)
+        self.grad_clip = t.grad_clip
+        self.dist = dist
+
+    def micro_batches(self, step: int) -> list[Any]:
+        return self.batches.local_batch(step).split(self.micro)
+
+
+def loss_of(model: Any, mb: Any) -> Any:
+    from dist_train.model import forward_loss
+
+    return forward_loss(model, mb.input_ids, mb.labels)
+
+
+def report(setup: Setup, losses: list[Any], ends: list[float], first_wall: float, memory: dict[str, Any]) -> None:
+    """Rank 0 prints one JSON line: the global mean loss of each step (one all-reduce, after the timed steps),
+    the steady step, the time to first step from process start, and the peer's own memory figure."""
+    import psutil
+    import torch
+
+    local = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in losses])
+    setup.dist.all_reduce(local)
+    steady = (ends[-1] - ends[WARMUP - 1]) / (len(ends) - WARMUP)
+    if setup.rank == 0:
+        print(json.dumps({"losses": (local / setup.world).tolist(), "mean_step_s": steady,
+                          "time_to_first_step_s": first_wall - psutil.Process(os.getpid()).create_time(),
+                          "memory": memory}), flush=True)
+
+
+def timed_loop(setup: Setup, step: Callable[[int], Any]) -> tuple[list[Any], list[float], float]:
+    losses, ends, first_wall = [], [], 0.0
+    for s in range(setup.steps):
+        losses.append(step(s))
+        ends.append(time.perf_counter())
+        if s == 0:
+            first_wall = time.time()
+    return losses, ends, first_wall
+
+
+def accelerate_worker(setup: Setup, strategy: str) -> None:
+    from accelerate import Accelerator
+
+    kwargs: dict[str, Any] = {"cpu": True}
+    if strategy == "fsdp":
+        from accelerate import FullyShardedDataParallelPlugin
+
+        # One FSDP unit per transformer block, then the root, as dist_train's fsdp shards (Accelerate's default
+        # wraps the root only: one gather for the whole model, less work than ours)
+        blocks = list(getattr(setup.model, "_no_split_modules", None) or [])
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            fsdp_version=2, reshard_after_forward=True, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=blocks)
+    accelerator = Accelerator(**kwargs)
+    if strategy == "fsdp" and accelerator.distributed_type.name != "FSDP":
+        # Measured: on a CPU Accelerate prepares DistributedDataParallel whatever the FSDP plugin says
+        raise ValueError(f"Accelerate's FSDP plugin is not used here: it prepares {accelerator.distributed_type.name} "
+                         "(DDP) on a CPU")
+    model = accelerator.prepare(setup.model)
+    opt = accelerator.prepare(setup.factory.build(model.parameters()))
+    sched = setup.factory.scheduler(opt.optimizer)  # unprepared: Accelerate would step it once per process
+
+    def step(s: int) -> Any:
+        micro = setup.micro_batches(s)
+        total = 0.0
+        for i, mb in enumerate(micro):
+            sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(model)
+            with sync:
+                loss = loss_of(model, mb)
+                accelerator.backward(loss / len(micro))
+            total = total + loss.detach()
+        if setup.grad_clip:
+            accelerator.clip_grad_norm_(model.parameters(), setup.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        return total / len(micro)
+
+    losses, ends, first = timed_loop(setup, step)
+    report(setup, losses, ends, first, {})
+
+
+def fabric_worker(setup: Setup, strategy: str) -> None:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=setup.world, num_nodes=1, precision="32-true")
+    fabric.launch()
+    model = fabric.setup_module(setup.model)
+    opt = fabric.setup_optimizers(setup.factory.build(model.parameters()))
+    sched = setup.factory.scheduler(opt.optimizer if hasattr(opt, "optimizer") else opt)
+
+    def step(s: int) -> Any:
+        micro = setup.micro_batches(s)
+        total = 0.0
+        for i, mb in enumerate(micro):
+            with fabric.no_backward_sync(model, enabled=i < len(micro) - 1):
+                loss = loss_of(model, mb)
+                fabric.backward(loss / len(micro))
+            total = total + loss.detach()
+        if setup.grad_clip:
+            fabric.clip_gradients(model, opt, max_norm=setup.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        return total / len(micro)
+
+    losses, ends, first = timed_loop(setup, step)
+    report(setup, losses, ends, first, {})
+
+
+def trainer_worker(setup: Setup, strategy: str) -> None:
+    """transformers' Trainer, DDP: its loop, accumulation, clipping and optimizer stepping, fed dist_train's
+    micro-batches as one flat dataset in the order Accelerate's data-loader sharding hands them out (batch k of
+    the loader goes to rank k mod N), and with dist_train's loss (labels are already shifted here)."""
+    import torch
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    world, micro = setup.world, setup.micro
+    samples: list[dict[str, Any]] = []
+    for s in range(setup.steps):
+        per_rank = [GlobalBatchesSlice(setup, s, r) for r in range(world)]
+        for i in range(len(per_rank[0])):
+            for r in range(world):
+                mb = per_rank[r][i]
+                samples += [{"input_ids": mb.input_ids[j], "labels": mb.labels[j]} for j in range(len(mb))]
+
+    class Samples(Dataset):
+        def __len__(self) -> int:
+            return len(samples)
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return samples[i]
+
+    class OurLoss(Trainer):
+        """dist_train's loss (labels already shifted), a mean over the micro-batch's tokens: not scaled for
+        accumulation, so Trainer divides it by its accumulation steps, as dist_train does. (GPT-2 takes loss
+        kwargs, and Trainer would otherwise take this loss as normalised over the whole step's tokens already.)"""
+
+        loss_is_scaled_for_ga = False
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN201
+            return loss_of(model, type("MB", (), inputs)())
+
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    ends: list[float] = []
+    first = [0.0]
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            ends.append(time.perf_counter())
+            if state.global_step == 1:
+                first[0] = time.time()
+
+    losses: list[float] = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    opt = setup.factory.build(setup.model.parameters())
+    accumulation = setup.run.train.global_batch_size // (micro * world)
+    args = TrainingArguments(
+        output_dir=os.environ.get("PEER_OUT", "/tmp/peers-trainer"), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation, max_steps=setup.steps, learning_rate=setup.run.train.lr,
+        max_grad_norm=setup.grad_clip, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        dataloader_drop_last=False, seed=setup.run.train.seed, disable_tqdm=True, remove_unused_columns=False,
+        average_tokens_across_devices=False, ddp_backend="gloo", skip_memory_metrics=False,
+    )
+    trainer = OurLoss(model=setup.model, args=args, train_dataset=Samples(),
+                      optimizers=(opt, setup.factory.scheduler(opt)), callbacks=[Clock(), Losses()])
+    metrics = trainer.train().metrics
+    # Trainer logs each step's loss averaged over the processes and over its micro-batches already.
+    memory = {k: v for k, v in metrics.items() if k.startswith("train_mem_cpu")}
+    if setup.rank == 0:
+        import psutil
+
+        steady = (ends[-1] - ends[WARMUP - 1]) / (len(ends) - WARMUP)
+        print(json.dumps({"losses": losses[:setup.steps], "mean_step_s": steady,
+                          "time_to_first_step_s": first[0] - psutil.Process(os.getpid()).create_time(),
+                          "memory": memory}), flush=True)
+
+
+def GlobalBatchesSlice(setup: Setup, step: int, rank: int) -> list[Any]:  # noqa: N802
+    """Rank `rank`'s micro-batches of global batch `step`, as dist_train slices them."""
+    from dist_train.data import GlobalBatches
+
+    b = GlobalBatches(setup.batches.dataset, global_batch_size=setup.batches.global_batch_size, dp_rank=rank,
+                      dp_size=setup.world)
+    return b.local_batch(step).split(setup.micro)
+
+
+WORKERS = {"accelerate": accelerate_worker, "fabric": fabric_worker, "trainer": trainer_worker}
+
+
+def worker(peer: str, strategy: str, overrides: list[str]) -> None:
+    import torch.distributed as dist
+
+    setup = Setup(overrides)  # each peer starts the process group itself
+    WORKERS[peer](setup, strategy)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ the orchestrator
+def launch(peer: str, strategy: str, *, nproc: int, steps: int, out: Path) -> dict[str, Any]:
+    """One run of a peer; its JSON line (dist_train: read from summary.json)."""
+    torchrun = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    if peer.startswith("dist_train"):
+        run_dir = out / f"{peer}-{strategy}-{time.monotonic_ns()}"
+        cmd = [*torchrun, "launch/train.py", *training(steps), f"strategy={strategy}", f"hydra.run.dir={run_dir}",
+               *(BARE if peer == "dist_train_bare" else [])]
+    else:
+        cmd = [*torchrun, "bench/peers.py", "--worker", peer, "--strategy", strategy, "--steps", str(steps)]
+    e = {**env(), "PEER_OUT": str(out / "trainer")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        lines = (proc.stderr + proc.stdout).strip().splitlines()
+        said = [ln.strip() for ln in lines if "Error: " in ln and "ChildFailedError" not in ln] or lines[-1:]
+        return {"error": said[0][-300:], "command": shlex.join(cmd[1:])}
+    if peer.startswith("dist_train"):
+        s = json.loads((run_dir / "summary.json").read_text())
+        peak = max(r.get("memory/peak_rss_bytes", 0) for r in s["ranks"])
+        return {"losses": s["losses"], "mean_step_s": s["mean_step_s"],
+                "time_to_first_step_s": s["time_to_first_step_s"], "memory": {"peak_rss_bytes": peak}}
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help=f"steps of each run (the first {WARMUP} not timed)")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--strategies", default="ddp,fsdp")
+    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--no-write", action="store_true", help="print the table, leave docs/BENCHMARKS.md alone")
+    args = parser.parse_args()
+    if args.steps <= WARMUP:
+        parser.error(f"--steps {args.steps}: more than the {WARMUP} warm-up steps")
+    if args.worker:
+        worker(args.worker, args.strategy, training(args.steps))
+        return
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="peers-"))
+    peers = args.peers.split(",")
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for rep in range(args.repeats):
+        for strategy in args.strategies.split(","):
+            for peer in peers:
+                if peer == "trainer" and strategy != "ddp":
+                    continue
+                got = launch(peer, strategy, nproc=args.nproc, steps=args.steps, out=out)
+                results.setdefault((peer, strategy), []).append(got)
+                print(f"[peers] {rep + 1}/{args.repeats} {peer} {strategy}: "
+                      f"{got.get('mean_step_s', got.get('error'))}", file=sys.stderr, flush=True)
+    table = render(results)
+    print(table)
+    (out / "peers.json").write_text(json.dumps({f"{p} {s}": runs for (p, s), runs in results.items()}, indent=1))
+    if not args.no_write:
+        write_section("peers", "dist_train against Accelerate, Lightning Fabric and transformers' Trainer", table,
+                      command=f"python bench/peers.py --repeats {args.repeats} --nproc {args.nproc}",
+                      note=f"Training: {' '.join(training(args.steps))}, {args.nproc} processes (gloo, 1 thread each). "
+                           + TORCHTITAN + ".")
+
+
+def _median(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e3:.0f} [{min(values) * 1e3:.0f}, {max(values) * 1e3:.0f}]"
+
+
+def render(results: dict[tuple[str, str], list[dict[str, Any]]]) -> str:
+    rows = []
+    for (peer, strategy), runs in results.items():
+        ok = [r for r in runs if "error" in r] == []
+        base = [r for r in results.get(("dist_train", strategy), []) if "error" not in r]
+        if not ok:
+            rows.append([peer, strategy, "failed: " + runs[0]["error"], "", "", "", "", ""])
+            continue
+        steps = [r["mean_step_s"] for r in runs]
+        firsts = [r["time_to_first_step_s"] for r in runs]
+        ratio = (statistics.median(steps) / statistics.median([r["mean_step_s"] for r in base])) if base else None
+        first_ratio = (statistics.median(firsts) / statistics.median([r["time_to_first_step_s"] for r in base])
+                       if base else None)
+        ours = base[0]["losses"] if base else []
+        theirs = runs[0]["losses"]
+        worst = max((abs(a - b) / abs(b) for a, b in zip(theirs, ours)), default=None)
+        memory = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in runs[0]["memory"].items()) or "none reported"
+        rows.append([peer, strategy, _median(steps), f"{ratio:.3f}" if ratio else "",
+                     f"{statistics.median(firsts):.1f} s ({first_ratio:.2f}x)" if first_ratio else "",
+                     "" if worst is None else f"{worst:.1e}" + (" (match)" if worst <= 1e-5 else " (**differ**)"),
+                     len(theirs), memory])
+    rows.append(["torchtitan", "-", "not run", "", "", "", "", TORCHTITAN])
+    return md_table(["peer", "strategy", "steady step ms, median [min, max]", "step vs dist_train",
+                     "time to first step", "worst loss difference", "steps", "memory it reports"], rows)
+
+
+if __name__ == "__main__":
+    main()
