@@ -15,6 +15,13 @@ def human_bytes(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
+def human_seconds(s: float | None) -> str:
+    """Milliseconds below a second, seconds above, 3 significant figures."""
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
 def human_count(n: float) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= scale:

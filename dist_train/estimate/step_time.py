@@ -23,7 +23,7 @@ predicted and the measured MFU of a run mean the same thing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from dist_train.estimate.comm import Collective, bus_factor, predict_comm
@@ -31,6 +31,7 @@ from dist_train.estimate.memory import predict_memory
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers
 from dist_train.estimate.hardware import Hardware
+from dist_train.telemetry.flops import flops_per_token
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,6 @@ class StepTime:
     peak_flops: float  # per device
     overhead_key: str = ""  # which of the profile's overhead_s applies ("": none)
     overhead_units: int = 0  # blocks x micro-batches it applies to
-    comm_by_op: dict[str, float] = field(default_factory=dict)
 
     @property
     def step_s(self) -> float:
@@ -64,7 +64,8 @@ class StepTime:
 
 def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """telemetry.flops.flops_per_token for a shape: what MFU divides by."""
-    return 6.0 * (shape.num_params - shape.embedding_params()) + 12.0 * shape.num_layers * shape.hidden_size * seq_len
+    return flops_per_token(num_params=shape.num_params, num_embedding_params=shape.embedding_params(),
+                           num_layers=shape.num_layers, hidden_size=shape.hidden_size, seq_len=seq_len)
 
 
 def _matmul_flops_per_token(shape: ModelShape, *, layers: int, head: bool, seq_len: int, recompute: bool) -> float:
@@ -133,9 +134,6 @@ def predict_step(shape: ModelShape, setup: Setup, hw: Hardware, *, allow_tf32: b
     colls = max(timed, key=lambda cs: sum(t for _, t in cs), default=[])
     hidden = sum(t for c, t in colls if overlaps(c, setup))
     exposed = sum(t for c, t in colls if not overlaps(c, setup)) + max(0.0, hidden - hw.overlap * compute)
-    by_op: dict[str, float] = {}
-    for c, t in colls:
-        by_op[c.op] = by_op.get(c.op, 0.0) + t
     state = model_state_bytes if model_state_bytes is not None else \
         max(r.model_state for r in predict_memory(shape, setup))
     key = overhead_key(setup)
@@ -144,7 +142,7 @@ def predict_step(shape: ModelShape, setup: Setup, hw: Hardware, *, allow_tf32: b
         compute_s=compute, comm_s=sum(t for _, t in colls), exposed_comm_s=exposed, bubble_s=bubble,
         optimizer_s=2 * state / hw.memory_bw, framework_s=units * hw.overhead_s.get(key, 0.0), tokens_per_step=tokens,
         world_size=setup.world_size, model_flops_per_token=model_flops_per_token(shape, setup.seq_len),
-        peak_flops=peak, overhead_key=key, overhead_units=units, comm_by_op=by_op,
+        peak_flops=peak, overhead_key=key, overhead_units=units,
     )
 
 

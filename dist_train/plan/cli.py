@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from dist_train.estimate.render import human_bytes, human_count, text_table
+from dist_train.estimate.render import human_bytes, human_count, human_seconds, text_table
 from dist_train.estimate.shapes import ModelShape
 from dist_train.estimate.hardware import ClusterArgs, Hardware, apply_overrides, default_profile_dir, resolve, save_profile
 from dist_train.plan.search import SEARCHED, Candidate, Search, search
@@ -188,11 +188,7 @@ def why_lost(c: Candidate, winner: Candidate) -> str:
     ratio = c.time.step_s / winner.time.step_s
     key, label = max(PARTS, key=lambda p: getattr(c.time, p[0]) - getattr(winner.time, p[0]))
     extra = getattr(c.time, key) - getattr(winner.time, key)
-    return f"{ratio:.2f}x the best step: {label} +{_seconds(extra)}"
-
-
-def _seconds(s: float) -> str:
-    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+    return f"{ratio:.2f}x the best step: {label} +{human_seconds(extra)}"
 
 
 def candidate_json(c: Candidate, cmd: str) -> dict[str, Any]:
@@ -355,9 +351,9 @@ def render(out: dict[str, Any], shown: list[Candidate], hw: Hardware) -> str:
     rows = []
     for i, cand in enumerate(shown):
         t = cand.time
-        rows.append([f"{i + 1}. {cand.label}", _seconds(t.step_s), f"{t.tokens_per_s:,.0f}",
-                     f"{100 * t.mfu:.1f}%", human_bytes(cand.peak_bytes), _seconds(t.compute_s),
-                     _seconds(t.exposed_comm_s), _seconds(t.bubble_s), _seconds(t.optimizer_s + t.framework_s)])
+        rows.append([f"{i + 1}. {cand.label}", human_seconds(t.step_s), f"{t.tokens_per_s:,.0f}",
+                     f"{100 * t.mfu:.1f}%", human_bytes(cand.peak_bytes), human_seconds(t.compute_s),
+                     human_seconds(t.exposed_comm_s), human_seconds(t.bubble_s), human_seconds(t.optimizer_s + t.framework_s)])
     table = text_table(["configuration", "step", "tokens/s", "MFU", "peak/device", "compute", "exposed comm",
                         "bubble", "optimizer+fw"], rows)
     cmds = [f"  {i + 1}. {cand['command']}" for i, cand in enumerate(out["candidates"])]

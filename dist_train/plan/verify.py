@@ -195,18 +195,9 @@ def verify(shown: list[Candidate], plan: dict[str, Any], *, shape: Any, cfg: dic
     return result
 
 
-def _pct(e: Optional[float]) -> str:
-    return "" if e is None else f"{100 * e:+.0f}%"
-
-
 def render(result: dict[str, Any]) -> str:
-    from dist_train.estimate.render import human_bytes, text_table
-
-    def b(v: Optional[float]) -> str:
-        return "" if v is None else human_bytes(v)
-
-    def s(v: Optional[float]) -> str:
-        return "" if v is None else f"{v * 1e3:.1f} ms" if v < 1 else f"{v:.2f} s"
+    from dist_train.compare.report import pct
+    from dist_train.estimate.render import human_bytes as b, human_seconds as s, text_table
 
     rows, cats = [], []
     for i, r in enumerate(result["runs"]):
@@ -215,8 +206,8 @@ def render(result: dict[str, Any]) -> str:
         if r["status"] != "ok":
             rows.append([name, s(pr["step_s"]), r["status"], "", b(pr["peak_bytes"]), "", "", "", ""])
             continue
-        rows.append([name, s(pr["step_s"]), s(me["step_s"]), _pct(err["step_s"]), b(pr["peak_bytes"]),
-                     b(me["peak_bytes"]), _pct(err["peak_bytes"]), s(pr["comm_s"]), s(me["comm_s"])])
+        rows.append([name, s(pr["step_s"]), s(me["step_s"]), pct(err["step_s"]), b(pr["peak_bytes"]),
+                     b(me["peak_bytes"]), pct(err["peak_bytes"]), s(pr["comm_s"]), s(me["comm_s"])])
         cats.append([f"{i + 1}.", *(f"{b(pr[f'{c}_bytes'])} / {b(me.get(f'{c}_bytes'))}" for c in COMPARED_CATEGORIES)])
     rho = result["rank_correlation"]
     lines = [
