@@ -121,6 +121,29 @@ def timed_loop(setup: Setup, step: Callable[[int], Any]) -> tuple[list[Any], lis
     return losses, ends, first_wall
 
 
+def accumulating_step(setup: Setup, model: Any, opt: Any, sched: Any, *, backward: Callable[[Any], None],
+                      no_sync: Callable[[bool], Any], clip: Callable[[], Any] | None) -> Callable[[int], Any]:
+    """One optimizer step as a hand-written loop on a peer's API: every micro-batch but the last under the peer's
+    `no_sync(last)`, its `backward` of loss / micro-batches, its `clip`, then the optimizer and the schedule.
+    Returns the step's mean loss, on the device."""
+    def step(s: int) -> Any:
+        micro = setup.micro_batches(s)
+        total = 0.0
+        for i, mb in enumerate(micro):
+            with no_sync(i == len(micro) - 1):
+                loss = loss_of(model, mb)
+                backward(loss / len(micro))
+            total = total + loss.detach()
+        if clip is not None:
+            clip()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        return total / len(micro)
+
+    return step
+
+
 def accelerate_worker(setup: Setup, strategy: str) -> None:
     from accelerate import Accelerator
 
@@ -143,22 +166,9 @@ def accelerate_worker(setup: Setup, strategy: str) -> None:
     opt = accelerator.prepare(setup.factory.build(model.parameters()))
     sched = setup.factory.scheduler(opt.optimizer)  # unprepared: Accelerate would step it once per process
 
-    def step(s: int) -> Any:
-        micro = setup.micro_batches(s)
-        total = 0.0
-        for i, mb in enumerate(micro):
-            sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(model)
-            with sync:
-                loss = loss_of(model, mb)
-                accelerator.backward(loss / len(micro))
-            total = total + loss.detach()
-        if setup.grad_clip:
-            accelerator.clip_grad_norm_(model.parameters(), setup.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        return total / len(micro)
-
+    clip = (lambda: accelerator.clip_grad_norm_(model.parameters(), setup.grad_clip)) if setup.grad_clip else None
+    step = accumulating_step(setup, model, opt, sched, backward=accelerator.backward, clip=clip,
+                             no_sync=lambda last: contextlib.nullcontext() if last else accelerator.no_sync(model))
     losses, ends, first = timed_loop(setup, step)
     report(setup, losses, ends, first, {})
 
@@ -172,21 +182,9 @@ def fabric_worker(setup: Setup, strategy: str) -> None:
     opt = fabric.setup_optimizers(setup.factory.build(model.parameters()))
     sched = setup.factory.scheduler(opt.optimizer if hasattr(opt, "optimizer") else opt)
 
-    def step(s: int) -> Any:
-        micro = setup.micro_batches(s)
-        total = 0.0
-        for i, mb in enumerate(micro):
-            with fabric.no_backward_sync(model, enabled=i < len(micro) - 1):
-                loss = loss_of(model, mb)
-                fabric.backward(loss / len(micro))
-            total = total + loss.detach()
-        if setup.grad_clip:
-            fabric.clip_gradients(model, opt, max_norm=setup.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        return total / len(micro)
-
+    clip = (lambda: fabric.clip_gradients(model, opt, max_norm=setup.grad_clip)) if setup.grad_clip else None
+    step = accumulating_step(setup, model, opt, sched, backward=fabric.backward, clip=clip,
+                             no_sync=lambda last: fabric.no_backward_sync(model, enabled=not last))
     losses, ends, first = timed_loop(setup, step)
     report(setup, losses, ends, first, {})
 
