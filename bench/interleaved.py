@@ -11,6 +11,8 @@ records the ratio A/B on rank 0. Prints one JSON line: the median ratio and its 
 --vs reference: dist_train (telemetry as configured) against bench/reference.py's hand-written loop;
 --vs telemetry-off: dist_train with telemetry on against the same strategy with comm and activation
 telemetry off. B runs with dist_train's collective wrappers suspended, so it pays nothing for them.
+--vs accelerate|fabric: dist_train against bench/peers.py's Accelerate or Lightning Fabric loop, both training
+peers.py's config (the same weights, batches, optimizer and schedule).
 """
 
 from __future__ import annotations
@@ -29,11 +31,25 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch.distributed as dist  # noqa: E402
 
+import peers  # noqa: E402
 from common import synchronize  # noqa: E402
 from reference import ReferenceLoop, Shape  # noqa: E402
 
+# the peers whose step runs in this process beside dist_train's (bench/peers.py builds them)
+PEER_STEPS = {"accelerate": peers.accelerate_step, "fabric": peers.fabric_step}
 
-def dist_train_session(strategy: str, shape: Shape, *, steps: int, telemetry: bool, run_dir: Path, extra: list[str]):
+
+def shape_overrides(shape: Shape, steps: int) -> list[str]:
+    """dist_train's config for the reference loop's shape."""
+    return [
+        f"model.num_layers={shape.layers}", f"model.hidden_size={shape.hidden}", f"model.num_heads={shape.heads}",
+        f"model.vocab_size={shape.vocab}", f"model.max_seq_len={shape.seq}", f"train.seq_len={shape.seq}",
+        f"train.global_batch_size={shape.global_batch}", f"train.micro_batch_size={shape.micro_batch}",
+        f"train.steps={steps}", f"train.lr={shape.lr}", "logger=none",
+    ]
+
+
+def dist_train_session(strategy: str, training: list[str], *, telemetry: bool, run_dir: Path, extra: list[str]):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -47,10 +63,7 @@ def dist_train_session(strategy: str, shape: Shape, *, steps: int, telemetry: bo
     register_resolvers()
     GlobalHydra.instance().clear()
     overrides = [
-        f"strategy={strategy}", "logger=none", f"model.num_layers={shape.layers}", f"model.hidden_size={shape.hidden}",
-        f"model.num_heads={shape.heads}", f"model.vocab_size={shape.vocab}", f"model.max_seq_len={shape.seq}",
-        f"train.seq_len={shape.seq}", f"train.global_batch_size={shape.global_batch}",
-        f"train.micro_batch_size={shape.micro_batch}", f"train.steps={steps}", f"train.lr={shape.lr}",
+        f"strategy={strategy}", *training,
         f"telemetry.comm={str(telemetry).lower()}", f"telemetry.activations={str(telemetry).lower()}", *extra,
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -64,7 +77,7 @@ def dist_train_session(strategy: str, shape: Shape, *, steps: int, telemetry: bo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vs", choices=("reference", "telemetry-off"), default="reference")
+    parser.add_argument("--vs", choices=("reference", "telemetry-off", "accelerate", "fabric"), default="reference")
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
@@ -77,19 +90,21 @@ def main() -> None:
 
     shape = Shape(layers=args.layers, hidden=args.hidden, seq=args.seq)
     steps = args.warmup + args.iterations
+    # against a peer, both train bench/peers.py's config (which the peer's step is written for)
+    training = peers.training(steps) if args.vs in PEER_STEPS else shape_overrides(shape, steps)
     tmp = Path(tempfile.mkdtemp(prefix="dist_train_bench_"))
-    a = dist_train_session(args.strategy, shape, steps=steps, telemetry=True, run_dir=tmp / "a", extra=args.overrides)
+    a = dist_train_session(args.strategy, training, telemetry=True, run_dir=tmp / "a", extra=args.overrides)
     tracker = a.telemetry.tracker
-    if args.vs == "reference":
-        with tracker.suspended():
-            ref = ReferenceLoop(args.strategy, shape)
-        b_step = ref.step
-    else:
-        with tracker.suspended():
-            b = dist_train_session(args.strategy, shape, steps=steps, telemetry=False, run_dir=tmp / "b",
-                                   extra=args.overrides)
-        counter = iter(range(1, steps + 1))
-        b_step = lambda: train_one_step(b, next(counter))  # noqa: E731
+    counter = iter(range(steps))
+    with tracker.suspended():
+        if args.vs == "reference":
+            b_step = ReferenceLoop(args.strategy, shape).step
+        elif args.vs in PEER_STEPS:
+            peer_step = PEER_STEPS[args.vs](peers.Setup(training), args.strategy)
+            b_step = lambda: peer_step(next(counter))  # noqa: E731
+        else:
+            b = dist_train_session(args.strategy, training, telemetry=False, run_dir=tmp / "b", extra=args.overrides)
+            b_step = lambda: train_one_step(b, next(counter) + 1)  # noqa: E731
 
     device = a.runtime.device  # cuda:LOCAL_RANK (else the CPU), as the reference loop takes it
 

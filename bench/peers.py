@@ -19,10 +19,16 @@ wrapping (DDP, FSDP), gradient sync during accumulation, backward, clipping and 
 - transformers' `Trainer` (DDP), fed the same micro-batches in the order its data loader shards them;
 - torchtitan: not run; see its row.
 
-The runs alternate (every peer once, then again, `--repeats` times). Reported: each peer's steady step (the mean
-after the warm-up steps) and time to first step, as the median of the repeats with their spread and as a ratio to
-dist_train's at the same strategy; whether its losses match dist_train's step by step (fp32, relative 1e-5); and
-the peak memory each reports (Trainer and Fabric report none on a CPU: the row says so).
+The runs alternate (every peer once, then again, `--repeats` times). Reported, per peer and strategy:
+- its steady step (the mean after the warm-up steps), as the median of the repeats with their spread, and
+  dist_train's median over the peer's (above 1: dist_train is the slower);
+- for Accelerate and Fabric, the same ratio from paired steps: bench/interleaved.py times dist_train's step and
+  the peer's alternately in the same processes (`--paired-iterations` pairs a run, once per repeat), which cancels
+  the drift of a shared machine that separate runs suffer (their medians move by ±10% here);
+- time to first step, from process start;
+- whether its losses match dist_train's step by step (fp32, relative 1e-5);
+- the worst rank's peak host RSS since exec (VmHWM, read the same way for every peer), and the memory figures the
+  peer reports itself (on a CPU only Trainer reports any).
 """
 
 from __future__ import annotations
@@ -50,12 +56,16 @@ def training(steps: int) -> list[str]:
 
 WARMUP = 3  # steps left out of the steady step, as dist_train's summary does
 PEERS = ("dist_train", "dist_train_bare", "accelerate", "fabric", "trainer")
+# the peers whose step bench/interleaved.py also times beside dist_train's in the same processes (DDP: on a CPU
+# no peer runs FSDP)
+PAIRED = ("accelerate", "fabric")
 # dist_train_bare: dist_train with its collective, activation and live-tensor telemetry off, to tell what the
 # telemetry costs from what the framework does
 BARE = ["telemetry.comm=false", "telemetry.activations=false", "telemetry.peak_live=false"]
-TORCHTITAN = ("torchtitan 0.3.0 (the registry's release) is not run: it trains its own model definitions from a TOML "
-              "job config, not a transformers model, and its README asks for a nightly torch; ours is pinned "
-              "to torch 2.13.0")
+TORCHTITAN = ("torchtitan 0.3.0 is not run: it installs beside torch 2.13.0 (with triton, which it imports without "
+              "declaring it), but its trainer needs a GPU (on this CPU machine `torchtitan.train --module llama3 "
+              "--config llama3_debugmodel` stops at torch.cuda.set_device), and it trains its own model definitions, "
+              "not a transformers model, so its losses could not be ours")
 
 
 # ------------------------------------------------------------------ the workers (one per process, under torchrun)
@@ -77,7 +87,8 @@ class Setup:
         validate(self.run, self.world)
         t = self.run.train
         self.steps, self.micro = t.steps, t.micro_batch_size
-        self.device = torch.device("cpu")
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
         self.model = build_model(self.run.model, seed=t.seed)
         dataset = build_dataset(self.run.data, vocab_size=self.run.model.vocab_size, seq_len=t.seq_len, seed=t.seed)
         self.batches = GlobalBatches(dataset, global_batch_size=t.global_batch_size, dp_rank=self.rank,
@@ -87,7 +98,7 @@ class Setup:
         self.dist = dist
 
     def micro_batches(self, step: int) -> list[Any]:
-        return self.batches.local_batch(step).split(self.micro)
+        return self.batches.local_batch(step).to(self.device).split(self.micro)
 
 
 def loss_of(model: Any, mb: Any) -> Any:
@@ -98,7 +109,8 @@ def loss_of(model: Any, mb: Any) -> Any:
 
 def report(setup: Setup, losses: list[Any], ends: list[float], first_wall: float, memory: dict[str, Any]) -> None:
     """Rank 0 prints one JSON line: the global mean loss of each step (one all-reduce, after the timed steps),
-    the steady step, the time to first step from process start, and the peer's own memory figure."""
+    the steady step, the time to first step from process start, the worst rank's peak host RSS and the peer's
+    own memory figures."""
     import psutil
     import torch
 
@@ -108,7 +120,21 @@ def report(setup: Setup, losses: list[Any], ends: list[float], first_wall: float
     if setup.rank == 0:
         print(json.dumps({"losses": (local / setup.world).tolist(), "mean_step_s": steady,
                           "time_to_first_step_s": first_wall - psutil.Process(os.getpid()).create_time(),
-                          "memory": memory}), flush=True)
+                          "peak_rss_bytes": worst_peak_rss(setup), "memory": memory}), flush=True)
+    else:
+        worst_peak_rss(setup)
+
+
+def worst_peak_rss(setup: Setup) -> int:
+    """The highest peak resident set size of the ranks since exec (VmHWM, read as dist_train's HostPeak reads it,
+    never reset here). Every rank calls it: one all-reduce."""
+    import torch
+
+    from dist_train.telemetry.memory import HostPeak
+
+    peak = torch.tensor([HostPeak().peak_bytes()], dtype=torch.int64)
+    setup.dist.all_reduce(peak, op=setup.dist.ReduceOp.MAX)
+    return int(peak.item())
 
 
 def timed_loop(setup: Setup, step: Callable[[int], Any]) -> tuple[list[Any], list[float], float]:
@@ -144,10 +170,11 @@ def accumulating_step(setup: Setup, model: Any, opt: Any, sched: Any, *, backwar
     return step
 
 
-def accelerate_worker(setup: Setup, strategy: str) -> None:
+def accelerate_step(setup: Setup, strategy: str) -> Callable[[int], Any]:
+    """A plain Accelerate loop's optimizer step (`accelerator.prepare`, `no_sync`, `backward`, `clip_grad_norm_`)."""
     from accelerate import Accelerator
 
-    kwargs: dict[str, Any] = {"cpu": True}
+    kwargs: dict[str, Any] = {"cpu": setup.device.type == "cpu"}
     if strategy == "fsdp":
         from accelerate import FullyShardedDataParallelPlugin
 
@@ -167,26 +194,33 @@ def accelerate_worker(setup: Setup, strategy: str) -> None:
     sched = setup.factory.scheduler(opt.optimizer)  # unprepared: Accelerate would step it once per process
 
     clip = (lambda: accelerator.clip_grad_norm_(model.parameters(), setup.grad_clip)) if setup.grad_clip else None
-    step = accumulating_step(setup, model, opt, sched, backward=accelerator.backward, clip=clip,
+    return accumulating_step(setup, model, opt, sched, backward=accelerator.backward, clip=clip,
                              no_sync=lambda last: contextlib.nullcontext() if last else accelerator.no_sync(model))
-    losses, ends, first = timed_loop(setup, step)
-    report(setup, losses, ends, first, {})
 
 
-def fabric_worker(setup: Setup, strategy: str) -> None:
+def fabric_step(setup: Setup, strategy: str) -> Callable[[int], Any]:
+    """Lightning Fabric's optimizer step (`setup_module`, `no_backward_sync`, `backward`, `clip_gradients`)."""
     from lightning.fabric import Fabric
 
-    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=setup.world, num_nodes=1, precision="32-true")
-    fabric.launch()
+    fabric = Fabric(accelerator=setup.device.type, strategy=strategy, devices=setup.world, num_nodes=1,
+                    precision="32-true")
+    fabric.launch()  # under torchrun: joins the process group that is there, or starts it
     model = fabric.setup_module(setup.model)
     opt = fabric.setup_optimizers(setup.factory.build(model.parameters()))
     sched = setup.factory.scheduler(opt.optimizer if hasattr(opt, "optimizer") else opt)
 
     clip = (lambda: fabric.clip_gradients(model, opt, max_norm=setup.grad_clip)) if setup.grad_clip else None
-    step = accumulating_step(setup, model, opt, sched, backward=fabric.backward, clip=clip,
+    return accumulating_step(setup, model, opt, sched, backward=fabric.backward, clip=clip,
                              no_sync=lambda last: fabric.no_backward_sync(model, enabled=not last))
-    losses, ends, first = timed_loop(setup, step)
-    report(setup, losses, ends, first, {})
+
+
+def loop_worker(make_step: Callable[[Setup, str], Callable[[int], Any]]) -> Callable[[Setup, str], None]:
+    """A worker that trains `setup.steps` steps of the peer's step and reports them."""
+    def run(setup: Setup, strategy: str) -> None:
+        losses, ends, first = timed_loop(setup, make_step(setup, strategy))
+        report(setup, losses, ends, first, {})
+
+    return run
 
 
 def trainer_worker(setup: Setup, strategy: str) -> None:
@@ -247,22 +281,23 @@ def trainer_worker(setup: Setup, strategy: str) -> None:
     args = TrainingArguments(
         output_dir=os.environ.get("PEER_OUT", "/tmp/peers-trainer"), per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation, max_steps=setup.steps, learning_rate=setup.run.train.lr,
-        max_grad_norm=setup.grad_clip, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        max_grad_norm=setup.grad_clip, logging_steps=1, save_strategy="no", report_to=[], use_cpu=setup.device.type == "cpu",
         dataloader_drop_last=False, seed=setup.run.train.seed, disable_tqdm=True, remove_unused_columns=False,
-        average_tokens_across_devices=False, ddp_backend="gloo", skip_memory_metrics=False,
+        average_tokens_across_devices=False, ddp_backend="gloo" if setup.device.type == "cpu" else "nccl", skip_memory_metrics=False,
     )
     trainer = OurLoss(model=setup.model, args=args, train_dataset=Samples(),
                       optimizers=(opt, setup.factory.scheduler(opt)), callbacks=[Clock(), Losses()])
     metrics = trainer.train().metrics
     # Trainer logs each step's loss averaged over the processes and over its micro-batches already.
     memory = {k: v for k, v in metrics.items() if k.startswith("train_mem_cpu")}
+    peak = worst_peak_rss(setup)
     if setup.rank == 0:
         import psutil
 
         steady = (ends[-1] - ends[WARMUP - 1]) / (len(ends) - WARMUP)
         print(json.dumps({"losses": losses[:setup.steps], "mean_step_s": steady,
                           "time_to_first_step_s": first[0] - psutil.Process(os.getpid()).create_time(),
-                          "memory": memory}), flush=True)
+                          "peak_rss_bytes": peak, "memory": memory}), flush=True)
 
 
 def GlobalBatchesSlice(setup: Setup, step: int, rank: int) -> list[Any]:  # noqa: N802
@@ -274,7 +309,7 @@ def GlobalBatchesSlice(setup: Setup, step: int, rank: int) -> list[Any]:  # noqa
     return b.local_batch(step).split(setup.micro)
 
 
-WORKERS = {"accelerate": accelerate_worker, "fabric": fabric_worker, "trainer": trainer_worker}
+WORKERS = {"accelerate": loop_worker(accelerate_step), "fabric": loop_worker(fabric_step), "trainer": trainer_worker}
 
 
 def worker(peer: str, strategy: str, overrides: list[str]) -> None:
@@ -304,9 +339,25 @@ def launch(peer: str, strategy: str, *, nproc: int, steps: int, out: Path) -> di
         return {"error": said[0][-300:], "command": shlex.join(cmd[1:])}
     if peer.startswith("dist_train"):
         s = json.loads((run_dir / "summary.json").read_text())
-        peak = max(r.get("memory/peak_rss_bytes", 0) for r in s["ranks"])
+        # since exec, as the peers' figure: set-up's peak or the steady window's (telemetry resets VmHWM per window)
+        peak = max(max(r.get("memory/peak_rss_bytes", 0), r.get("memory/setup_peak_rss_bytes", 0))
+                   for r in s["ranks"])
         return {"losses": s["losses"], "mean_step_s": s["mean_step_s"],
-                "time_to_first_step_s": s["time_to_first_step_s"], "memory": {"peak_rss_bytes": peak}}
+                "time_to_first_step_s": s["time_to_first_step_s"], "peak_rss_bytes": peak,
+                "memory": {k: max(r.get(k, 0) for r in s["ranks"])
+                           for k in ("memory/peak_rss_bytes", "memory/peak_live_bytes")}}
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def paired(peer: str, strategy: str, *, nproc: int, iterations: int) -> dict[str, Any]:
+    """bench/interleaved.py's paired comparison: dist_train's step and the peer's, alternating in the same
+    processes; its JSON line (median_ratio = dist_train's step / the peer's, with q1 and q3)."""
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "bench/interleaved.py", "--vs", peer, "--strategy", strategy, "--iterations", str(iterations)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        lines = (proc.stderr + proc.stdout).strip().splitlines()
+        return {"error": ([ln for ln in lines if "Error: " in ln] or lines[-1:])[0][-300:]}
     return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
 
 
@@ -315,7 +366,9 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20, help=f"steps of each run (the first {WARMUP} not timed)")
+    parser.add_argument("--steps", type=int, default=100, help=f"steps of each run (the first {WARMUP} not timed)")
+    parser.add_argument("--paired-iterations", type=int, default=200,
+                        help="paired steps of each in-process comparison with Accelerate and Fabric (0: none)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--strategies", default="ddp,fsdp")
     parser.add_argument("--peers", default=",".join(PEERS))
@@ -331,6 +384,7 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="peers-"))
     peers = args.peers.split(",")
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    pairs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rep in range(args.repeats):
         for strategy in args.strategies.split(","):
             for peer in peers:
@@ -340,9 +394,15 @@ def main() -> None:
                 results.setdefault((peer, strategy), []).append(got)
                 print(f"[peers] {rep + 1}/{args.repeats} {peer} {strategy}: "
                       f"{got.get('mean_step_s', got.get('error'))}", file=sys.stderr, flush=True)
-    table = render(results)
+            for peer in [p for p in PAIRED if p in peers and strategy == "ddp" and args.paired_iterations]:
+                got = paired(peer, strategy, nproc=args.nproc, iterations=args.paired_iterations)
+                pairs.setdefault((peer, strategy), []).append(got)
+                print(f"[peers] {rep + 1}/{args.repeats} {peer} {strategy} paired: "
+                      f"{got.get('median_ratio', got.get('error'))}", file=sys.stderr, flush=True)
+    table = render(results, pairs)
     print(table)
-    (out / "peers.json").write_text(json.dumps({f"{p} {s}": runs for (p, s), runs in results.items()}, indent=1))
+    (out / "peers.json").write_text(json.dumps({f"{p} {s}": runs for (p, s), runs in results.items()}
+                                               | {f"{p} {s} paired": v for (p, s), v in pairs.items()}, indent=1))
     if not args.no_write:
         write_section("peers", "dist_train against Accelerate, Lightning Fabric and transformers' Trainer", table,
                       command=f"python bench/peers.py --repeats {args.repeats} --nproc {args.nproc}",
@@ -354,30 +414,50 @@ def _median(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:.0f} [{min(values) * 1e3:.0f}, {max(values) * 1e3:.0f}]"
 
 
-def render(results: dict[tuple[str, str], list[dict[str, Any]]]) -> str:
+def _paired(runs: list[dict[str, Any]]) -> str:
+    """The paired runs' median ratios: their median, [lowest, highest], and the widest interquartile range."""
+    if not runs:
+        return ""
+    if any("error" in r for r in runs):
+        return "failed: " + next(r["error"] for r in runs if "error" in r)
+    ratios = [r["median_ratio"] for r in runs]
+    return (f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]; "
+            f"steps' IQR {min(r['q1'] for r in runs):.2f}-{max(r['q3'] for r in runs):.2f}")
+
+
+def _memory(figures: dict[str, Any]) -> str:
+    return ", ".join(f"`{k}` {v / 2**20:.0f} MiB" for k, v in figures.items() if v) or "none on a CPU"
+
+
+def render(results: dict[tuple[str, str], list[dict[str, Any]]],
+           pairs: dict[tuple[str, str], list[dict[str, Any]]] | None = None) -> str:
+    pairs = pairs or {}
     rows = []
     for (peer, strategy), runs in results.items():
-        ok = [r for r in runs if "error" in r] == []
         base = [r for r in results.get(("dist_train", strategy), []) if "error" not in r]
-        if not ok:
-            rows.append([peer, strategy, "failed: " + runs[0]["error"], "", "", "", "", ""])
+        if any("error" in r for r in runs):
+            rows.append([peer, strategy, "failed: " + next(r["error"] for r in runs if "error" in r),
+                         *[""] * 6])
             continue
         steps = [r["mean_step_s"] for r in runs]
         firsts = [r["time_to_first_step_s"] for r in runs]
-        ratio = (statistics.median(steps) / statistics.median([r["mean_step_s"] for r in base])) if base else None
-        first_ratio = (statistics.median(firsts) / statistics.median([r["time_to_first_step_s"] for r in base])
+        # dist_train's figure over the peer's: above 1, dist_train is the slower
+        ratio = statistics.median([r["mean_step_s"] for r in base]) / statistics.median(steps) if base else None
+        first_ratio = (statistics.median([r["time_to_first_step_s"] for r in base]) / statistics.median(firsts)
                        if base else None)
         ours = base[0]["losses"] if base else []
         theirs = runs[0]["losses"]
         worst = max((abs(a - b) / abs(b) for a, b in zip(theirs, ours)), default=None)
-        memory = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in runs[0]["memory"].items()) or "none reported"
         rows.append([peer, strategy, _median(steps), f"{ratio:.3f}" if ratio else "",
-                     f"{statistics.median(firsts):.1f} s ({first_ratio:.2f}x)" if first_ratio else "",
+                     _paired(pairs.get((peer, strategy), [])),
+                     f"{statistics.median(firsts):.1f} s ({first_ratio:.2f})" if first_ratio else "",
                      "" if worst is None else f"{worst:.1e}" + (" (match)" if worst <= 1e-5 else " (**differ**)"),
-                     len(theirs), memory])
-    rows.append(["torchtitan", "-", "not run", "", "", "", "", TORCHTITAN])
-    return md_table(["peer", "strategy", "steady step ms, median [min, max]", "step vs dist_train",
-                     "time to first step", "worst loss difference", "steps", "memory it reports"], rows)
+                     f"{max(r['peak_rss_bytes'] for r in runs) / 2**20:.0f} MiB", _memory(runs[0]["memory"])])
+    rows.append(["torchtitan", "-", "not run", *[""] * 5, TORCHTITAN])
+    return md_table(["peer", "strategy", "steady step ms, median [min, max]", "dist_train ÷ peer, separate runs",
+                     "dist_train ÷ peer, paired steps in one process: median of runs [min, max]",
+                     "time to first step (dist_train ÷ peer)", "worst loss difference",
+                     "peak host RSS, worst rank", "memory figures it reports itself"], rows)
 
 
 if __name__ == "__main__":

@@ -177,5 +177,12 @@ def test_peers_train_the_same_samples_as_dist_train(tmp_path):
         for a, b in zip(got["losses"], ours["losses"]):
             assert a == pytest.approx(b, rel=1e-5), (peer, got["losses"], ours["losses"])
         assert got["mean_step_s"] > 0 and got["time_to_first_step_s"] > 0
+        # VmHWM since exec, the worst rank's: at least the model and torch's import (over 100 MiB)
+        assert got["peak_rss_bytes"] > 100 * 2**20, got
+    assert ours["peak_rss_bytes"] >= ours["memory"]["memory/peak_rss_bytes"] > 100 * 2**20, ours
     refused = peers.launch("accelerate", "fsdp", nproc=2, steps=5, out=tmp_path)
     assert "prepares MULTI_CPU (DDP) on a CPU" in refused["error"]
+    # the paired comparison: dist_train's step and Accelerate's, alternating in the same two processes
+    pair = peers.paired("accelerate", "ddp", nproc=2, iterations=4)
+    assert "error" not in pair, pair
+    assert pair["iterations"] == 4 and 0 < pair["q1"] <= pair["median_ratio"] <= pair["q3"], pair
