@@ -67,6 +67,12 @@ TORCHTITAN = ("torchtitan 0.3.0 is not run: it installs beside torch 2.13.0 (wit
               "--config llama3_debugmodel` stops at torch.cuda.set_device), and it trains its own model definitions, "
               "not a transformers model, so its losses could not be ours")
 
+READING = ("How to read it: the ratios are dist_train's figure over the peer's (above 1, dist_train is the slower). "
+           "Separate runs of the same step move by about ±10% on a shared 2-core machine (compare dist_train with "
+           "and without its telemetry), so a few percent are judged by the paired column, where the two steps "
+           "alternate in the same processes. No peer runs FSDP on a CPU (the rows say why); on a GPU they run. "
+           "Peak host RSS is mostly each stack's imports.")
+
 
 # ------------------------------------------------------------------ the workers (one per process, under torchrun)
 class Setup:
@@ -407,7 +413,7 @@ def main() -> None:
         write_section("peers", "dist_train against Accelerate, Lightning Fabric and transformers' Trainer", table,
                       command=f"python bench/peers.py --repeats {args.repeats} --nproc {args.nproc}",
                       note=f"Training: {' '.join(training(args.steps))}, {args.nproc} processes (gloo, 1 thread each). "
-                           + TORCHTITAN + ".")
+                           + READING)
 
 
 def _median(values: list[float]) -> str:
