@@ -1,6 +1,7 @@
 """Bad input at every entry point: one `config error:` line, exit code 2, no traceback, nothing started.
 
-The table of cases below is the README's "Bad input" table: a test checks that the two say the same.
+The table of cases below is the "Bad input the tests try" table of docs/troubleshooting.md: a test checks that the
+two say the same.
 Under torchrun every rank finds the error; the line must still appear exactly once whichever rank exits
 first (it used to be printed by rank 0 only, and was lost when rank 1 exited first: 2 launches in 6).
 """
@@ -110,9 +111,9 @@ def test_bad_input_is_one_line_and_exit_2(entry, args, says, outcomes):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_readme_lists_exactly_the_bad_inputs_tested():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Bad input the tests try", 1)[1].split("\n#", 1)[0]
+def test_the_docs_list_exactly_the_bad_inputs_tested():
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    section = page.split("## Bad input the tests try", 1)[1].split("\n#", 1)[0]
     rows = re.findall(r"^\| `([^`]*)` \| `([^`]*)` \|", section, flags=re.M)
     tested = {(_entry_name(e), a or "(none)") for e, a, _ in CASES} | {("torchrun launch/train.py", "train.lr=-1")}
     assert set(rows) == tested

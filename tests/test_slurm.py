@@ -1,7 +1,7 @@
 """Real Slurm jobs on a real (local) Slurm cluster: two virtual nodes on this host (tests/slurm/cluster.sh).
 
 The cluster is started by the tests (Debian's slurm-wlm is installed when missing, which needs root) and
-stopped at the end. Jobs are submitted exactly as the README says: `sbatch --nodes=N launch/slurm.sbatch ...`.
+stopped at the end. Jobs are submitted exactly as docs/slurm.md says: `sbatch --nodes=N launch/slurm.sbatch ...`.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def test_compare_runs_every_strategy_as_a_job_step(slurm, tmp_path):
 
 
 def test_a_sweep_of_jobs_is_collected_into_one_report(slurm, tmp_path):
-    """The README's example: strategies as separate Slurm jobs (hydra-submitit-launcher), one report."""
+    """docs/slurm.md's example: strategies as separate Slurm jobs (hydra-submitit-launcher), one report."""
     sweep = tmp_path / "sweep"
 
     def multirun(strategies: str, tasks: int, subdir: str) -> None:
