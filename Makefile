@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 
-.PHONY: install demo test test-fast
+.PHONY: install demo test test-fast docs docs-serve
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -27,3 +27,10 @@ test: install
 test-fast: install
 	$(VENV)/bin/ruff check dist_train launch tests
 	$(PY) -m pytest -q -m "not multiproc"
+
+# The documentation site (mkdocs.yml, docs/): built as tests/test_docs.py builds it, or served while editing.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
