@@ -20,12 +20,12 @@ demo: install
 	OMP_NUM_THREADS=1 $(PY) -m dist_train.torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py strategy=ddp
 
 test: install
-	$(VENV)/bin/ruff check dist_train launch tests
+	$(VENV)/bin/ruff check dist_train launch tests bench
 	$(PY) -m pytest -q
 
 # The unit tests only (no multi-process runs): for iterating.
 test-fast: install
-	$(VENV)/bin/ruff check dist_train launch tests
+	$(VENV)/bin/ruff check dist_train launch tests bench
 	$(PY) -m pytest -q -m "not multiproc"
 
 # The documentation site (mkdocs.yml, docs/): built as tests/test_docs.py builds it, or served while editing.

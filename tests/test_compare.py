@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,8 @@ def test_the_report_shows_the_held_out_loss_and_each_rows_setup_peak(comparison)
         assert row["mem_setup_peak_rss_max_bytes"] == max(r["memory/setup_peak_rss_bytes"] for r in summary["ranks"])
     report = (out / "report.md").read_text()
     assert "| eval loss |" in report and "| set-up peak RSS |" in report
+    # train.global_batch_size is null here: the header names the batch every row was pinned to
+    assert re.search(r"global batch \d+ \(each row's micro-batch x 2 processes\) x \d+ tokens", report), report[:800]
     assert f"{rows['ddp']['final_eval_loss']:.6f}" in report
 
 

@@ -33,6 +33,14 @@ that differ between the runs; compare.sweep sets them): the relative change of t
 category's worst rank, measured, with the size after the change and the estimator's predicted change."""
 
 
+def _global_batch(train: dict[str, Any], nproc: int) -> str:
+    """The comparison's global batch: the config's, or where it is null the one every row is pinned to
+    (settings.pinned_global_batch: the micro-batch x the processes)."""
+    if train["global_batch_size"] is not None:
+        return str(train["global_batch_size"])
+    return f"{train['micro_batch_size'] * nproc} (each row's micro-batch x {nproc} processes)"
+
+
 def render(*, rows: list[dict[str, Any]], cfg: CompareConfig, out_dir: Path, group: str, command: str,
            training: list[str], base: dict[str, Any], plots: dict[str, Path], fit: str,
            effects: list[dict[str, Any]], dryruns: list[dict[str, Any]] | None = None) -> str:
@@ -44,7 +52,7 @@ def render(*, rows: list[dict[str, Any]], cfg: CompareConfig, out_dir: Path, gro
         f"Model **{model['name']}** ({model['arch']}, {model['num_layers']} layers, hidden {model['hidden_size']}"
         + (f", Ψ = {num_params:,} = {human_count(num_params)} parameters" if num_params else "") + "), "
         f"precision {base['precision']['name']}, optimizer {base['optimizer']['name']}, global batch "
-        f"{train['global_batch_size']} x {train['seq_len']} tokens (micro-batch {train['micro_batch_size']}), "
+        f"{_global_batch(train, cfg.nproc)} x {train['seq_len']} tokens (micro-batch {train['micro_batch_size']}), "
         f"{train['steps']} steps, {cfg.nproc} processes per multi-process strategy"
         f"{' on each node of the Slurm job' if cfg.launcher == 'slurm' else ''}. Training overrides: "
         f"`{' '.join(training) or '(none)'}`. W&B group `{group}`.",
