@@ -1,10 +1,10 @@
 """Deterministic data: global batch `step` depends only on the seed, the step and the batch size.
 
-Every rank builds the same global batch and takes its data-parallel slice of it, so one config and seed
-trains on the same samples in the same order whatever the strategy or world size. Synthetic batches are
-drawn in one go per global batch (one generator seeded by the step: a few tensor ops, whatever the batch
-size); a text file's (bytes) or a token file's (nanoGPT's .bin, memory-mapped) windows are cut from a
-per-epoch shuffle.
+Every rank takes its data-parallel slice of the same global batch, so one config and seed trains on the
+same samples in the same order whatever the strategy or world size. Synthetic batches are drawn in one go
+per global batch (one generator seeded by the step: a few tensor ops, whatever the batch size) and sliced; a
+text file's (bytes) or a token file's (nanoGPT's .bin, memory-mapped) windows are cut from a per-epoch
+shuffle, and a rank reads only its slice's windows.
 """
 
 from __future__ import annotations
@@ -20,25 +20,27 @@ from dist_train.contracts import Batch
 
 
 class Dataset(Protocol):
-    def batch(self, step: int, size: int) -> torch.Tensor:
-        """Tokens of global batch `step` of `size` samples: int64 [size, seq_len + 1]."""
+    def batch(self, step: int, size: int, *, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Tokens of samples [start, stop) of global batch `step` of `size` samples (all of them by default):
+        int64 [stop - start, seq_len + 1]. A rank asks for its own slice only."""
 
 
 class SyntheticDataset:
-    """Learnable sequences: token k = (start + stride * k) mod vocab, with some tokens replaced by noise."""
+    """Learnable sequences: token k = (first + stride * k) mod vocab, with some tokens replaced by noise."""
 
     def __init__(self, *, vocab_size: int, seq_len: int, seed: int, noise: float) -> None:
         self.vocab_size, self.seq_len, self.seed, self.noise = vocab_size, seq_len, seed, noise
 
-    def batch(self, step: int, size: int) -> torch.Tensor:
+    def batch(self, step: int, size: int, *, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        # one generator stream per global batch: a slice is cut from the whole (cheap: generated, not read)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         length = self.seq_len + 1
-        start = torch.randint(self.vocab_size, (size, 1), generator=g)
+        first = torch.randint(self.vocab_size, (size, 1), generator=g)
         stride = torch.randint(1, 8, (size, 1), generator=g)
-        tokens = (start + stride * torch.arange(length)) % self.vocab_size
+        tokens = (first + stride * torch.arange(length)) % self.vocab_size
         flip = torch.rand(size, length, generator=g) < self.noise
         random = torch.randint(self.vocab_size, (size, length), generator=g)
-        return torch.where(flip, random, tokens).long()
+        return torch.where(flip, random, tokens).long()[start:stop]
 
 
 class WindowDataset:
@@ -61,8 +63,9 @@ class WindowDataset:
         start = int(self._order(epoch)[pos]) * self.seq_len
         return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
 
-    def batch(self, step: int, size: int) -> torch.Tensor:
-        return torch.stack([self.sample(step * size + i) for i in range(size)])
+    def batch(self, step: int, size: int, *, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        # only the slice's windows are read: at 1,024 ranks each reads 1/1,024 of the global batch from the file
+        return torch.stack([self.sample(step * size + i) for i in range(start, size if stop is None else stop)])
 
 
 def _file_tokens(kind: str, path: str, dtype: str | None) -> np.ndarray:
@@ -94,8 +97,8 @@ class HeldOutStream:
     def __init__(self, dataset: SyntheticDataset) -> None:
         self.dataset = dataset
 
-    def batch(self, step: int, size: int) -> torch.Tensor:
-        return self.dataset.batch(-(step + 1), size)
+    def batch(self, step: int, size: int, *, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        return self.dataset.batch(-(step + 1), size, start=start, stop=stop)
 
 
 def build_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int, seed: int) -> Dataset:
@@ -138,7 +141,8 @@ class GlobalBatches:
         self.first = dp_rank * self.local_batch_size
 
     def local_batch(self, step: int) -> Batch:
-        tokens = self.dataset.batch(step, self.global_batch_size)[self.first : self.first + self.local_batch_size]
+        tokens = self.dataset.batch(step, self.global_batch_size, start=self.first,
+                                    stop=self.first + self.local_batch_size)
         return Batch(input_ids=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous())
 
 

@@ -141,3 +141,28 @@ def test_the_prefetcher_gives_the_same_batches_built_in_its_own_thread(tmp_path)
     finally:
         prefetcher.close()
     assert sum(name.startswith("dist_train-prefetch") for name in builders) >= 4  # 6, 7, 8 and 3 came ready
+
+
+@pytest.mark.parametrize("kind", ["windows", "synthetic"])
+def test_each_rank_reads_only_its_slice_and_the_slices_are_the_global_batch(kind):
+    """Rank r of 4 gets samples [r B/4, (r+1) B/4) of global batch `step`, exactly as cut from the whole batch; from
+    a token file it reads only those windows (at 1,024 ranks, 1/1,024 of the batch each, not all of it)."""
+    from dist_train.data import GlobalBatches, SyntheticDataset, WindowDataset
+
+    if kind == "windows":
+        dataset = WindowDataset(np.arange(5000, dtype=np.uint16), seq_len=16, seed=3)
+        read: list[int] = []
+        sample = dataset.sample
+        dataset.sample = lambda index: read.append(index) or sample(index)
+    else:
+        dataset = SyntheticDataset(vocab_size=256, seq_len=16, seed=3, noise=0.1)
+    whole = dataset.batch(7, 8)
+    assert whole.shape == (8, 17)
+    for rank in range(4):
+        if kind == "windows":
+            read.clear()
+        local = GlobalBatches(dataset, global_batch_size=8, dp_rank=rank, dp_size=4).local_batch(7)
+        assert torch.equal(local.input_ids, whole[2 * rank: 2 * rank + 2, :-1]), rank
+        assert torch.equal(local.labels, whole[2 * rank: 2 * rank + 2, 1:]), rank
+        if kind == "windows":
+            assert read == [7 * 8 + 2 * rank, 7 * 8 + 2 * rank + 1], read
