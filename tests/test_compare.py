@@ -417,9 +417,12 @@ def test_ctrl_c_keeps_the_finished_rows_and_says_how_to_finish(tmp_path):
     import signal
 
     out = tmp_path / "compare"
+    # Ctrl-C as a terminal delivers it, whatever the suite was started from: a shell without job control starts a
+    # background job (`make test &`) with SIGINT ignored, and Python then keeps it ignored in the process it runs.
     proc = subprocess.Popen([sys.executable, str(COMPARE), "compare.strategies=[single,ddp]", f"compare.out_dir={out}",
                              "compare.wandb=false", "logger=none", "train.steps=200"],
-                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     for line in proc.stderr:  # compare's own progress lines: the second row has started when this one shows
         seen.append(line)
