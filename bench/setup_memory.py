@@ -96,8 +96,8 @@ def main() -> None:
             "process held just before it built the model (imports, process group, the strategy's own libraries: "
             "DeepSpeed's for zero3). Load peak: memory/load_peak_rss_bytes, the kernel's high-water mark (VmHWM) once "
             "the rank's weights are in. Set-up peak: memory/setup_peak_rss_bytes, VmHWM before the first step, which "
-            "adds what a strategy allocates for training at set-up (DeepSpeed's engine: its fp32 master and gradient "
-            "partitions, a quarter of the weights each here). fsdp and the pipelines build on meta and zero3 under "
+            "adds what a strategy allocates for training at set-up (DeepSpeed's ZeRO-3 engine: its gradient "
+            "partition, a quarter of the weights here; FSDP allocates its gradients at the first backward). fsdp and the pipelines build on meta and zero3 under "
             "zero.Init; each rank then reads only what it holds from the files. single and ddp load the whole model "
             "(transformers memory-maps safetensors: pages become resident as they are read). Target (issue 22): fsdp, "
             "zero3 and the pipelines at most 0.50 of the weights above the baseline. " + verdict(results, weights)

@@ -69,6 +69,14 @@ def test_what_this_project_keeps_per_strategy():
     assert (z1.params, z1.grads, z1.master, z1.optimizer) == (4000, 4000, 2000, 4000)
     z2 = model_state_bytes(psi, _setup("zero2", "zero", zero_stage=2, world_size=n, precision="bf16"))
     assert (z2.params, z2.grads, z2.master, z2.optimizer) == (2000, 1000, 2000, 4000)
+    # zero3's own engine uses the fp32 partition as its master copy (strategies/_zero3_setup.py); in bf16 it keeps
+    # one, and so does Accelerate's DeepSpeed engine, which dist_train leaves as Accelerate builds it
+    z3 = model_state_bytes(psi, _setup("zero3", "zero", zero_stage=3, world_size=n))
+    assert (z3.params, z3.grads, z3.master, z3.optimizer) == (2000, 2000, 0, 4000)
+    z3_bf16 = model_state_bytes(psi, _setup("zero3", "zero", zero_stage=3, world_size=n, precision="bf16"))
+    assert (z3_bf16.params, z3_bf16.master) == (1000, 2000)
+    accelerate = model_state_bytes(psi, _setup("accelerate", "zero", zero_stage=3, world_size=n))
+    assert (accelerate.params, accelerate.master) == (2000, 2000)
 
 
 def test_sgd_state_with_and_without_momentum():

@@ -1,17 +1,19 @@
 """DeepSpeed ZeRO 1-3: the derived DeepSpeed config, real 2-process runs against one process, bad input.
 
 Model-state bytes a rank holds for fp32 training with Adam on N=2 ranks, Psi = num_params (ZeRO paper,
-section 5, with fp32 in place of fp16 parameters and gradients; DeepSpeed keeps an fp32 master copy of
-its partition even in fp32, so "optimizer" is Adam's two moments plus that copy = 12 bytes/param):
+section 5, with fp32 in place of fp16 parameters and gradients). Stages 1 and 2 keep an fp32 master copy of
+their partition even in fp32, so their "optimizer" is Adam's two moments plus that copy = 12 bytes/param; stage
+3's master partition is the parameters' own partition in fp32 (strategies/_zero3_setup.py), 8 bytes/param:
 
             params      grads       optimizer     total
   stage 1   4 Psi       4 Psi       12 Psi / N    14 Psi
   stage 2   4 Psi       4 Psi / N   12 Psi / N    12 Psi
-  stage 3   4 Psi / N   4 Psi / N   12 Psi / N    10 Psi
+  stage 3   4 Psi / N   4 Psi / N    8 Psi / N     8 Psi
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -24,7 +26,7 @@ import pytest
 from dist_train.config import PrecisionConfig, TrainConfig
 from dist_train.strategies._deepspeed import deep_merge, deepspeed_config
 from dist_train.strategies.zero import ZeroConfig
-from tests.helpers import FAST, ROOT, TRAIN, assert_same_losses, env, last_step, summary, train_ok
+from tests.helpers import FAST, ROOT, TRAIN, assert_same_losses, env, last_step, launch, summary, train_ok
 
 N_RANKS = 2
 MICRO_PER_RANK = 2  # FAST: global batch 8 = 2 ranks x 2 micro-batches x 2 samples
@@ -157,7 +159,8 @@ def test_model_state_bytes_shrink_by_stage_as_zero_predicts(runs_root):
     n = runs[1]["summary"]["num_params"]
     psi = 4 * n  # one fp32 copy of the model
     # (params, grads, optimizer) per rank in units of one fp32 copy, N = 2 (see the table above)
-    expected = {1: (1.0, 1.0, 1.5), 2: (1.0, 0.5, 1.5), 3: (0.5, 0.5, 1.5)}
+    # stage 3's fp32 master partition is the parameters' own (strategies/_zero3_setup.py): no second copy
+    expected = {1: (1.0, 1.0, 1.5), 2: (1.0, 0.5, 1.5), 3: (0.5, 0.5, 1.0)}
     totals = {}
     for stage, run in runs.items():
         ranks = last_step(run["dir"])
@@ -169,8 +172,8 @@ def test_model_state_bytes_shrink_by_stage_as_zero_predicts(runs_root):
             # stage 2 holds whole gradients of the parameters its partition touches: the one that
             # straddles the partition boundary counts in full on both ranks (measured: 0.52 / 0.55)
             assert got[1] == pytest.approx(g * psi, rel=0.12 if stage == 2 else 1e-3), (stage, "grads", got)
-            # Adam's moments (8 bytes/param) + the fp32 master copy (4) of this rank's half; the
-            # optimizer's step counter adds a few bytes
+            # Adam's moments (8 bytes/param) + the fp32 master copy (4, stages 1 and 2) of this rank's half;
+            # the optimizer's step counter adds a few bytes
             assert got[2] == pytest.approx(o * psi, rel=1e-3), (stage, "optimizer", got)
         # what is partitioned adds up to exactly one copy across the ranks
         if stage == 3:
@@ -179,7 +182,7 @@ def test_model_state_bytes_shrink_by_stage_as_zero_predicts(runs_root):
     assert totals[1] > totals[2] > totals[3]
     assert totals[1] == pytest.approx(14 * n, rel=1e-3)
     assert totals[2] == pytest.approx(12 * n, rel=0.03)
-    assert totals[3] == pytest.approx(10 * n, rel=1e-3)
+    assert totals[3] == pytest.approx(8 * n, rel=1e-3)
 
 
 def _free_port() -> int:
@@ -256,3 +259,21 @@ def test_active_clipping_matches_single(tmp_path):
     assert_same_losses(single, zero)
     # DeepSpeed's inference-only shared-memory all-reduce was not compiled (45 s of g++ on 2 cores)
     assert not list(extensions.glob("*shm*")), list(extensions.iterdir())
+
+
+@pytest.mark.multiproc
+def test_zero3_setup_fixes_keep_one_partition_gather_nothing_and_train_the_same(tmp_path):
+    """strategies/_zero3_setup.py: in fp32 the master partition is the parameters' own storage, making the gradient
+    hooks gathers nothing, and the engine trains exactly as DeepSpeed's unpatched one; bf16 keeps its fp32 copy."""
+    script = ROOT / "tests" / "scripts" / "zero3_setup_fixes.py"
+    proc = launch([], run_dir=tmp_path, nproc=N_RANKS, script=script, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    for precision in ("fp32", "bf16"):
+        plain, fixed = out[precision]["plain"], out[precision]["fixed"]
+        assert fixed["applied"] == ["_create_fp32_partitions", "create_reduce_and_remove_grad_hooks"]
+        assert fixed["gathers_in_steps"] > 0  # the counter sees DeepSpeed's all-gathers
+        assert fixed["gathers_at_setup"] == 0, fixed
+        assert fixed["losses"] == plain["losses"] and out[precision]["max_param_diff"] == 0.0, out[precision]
+    assert all(out["fp32"]["fixed"]["master_shares_params"])
+    assert not any(out["bf16"]["fixed"]["master_shares_params"])  # bf16 parameters: the fp32 master stays a copy

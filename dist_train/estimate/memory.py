@@ -147,9 +147,13 @@ def state_bytes(*, precision: str, optimizer: str, momentum: float = 0.0, regime
 
 
 def setup_state_bytes(setup: Setup) -> StateBytes:
-    """`state_bytes` for a Setup (LOMO keeps no gradient beyond the one being applied: 0 at rest)."""
+    """`state_bytes` for a Setup (LOMO keeps no gradient beyond the one being applied: 0 at rest). strategy=zero3's
+    engine uses an fp32 partition as its own master copy (strategies/_zero3_setup.py); Accelerate's DeepSpeed engine
+    and stages 1 and 2 keep a copy."""
     b = state_bytes(precision=setup.precision, optimizer=setup.optimizer, momentum=setup.momentum,
                     regime=setup.resolved_regime, optimizer_per_param=setup.optimizer_bytes_per_param)
+    if setup.resolved_regime == "deepspeed" and setup.zero3_shares_master and b.weights == b.master:
+        b = replace(b, master=0)
     return replace(b, grads=0) if setup.optimizer == "lomo" else b
 
 

@@ -40,9 +40,10 @@ KNOWN_STRATEGIES: dict[str, tuple[str, int, str]] = {
 #               reduce_dtype=fp32) do here: the fp32 parameters (or shards) are the master copy.
 #   mixed     - the ZeRO paper's mixed precision: 16-bit weights and gradients, fp32 master weights and
 #               fp32 optimizer state (K = 12 for Adam); in fp32 training there is no separate master.
-#   deepspeed - `mixed`, except that DeepSpeed ZeRO keeps an fp32 master partition even when training in
-#               fp32 (stage 1/2: `single_partition_of_fp32_groups`, stage 3: `fp32_partitioned_groups_flat`
-#               are `.float().clone()`s of the weights whatever their dtype).
+#   deepspeed - `mixed`, except that DeepSpeed ZeRO 1/2 keep an fp32 master partition even when training in
+#               fp32 (`single_partition_of_fp32_groups` is a `.float().clone()` of the weights whatever their
+#               dtype). Stage 3 under strategy=zero3 uses an fp32 partition as its own master
+#               (strategies/_zero3_setup.py; Setup.zero3_shares_master); Accelerate's engine keeps the copy.
 #   pure      - every state tensor in the training dtype, no master (e.g. fp16 Adam moments: 4 B/param).
 #   auto      - what this project's code does: `deepspeed` for ZeRO, `autocast` for everything else.
 REGIMES = ("auto", "autocast", "mixed", "deepspeed", "pure")
@@ -150,6 +151,12 @@ class Setup:
         return PrecisionConfig(self.precision).mixed and self.kind in ("single", "dp", "ddp", "pipeline", "tp")
 
     @property
+    def zero3_shares_master(self) -> bool:
+        """Whether DeepSpeed's fp32 master partition is the parameters' own partition where both are fp32: under
+        strategy=zero3's engine (strategies/_zero3_setup.py), not under Accelerate's."""
+        return self.family == "zero" and self.zero_stage == 3 and self.strategy != "accelerate"
+
+    @property
     def resolved_regime(self) -> str:
         if self.regime != "auto":
             return self.regime
@@ -167,6 +174,8 @@ class Setup:
             compute = "autocast" if self.autocast_16bit else "mixed-precision policy"
             return f"fp32 weights, grads and state; {p} compute ({compute})"
         if regime == "deepspeed":
+            if p == "fp32" and self.zero3_shares_master:
+                return "fp32 weights, grads and state; the weights are the master (DeepSpeed)"
             return f"{p} weights and grads; fp32 master and state (DeepSpeed)"
         if regime == "mixed":
             return f"{p} weights and grads; fp32 master and state"

@@ -11,6 +11,7 @@ Nothing here imports DeepSpeed at module level: the registry imports strategy mo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -27,6 +28,7 @@ from torch import nn
 from dist_train.config import PrecisionConfig, RunConfig, TrainConfig, importable, require
 from dist_train.contracts import Batch, ModelState, StepOutput, dtype_name, tensor_bytes
 from dist_train.model import forward_loss
+from dist_train.strategies._zero3_setup import zero3_setup_fixes
 from dist_train.strategies.base import StrategyContext, detached_clone, evaluate
 from dist_train.telemetry.memory import optimizer_state_tensors
 
@@ -307,10 +309,12 @@ class ZeroStrategy:
         # `srun --gpus-per-task=1`). On the CPU it keeps what it would take (LOCAL_RANK; one CPU device).
         device = self.ctx.runtime.device
         args = SimpleNamespace(device_rank=device.index if device.type == "cuda" else self.ctx.runtime.local_rank)
-        engine, _, _, _ = deepspeed.initialize(
-            args=args, model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
-            dist_init_required=False,
-        )
+        with zero3_setup_fixes() if self.cfg.stage == 3 else contextlib.nullcontext([]) as fixes:
+            engine, _, _, _ = deepspeed.initialize(
+                args=args, model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
+                dist_init_required=False,
+            )
+        log.debug("DeepSpeed set-up fixes applied: %s", ", ".join(fixes) or "none")
         return engine
 
     def _backward_and_step(self, loss: torch.Tensor) -> None:
@@ -419,11 +423,13 @@ class ZeroStrategy:
             params = list(opt.bit16_groups_flat)  # the flat buffer the trained parameters are views of
             # frozen parameters (LoRA's base model) are in no optimizer group: each rank holds them whole
             params += [p.data for p in self._params() if not p.requires_grad]
-        # DeepSpeed's fp32 master copy of this rank's partition is optimizer state: it exists only for
-        # the optimizer (even in fp32 training, where it duplicates the partition of the parameters).
+        # DeepSpeed's fp32 master copy of this rank's partition is optimizer state: it exists only for the
+        # optimizer. Under stage 3 in fp32 it is the parameters' own partition (_zero3_setup): counted once, there.
+        held = {t.untyped_storage().data_ptr() for t in params}
+        master = [t for t in self._master_partitions() if t.untyped_storage().data_ptr() not in held]
         return ZeroModelState(
             params=params,
-            optimizer=optimizer_state_tensors(opt.optimizer) + self._master_partitions(),
+            optimizer=optimizer_state_tensors(opt.optimizer) + master,
             grads_bytes=self._grads_bytes,
         )
 

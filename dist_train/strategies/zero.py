@@ -8,9 +8,10 @@ optimizer step; the optimizer and LR schedule are ours (`OptimizerFactory`), han
 What each stage partitions across the data-parallel ranks (fp32 Adam, N ranks, Psi parameters):
   stage 1: optimizer state                      params 4Psi, grads 4Psi,   optimizer 12Psi/N
   stage 2: + gradients                          params 4Psi, grads 4Psi/N, optimizer 12Psi/N
-  stage 3: + parameters                         params 4Psi/N, grads 4Psi/N, optimizer 12Psi/N
+  stage 3: + parameters                         params 4Psi/N, grads 4Psi/N, optimizer 8Psi/N
 The optimizer's 12Psi/N are Adam's two moments (8Psi/N) plus DeepSpeed's fp32 master copy of the
-partition (4Psi/N), which DeepSpeed keeps even when training in fp32.
+partition (4Psi/N), which stages 1 and 2 keep even when training in fp32. Stage 3 in fp32 uses the
+parameters' own partition as its master (strategies/_zero3_setup.py); in bf16 it keeps the copy.
 """
 
 from __future__ import annotations
