@@ -309,7 +309,8 @@ class ZeroStrategy:
         # `srun --gpus-per-task=1`). On the CPU it keeps what it would take (LOCAL_RANK; one CPU device).
         device = self.ctx.runtime.device
         args = SimpleNamespace(device_rank=device.index if device.type == "cuda" else self.ctx.runtime.local_rank)
-        with zero3_setup_fixes() if self.cfg.stage == 3 else contextlib.nullcontext([]) as fixes:
+        stage = config.get("zero_optimization", {}).get("stage")
+        with zero3_setup_fixes() if stage == 3 else contextlib.nullcontext([]) as fixes:
             engine, _, _, _ = deepspeed.initialize(
                 args=args, model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
                 dist_init_required=False,
