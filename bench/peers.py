@@ -70,7 +70,8 @@ TORCHTITAN = ("torchtitan 0.3.0 is not run: it installs beside torch 2.13.0 (wit
 READING = ("How to read it: the ratios are dist_train's figure over the peer's (above 1, dist_train is the slower). "
            "Separate runs of the same step move by about ±10% on a shared 2-core machine (compare dist_train with "
            "and without its telemetry), so a few percent are judged by the paired column, where the two steps "
-           "alternate in the same processes. No peer runs FSDP on a CPU (the rows say why); on a GPU they run. "
+           "alternate in the same processes. No peer runs FSDP on a CPU (the rows say why; Trainer's FSDP is Accelerate's "
+           "plugin, which prepares DDP on a CPU, so it has no row); on a GPU they run. "
            "Peak host RSS is mostly each stack's imports.")
 
 
