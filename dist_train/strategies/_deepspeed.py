@@ -426,8 +426,8 @@ class ZeroStrategy:
             params += [p.data for p in self._params() if not p.requires_grad]
         # DeepSpeed's fp32 master copy of this rank's partition is optimizer state: it exists only for the
         # optimizer. Under stage 3 in fp32 it is the parameters' own partition (_zero3_setup): counted once, there.
-        held = {t.untyped_storage().data_ptr() for t in params}
-        master = [t for t in self._master_partitions() if t.untyped_storage().data_ptr() not in held]
+        flats = {id(t) for t in getattr(opt, "fp16_partitioned_groups_flat", [])}  # the same tensor when shared
+        master = [t for t in self._master_partitions() if id(t) not in flats]
         return ZeroModelState(
             params=params,
             optimizer=optimizer_state_tensors(opt.optimizer) + master,
