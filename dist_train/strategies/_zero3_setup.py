@@ -72,18 +72,24 @@ def _hook_without_gathering(inner: Any) -> Any:
     return create
 
 
+def _source(obj: Any) -> str:
+    """`obj`'s source, or "" where it cannot be read (then the fix that needs it is not applied)."""
+    try:
+        return inspect.getsource(obj) if obj is not None else ""
+    except (OSError, TypeError):
+        return ""
+
+
 def _hooks_need_no_data(stage3: Any) -> bool:
     """Whether stage 3 registers its gradient hooks with torch's post-accumulate-grad hook (no parameter data)."""
-    hook = getattr(stage3, "register_grad_hook", None)
-    if hook is None or not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+    if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
         return False
-    return "register_post_accumulate_grad_hook" in inspect.getsource(hook)
+    return "register_post_accumulate_grad_hook" in _source(getattr(stage3, "register_grad_hook", None))
 
 
 def _master_copy_compares_devices(cls: Any) -> bool:
     """Whether `_create_fp32_partitions` has the aliasing branch this fix makes reachable."""
-    method = getattr(cls, "_create_fp32_partitions", None)
-    return method is not None and ".device == self.device" in inspect.getsource(method)
+    return ".device == self.device" in _source(getattr(cls, "_create_fp32_partitions", None))
 
 
 @contextlib.contextmanager
