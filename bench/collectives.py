@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import init_group, local_device, synchronize  # noqa: E402
+from common import end_process, init_group, local_device, synchronize  # noqa: E402
 
 from dist_train.telemetry.comm import busbw_gbps  # noqa: E402
 
@@ -114,3 +114,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process()  # after the results are out: no interpreter teardown for gloo's threads to abort

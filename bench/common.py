@@ -71,6 +71,20 @@ def init_group(device: torch.device) -> None:
                             device_id=None if device.type == "cpu" else device)
 
 
+def end_process() -> None:
+    """End a benchmark's process once it has printed its results: the process group destroyed, the streams flushed,
+    then an immediate exit. Gloo's threads can outlive destroy_process_group, and interpreter teardown then aborts
+    now and then ("terminate called without an active exception", pytorch#179291; dist_train.runtime.leave does
+    the same for training), which turned a finished run into a failed one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on `device`'s current stream, so that a clock read next counts it finished (a CPU
     queues none). The current stream, not the whole device: a blocking collective and an optimizer step end on it,

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch.distributed as dist  # noqa: E402
 
 import peers  # noqa: E402
-from common import synchronize  # noqa: E402
+from common import end_process, synchronize  # noqa: E402
 from reference import ReferenceLoop, Shape  # noqa: E402
 
 # the peers whose step runs in this process beside dist_train's (bench/peers.py builds them)
@@ -141,3 +141,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process()  # after the results are out: no interpreter teardown for gloo's threads to abort

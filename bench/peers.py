@@ -48,7 +48,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import PYTHON, ROOT, env, md_table, write_section  # noqa: E402
+from common import PYTHON, ROOT, end_process, env, md_table, write_section  # noqa: E402
 
 def training(steps: int) -> list[str]:
     return ["model=tiny", "train.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=2",
@@ -469,3 +469,4 @@ def render(results: dict[tuple[str, str], list[dict[str, Any]]],
 
 if __name__ == "__main__":
     main()
+    end_process()  # after the results are out: no interpreter teardown for gloo's threads to abort

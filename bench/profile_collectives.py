@@ -37,6 +37,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from common import end_process  # noqa: E402
 from interleaved import dist_train_session  # noqa: E402
 from reference import Shape  # noqa: E402
 
@@ -111,3 +112,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process()  # after the results are out: no interpreter teardown for gloo's threads to abort

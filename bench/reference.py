@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import init_group, local_device, synchronize  # noqa: E402
+from common import end_process, init_group, local_device, synchronize  # noqa: E402
 
 
 @dataclass
@@ -143,3 +143,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process()  # after the results are out: no interpreter teardown for gloo's threads to abort
