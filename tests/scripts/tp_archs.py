@@ -7,6 +7,7 @@ model computes. For every model directory given: the loss, and every parameter's
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,8 +51,10 @@ def main() -> None:
             worst = max(float((grads[n].grad.full_tensor() - p.grad).abs().max()) for n, p in whole.named_parameters())
             out[arch][name] = [abs(float(loss) - float(expected)), worst]
     if dist.get_rank() == 0:
-        print(json.dumps(out))
+        print(json.dumps(out), flush=True)
     dist.destroy_process_group()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's threads can abort interpreter teardown (see dist_train.runtime.leave)
 
 
 if __name__ == "__main__":
