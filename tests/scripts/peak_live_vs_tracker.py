@@ -16,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
 
@@ -60,9 +61,14 @@ def main() -> None:
     meter = LiveMeter()
     with meter.measuring(strategy.model_state()):
         strategy.train_step(batches.local_batch(2))
-    print(json.dumps({"rank": runtime.rank, "tracker_peak": int(theirs.get("Total", 0)),
-                      "tracker": {str(k): int(v) for k, v in theirs.items()}, "peak_live": meter.peak_bytes,
-                      "ours": meter.peak_by_category}), flush=True)
+    row = {"rank": runtime.rank, "tracker_peak": int(theirs.get("Total", 0)),
+           "tracker": {str(k): int(v) for k, v in theirs.items()}, "peak_live": meter.peak_bytes,
+           "ours": meter.peak_by_category}
+    # Rank 0 prints every rank's row: two ranks printing to torchrun's one stdout can run their lines together.
+    rows = [None] * runtime.world_size
+    dist.all_gather_object(rows, row)
+    if runtime.rank == 0:
+        print("\n".join(json.dumps(r) for r in rows), flush=True)
     del strategy, tracker
     gc.collect()
     shutdown(runtime)
