@@ -72,17 +72,16 @@ def init_group(device: torch.device) -> None:
 
 
 def end_process() -> None:
-    """End a benchmark's process once it has printed its results: the process group destroyed, the streams flushed,
-    then an immediate exit. Gloo's threads can outlive destroy_process_group, and interpreter teardown then aborts
-    now and then ("terminate called without an active exception", pytorch#179291; dist_train.runtime.leave does
-    the same for training), which turned a finished run into a failed one."""
+    """End a launched benchmark once it has printed its results (dist_train.runtime.exit_now): gloo's threads can
+    outlive destroy_process_group, and interpreter teardown then aborts now and then ("terminate called without an
+    active exception", pytorch#179291), which turned a finished run into a failed one."""
     import torch.distributed as dist
+
+    from dist_train.runtime import exit_now
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 def synchronize(device: torch.device) -> None:

@@ -145,11 +145,16 @@ def leave(code: int) -> None:
     checkpoints, W&B's run); the streams and log handlers are flushed here, then the process exits with
     `code` at once. A process that never started a group exits normally.
     """
+    if _STARTED_GROUP:
+        exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """`leave` for a process that started its process group itself (a benchmark, a test script), after it destroyed
+    it: everything flushed (W&B's service stopped), then exit with `code` at once."""
     import logging
     import sys
 
-    if not _STARTED_GROUP:
-        return
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -7,7 +7,6 @@ model computes. For every model directory given: the loss, and every parameter's
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from dist_train.model import forward_loss  # noqa: E402
+from dist_train.runtime import exit_now  # noqa: E402
 from dist_train.strategies._tensor_parallel import loss_parallel, parallelize  # noqa: E402
 
 
@@ -53,8 +53,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(json.dumps(out), flush=True)
     dist.destroy_process_group()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's threads can abort interpreter teardown (see dist_train.runtime.leave)
+    exit_now(0)  # gloo's threads can abort interpreter teardown (see dist_train.runtime.leave)
 
 
 if __name__ == "__main__":

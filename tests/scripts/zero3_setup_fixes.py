@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+from dist_train.runtime import exit_now  # noqa: E402
 from dist_train.strategies._deepspeed import init_deepspeed_comm, skip_inference_comm_op  # noqa: E402
 from dist_train.strategies._zero3_setup import zero3_setup_fixes  # noqa: E402
 
@@ -104,8 +105,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(json.dumps(out), flush=True)
     dist.destroy_process_group()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's threads can abort interpreter teardown (see dist_train.runtime.leave)
+    exit_now(0)  # gloo's threads can abort interpreter teardown (see dist_train.runtime.leave)
 
 
 if __name__ == "__main__":
