@@ -52,3 +52,12 @@ def test_every_dependency_is_pinned_within_pyproject():
 
 def _normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_every_pin_is_the_one_ci_installs():
+    """docker/requirements.txt and constraints.txt (what `make install`, and so CI, installs from) pin the same
+    versions: the image runs what the suite ran."""
+    lines = [ln.strip() for ln in (ROOT / "constraints.txt").read_text().splitlines()]
+    constraints = {_normal(k): v for k, v in (ln.split("==") for ln in lines if ln and not ln.startswith("#"))}
+    drift = {k: (v, constraints.get(_normal(k))) for k, v in _pins().items() if constraints.get(_normal(k)) != v}
+    assert not drift, f"docker/requirements.txt pin, constraints.txt pin: {drift}"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_train.versions import installed_versions
 from tests.helpers import FAST, launch, metrics, rel_diff, train_ok
 from tests.wandb_log import read_run
 
@@ -39,6 +40,7 @@ def test_ddp_with_wandb_offline_leaves_every_output_and_right_figures(single_run
     assert s["strategy"] == "ddp" and s["world_size"] == 2 and s["mean_step_s"] > 0
     assert [r["rank"] for r in s["ranks"]] == [0, 1]
     assert all(r["memory/params_bytes"] == 4 * n for r in s["ranks"])
+    assert s["versions"] == installed_versions() and s["versions"]["torch"]  # the versions that produced it
     assert (tmp_path / "config.yaml").read_text().count("strategy:") == 1
     assert (tmp_path / "logs" / "rank0.log").exists() and (tmp_path / "logs" / "rank1.log").exists()
 
