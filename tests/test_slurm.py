@@ -7,8 +7,12 @@ stopped at the end. Jobs are submitted exactly as docs/slurm.md says: `sbatch --
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -184,3 +188,58 @@ def test_cluster_script_is_idempotent(slurm):
     again = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "up: n1=" in again.stdout
     assert "started" not in again.stdout and "installing" not in again.stdout  # nothing new: the same cluster
+
+
+def _cluster(lab: Path, action: str = "start", **variables: str) -> subprocess.CompletedProcess[str]:
+    """tests/slurm/cluster.sh for another cluster, in `lab`, beside the one the tests use."""
+    return subprocess.run([str(CLUSTER), action], env={**os.environ, "LAB": str(lab), **variables},
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture
+def other_lab():
+    """A directory for a second cluster, stopped and removed afterwards. Not under pytest's tmp_path: munged wants
+    every directory above its socket open to all, and pytest makes its own private."""
+    lab = Path(tempfile.mkdtemp(prefix="dist_train-slurm-"))
+    lab.chmod(0o755)
+    yield lab
+    _cluster(lab, "stop")
+    shutil.rmtree(lab, ignore_errors=True)
+
+
+def _ctld_port(lab: Path) -> int:
+    return int(re.search(r"^SlurmctldPort=(\d+)$", (lab / "etc" / "slurm.conf").read_text(), re.M).group(1))
+
+
+def _ports(lab: Path) -> set[int]:
+    """The ports a cluster's slurm.conf gives slurmctld and the slurmd of each node."""
+    first, last = map(int, re.search(r" Port=\[(\d+)-(\d+)\]", (lab / "etc" / "slurm.conf").read_text()).groups())
+    return {_ctld_port(lab), *range(first, last + 1)}
+
+
+def _processes_of(lab: Path) -> list[str]:
+    """The command lines of live processes that name `lab`: a cluster's daemons all do (config, key, socket)."""
+    return [" ".join(p.info["cmdline"]) for p in psutil.process_iter(["cmdline"])
+            if str(lab) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_a_second_cluster_picks_other_free_ports(slurm, other_lab):
+    proc = _cluster(other_lab)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "up: n1=idle n2=idle" in proc.stdout
+    assert len(_ports(other_lab)) == 3 and not _ports(other_lab) & _ports(LAB)
+    assert _cluster(other_lab, "stop").returncode == 0
+    assert not _processes_of(other_lab)
+
+
+def test_a_failed_start_stops_what_it_started_and_names_the_daemon_and_its_log(slurm, other_lab):
+    """slurmctld forced onto the running cluster's port cannot bind it and exits; munged, started first, is stopped."""
+    taken = _ctld_port(LAB)  # the tests' cluster's
+    proc = _cluster(other_lab, CTLD_PORT=str(taken))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "started munged" in proc.stdout and "stopped munged" in proc.stdout
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("[slurm cluster] start failed: slurmctld ") and last.endswith(
+        f"its log: {other_lab}/log/slurmctld.log"), last
+    assert "Address already in use" in (other_lab / "log" / "slurmctld.log").read_text()
+    assert not _processes_of(other_lab)
