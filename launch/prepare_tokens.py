@@ -9,8 +9,8 @@ per row; the documents are tokenized one by one and concatenated (with --append-
 tokenizer's EOS; with the byte tokenizer, separated by a newline). The tokenizer is `byte` (the bytes themselves, vocabulary 256: what data=textfile
 trains on), a local directory holding a Hugging Face tokenizer (`save_pretrained`'s files), or the name of
 one already in the local Hugging Face cache. Nothing is downloaded: a tokenizer that is not available
-offline is one error line. OUT.json beside OUT.bin records the dtype, the vocabulary size, the tokenizer and
-the token count; training checks the model's vocabulary against it.
+offline is one error line. OUT.json beside OUT.bin records the dtype, the vocabulary size, the tokenizer,
+the token count and the largest id; training checks them against the model's vocabulary.
 
 `--model DIR` names the model directory you will train (`model=hf model.path=DIR`): its tokenizer is then the
 default.
@@ -63,12 +63,15 @@ def tokenize(documents: list[str], tokenizer_name: str, *, append_eos: bool) -> 
 
 
 def model_tokenizer(model: Path | None) -> str:
-    """The tokenizer of the model directory you will train (`--model`), else the byte tokenizer."""
+    """The tokenizer of the model directory you will train (`--model`), else the byte tokenizer. A directory with
+    no tokenizer (save_pretrained of a model alone, launch/export.py's output) is refused, never bytes instead:
+    byte ids mean nothing to pretrained weights, and they fit any vocabulary, so no later check would stop them."""
     if model is None:
         return "byte"
     if not (model / "tokenizer.json").is_file() and not (model / "tokenizer_config.json").is_file():
-        raise ValueError(f"--model={model}: no tokenizer files there (tokenizer.json or tokenizer_config.json); "
-                         "pass --tokenizer=DIR|byte")
+        raise ValueError(f"--model={model}: no tokenizer there (tokenizer.json or tokenizer_config.json); copy the "
+                         "tokenizer files of the model it came from into it, or pass --tokenizer=DIR with them "
+                         "(--tokenizer=byte only for a model that learned bytes)")
     return str(model)
 
 
@@ -106,8 +109,10 @@ def write(ids: list[int] | bytes, out: Path, *, vocab_size: int, tokenizer: str,
     tmp = out.with_suffix(".bin.tmp")
     array.tofile(tmp)
     tmp.replace(out)  # a reader never sees half a file
+    # max_id lets training check the ids against the model's vocabulary from this file alone, without reading
+    # every token of a file that may hold billions
     meta = {"dtype": dtype, "vocab_size": vocab_size, "tokenizer": tokenizer, "num_tokens": int(array.size),
-            "source": source}
+            "max_id": int(array.max()) if array.size else -1, "source": source}
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 

@@ -44,6 +44,7 @@ def test_a_local_tokenizer_writes_ids_and_metadata_that_training_reads(tmp_path)
     meta = json.loads(out.with_suffix(".json").read_text())
     ids = np.fromfile(out, dtype=meta["dtype"])
     assert meta["dtype"] == "uint16" and meta["num_tokens"] == ids.size and 2 < meta["vocab_size"] <= 300
+    assert meta["max_id"] == ids.max()  # training checks the model's vocabulary from this, not by reading the file
     assert ids.size < len(TEXT) / 2 and ids.max() < meta["vocab_size"]  # merges: far fewer tokens than bytes
     assert ids[-1] == 1  # <eos>
     # the dataset reads the same ids, in windows of seq_len + 1
