@@ -58,7 +58,10 @@ def build_session(
     from dist_train.rundir import agree_on_run_dir
     from dist_train.runtime import agree
     from dist_train.telemetry.comm import CommTracker
+    from dist_train.telemetry.memory import AnonPeak
 
+    # Set-up's peak of anonymous memory (memory/setup_peak_anon_bytes), sampled until the first step.
+    setup_anon = AnonPeak().start()
     run_dir = Path(agree_on_run_dir(str(run_dir) if run_dir is not None else hydra_run_dir()))
     setup_logging(run_dir, runtime.rank)
     resume = agree(resume)  # rank 0's reading of the checkpoint directory decides for everyone
@@ -99,6 +102,7 @@ def build_session(
     session.device_name = device_name
     session.telemetry = _telemetry(session, tracker, saved=saved, device_name=device_name)
     session.telemetry.setup_memory = setup_memory
+    session.telemetry.setup_anon = setup_anon
     d = run.data
     data = f"data={d.name}" + (f" data.path={d.path}" if d.path else " (generated from train.seed)")
     log.info("model=%s params=%s %s %s", run.model.name, f"{num_params:,}", data, describe_batch(run, runtime.world_size))
@@ -193,7 +197,6 @@ def _telemetry(session: Session, tracker: Any, *, saved: dict[str, Any], device_
 
     from dist_train.telemetry.activations import ActivationMeter
     from dist_train.telemetry.flops import peak_flops
-    from dist_train.telemetry.memory import LiveMeter
     from dist_train.telemetry.recorder import Telemetry, Workload
     from dist_train.telemetry.sinks import NullSink
 
@@ -209,16 +212,35 @@ def _telemetry(session: Session, tracker: Any, *, saved: dict[str, Any], device_
     history: list[Any] = []
     if runtime.is_main:
         sink, history = _sinks(session, resume_id=saved.get("wandb_run_id"))
+    live, live_from = _live_peak(session)
     telemetry = Telemetry(
         runtime=runtime, strategy=session.strategy, sink=sink, workload=workload, tracker=tracker,
         activations=ActivationMeter() if run.telemetry.activations else None,
-        live=LiveMeter() if run.telemetry.peak_live and all(d.type == "cpu" for d in session.strategy.devices) else None,
+        live=live, live_step=live_from,
         skips_allowed=run.precision.loss_scaling,
     )
     if saved:
         telemetry.restore(losses=saved.get("losses", []), history=history, skipped_steps=saved.get("skipped_steps", 0),
                           eval_losses=saved.get("eval_losses", []))
     return telemetry
+
+
+def _live_peak(session: Session) -> tuple[Any, int | None]:
+    """The peak of all live tensors (memory/peak_live_bytes): the meter that follows one step on the CPU (torch's
+    MemTracker: an extra warm-up step, as it runs several times slower; None on CUDA, whose allocator keeps the
+    peak, or with telemetry.peak_live=false), and the first step whose peak is reported, one that holds the
+    optimizer's state (recorder.live_step). A run that ends before such a step says so, and reports none."""
+    from dist_train.telemetry.memory import LiveMeter
+    from dist_train.telemetry.recorder import live_step
+
+    run, t, devices = session.run, session.run.train, session.strategy.devices
+    tracked = run.telemetry.peak_live and all(d.type == "cpu" for d in devices)
+    first = live_step(start_step=session.start_step, last_step=t.steps,
+                      warmup_steps=run.telemetry.warmup_steps + 1 if tracked else 0)
+    if first is None and (tracked or any(d.type == "cuda" for d in devices)) and session.start_step < t.steps:
+        log.info("no memory/peak_live_bytes: train.steps=%d ends before a step that holds the optimizer's state "
+                 "(it is made at the first step); 2 steps or more report it", t.steps)
+    return (LiveMeter() if tracked and first is not None else None), first
 
 
 def _sinks(session: Session, *, resume_id: str | None) -> tuple[Any, list[Any]]:

@@ -32,11 +32,12 @@ def comparison(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     rows = {r["strategy"]: r for r in json.loads((out / "table.json").read_text())}
-    return out, rows, proc.stdout
+    return out, rows, proc
 
 
 def test_every_strategy_is_a_row(comparison):
-    out, rows, stdout = comparison
+    out, rows, proc = comparison
+    stdout = proc.stdout
     assert list(rows) == ["single", "ddp", "fsdp"]
     for name in ("single", "ddp", "fsdp"):
         assert rows[name]["status"] == "ok", rows[name]
@@ -90,6 +91,36 @@ def test_table_holds_measured_numbers_traceable_to_runs(comparison):
     assert rows["ddp"]["comm_all_reduce_s"] > 0
     assert rows["fsdp"]["mem_params_max_bytes"] == pytest.approx(2 * n, rel=0.02)  # half of 4 B/param
     assert rows["fsdp"]["comm_all_gather_bytes"] > 0 and rows["fsdp"]["comm_reduce_scatter_bytes"] == 4 * n
+
+
+def test_a_step_time_from_fewer_than_five_timed_steps_is_called_noise(comparison):
+    """3 steps, the first left out as warm-up: each row's time comes from 2 steps (or 1 where peak_live's warm-up
+    takes 2), so compare says so once on stderr, naming every row, and above the report's table."""
+    out, rows, proc = comparison
+    for name in ("single", "ddp", "fsdp"):
+        summary = json.loads((Path(rows[name]["run_dir"]) / "summary.json").read_text())
+        assert rows[name]["timed_steps"] == 3 - summary["timing_warmup_steps"] < 5
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("[compare] warning: step times from fewer")]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    listed = ", ".join(f"{name} {rows[name]['timed_steps']}" for name in ("single", "ddp", "fsdp"))
+    assert f"(noise, not a measurement): {listed};" in warnings[0]
+    report = (out / "report.md").read_text()
+    assert f"**Warning:** {warnings[0].removeprefix('[compare] warning: ')}." in report
+
+
+def test_the_timed_steps_warning_decides_by_the_steps_each_row_timed():
+    from dist_train.compare.table import few_timed_steps, timed_steps
+
+    assert timed_steps({"steps": 5, "steps_done": 5, "start_step": 0, "timing_warmup_steps": 2}) == 3
+    assert timed_steps({"steps": 20, "steps_done": 12, "start_step": 10, "timing_warmup_steps": 1}) == 1  # resumed
+    row = {"status": "ok", "steps": 5}
+    rows = [{**row, "strategy": "single", "timed_steps": 3}, {**row, "strategy": "ddp", "timed_steps": 5},
+            {**row, "strategy": "fsdp", "timed_steps": 4}, {"status": "failed", "strategy": "tp"}]
+    line = few_timed_steps(rows)
+    assert line.startswith("step times from fewer than 5 timed steps (noise, not a measurement): single 3, fsdp 4;")
+    assert "train.steps=7 or more" in line  # single: 2 warm-up steps + 5
+    assert "measurement): fsdp 4; train.steps=6 or more" in few_timed_steps(rows[1:])  # 1 warm-up step + 5
+    assert few_timed_steps([rows[1], rows[3]]) is None  # 5 timed steps are enough; a failed row has no time
 
 
 def test_the_report_shows_the_held_out_loss_and_each_rows_setup_peak(comparison):
@@ -162,7 +193,8 @@ def test_dry_run_rows_at_a_world_size_the_comparison_did_not_run(comparison):
 
 
 def test_wandb_comparison_run_written_offline(comparison):
-    out, _, stdout = comparison
+    out, _, proc = comparison
+    stdout = proc.stdout
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
     assert "W&B comparison run" in stdout

@@ -3,12 +3,16 @@ per-rank line, and a warning where one rank stands out."""
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import re
+import sys
 
 import pytest
 
 from dist_train.telemetry.sinks import GIB, ConsoleProgress, progress_text, ranks_text
+from tests.helpers import FAST, launch
 
 
 def _records(n: int, *, rss: list[float] | None = None, step_s: list[float] | None = None, **extra) -> list[dict]:
@@ -35,9 +39,117 @@ def test_the_window_line_labels_its_loss_and_names_the_worst_rank_and_the_time_l
 
 def test_the_per_rank_line_lists_few_ranks_and_sums_up_many():
     few, warnings = ranks_text(_records(2))
-    assert few.startswith("rank 0 (node n0): 1.00 GiB, 500 ms/step, comm 100 ms | rank 1") and warnings == []
+    assert len(few) == 1 and warnings == []
+    assert few[0].startswith("rank 0 (node n0): 1.00 GiB, 500 ms/step, comm 100 ms | rank 1")
     many, _ = ranks_text(_records(16, rss=[1.0] * 15 + [1.5]))
-    assert many.startswith("16 ranks: memory 1.00 (rank 0) to 1.50 GiB (rank 15), median 1.00")
+    assert many == ["16 ranks: memory 1.00 (rank 0) to 1.50 GiB (rank 15), median 1.00; slowest rank 0 500 ms/step"]
+
+
+# The window of a CUDA run with every field: eval, MFU, the device's share.
+FULL = {"memory/peak_allocated_bytes": 60 * GIB, "device/total_memory_bytes": 80 * GIB, "mfu": 0.42,
+        "eval/loss": 2.7, "eval/perplexity": 14.88}
+PREFIX = len("[rank0] ")  # session.setup_logging's console format, which a user sees before every line
+
+
+def test_at_160_columns_the_window_line_gives_up_only_its_least_fields():
+    whole = progress_text(10, 300, _records(4, **FULL), window=10, with_step=True)
+    assert len(whole) > 160 - PREFIX  # so something must give way
+    line = progress_text(10, 300, _records(4, **FULL), window=10, width=160 - PREFIX, with_step=True)
+    assert line == ("step 10/300 | loss 2.5000 | eval loss 2.7000 ppl 14.88 | 500 ms/step | "
+                    "peak allocated 60.00 GiB (rank 0, 75% of the device) | ETA 2m25s")
+    assert "tok/s" not in line and "MFU" not in line and "mean of" not in line  # the first three to go
+
+
+def test_at_80_columns_the_window_line_keeps_step_eta_loss_and_memory():
+    line = progress_text(10, 300, _records(4, rss=[1, 1, 3, 1], **FULL), window=10, width=80 - PREFIX,
+                         with_step=True)
+    assert line == "step 10/300 | loss 2.5000 | peak allocated 60.00 GiB | ETA 2m25s"
+    cpu = progress_text(1000, 100000, _records(4, rss=[1, 1, 3, 1]), window=10, width=80 - PREFIX, with_step=True)
+    assert cpu == "step 1000/100000 | loss 2.5000 | peak host RSS 3.00 GiB | ETA 13h45m"
+    narrow = progress_text(10, 300, _records(1), window=10, width=55, with_step=True)
+    assert narrow == "step 10/300 | loss 2.5000 | peak 1.00 GiB | ETA 2m25s"  # the kind of memory goes last
+
+
+@pytest.mark.parametrize(("width", "lines"), [
+    (160, ["rank 0 (node n0): 1.00 GiB, 500 ms/step, comm 100 ms | rank 1 (node n0): 1.00 GiB, 500 ms/step, "
+           "comm 100 ms"]),
+    (80, ["rank 0: 1.00 GiB, 500 ms/step, comm 100 ms", "rank 1: 1.00 GiB, 500 ms/step, comm 100 ms"]),
+])
+def test_the_per_rank_line_fits_or_becomes_a_row_per_rank(width, lines):
+    head = len("[rank0] step 10 ranks | ")
+    assert ranks_text(_records(2), width=width - head)[0] == lines
+
+
+def test_rows_name_the_node_last_where_ranks_span_nodes_and_the_summary_splits():
+    rows, _ = ranks_text(_records(8), width=80 - 24)
+    assert rows[0] == "rank 0: 1.00 GiB, 500 ms/step, comm 100 ms (node n0)" and rows[7].endswith("(node n1)")
+    summary, _ = ranks_text(_records(16, rss=[1.0] * 15 + [1.5]), width=80 - 24)
+    untimed = [{k: v for k, v in r.items() if k != "time/comm_s"} | {"comm/untimed_count": 43} for r in _records(2)]
+    assert ranks_text(untimed, width=56)[0][0] == "rank 0: 1.00 GiB, 500 ms/step, comm n/a"
+    assert summary == ["16 ranks, memory median 1.00 GiB", "least 1.00 GiB (rank 0), most 1.50 GiB (rank 15)",
+                       "slowest rank 0 500 ms/step"]
+    assert all(len(row) <= 20 for row in ranks_text(_records(8), width=20)[0])  # cut where nothing else fits
+
+
+def test_plain_lines_fit_columns_with_the_log_prefix(caplog, monkeypatch):
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False, raising=False)
+    monkeypatch.setenv("COLUMNS", "80")
+    handler = logging.StreamHandler(sys.stderr)  # as session.setup_logging's console handler
+    handler.setFormatter(logging.Formatter("[rank0] %(message)s"))
+    logging.getLogger().addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="dist_train"):
+            ConsoleProgress(total_steps=300, description="fsdp x2").log(10, _records(2, **FULL))
+    finally:
+        logging.getLogger().removeHandler(handler)
+    lines = [PREFIX * "x" + r.getMessage() for r in caplog.records]
+    assert lines[0].endswith("step 10/300 | loss 2.5000 | peak allocated 60.00 GiB | ETA 2m25s")
+    assert lines[1].endswith("step 10 ranks | rank 0: 60.00 GiB, 500 ms/step, comm 100 ms") and len(lines) == 3
+    assert max(len(line) for line in lines) <= 80
+
+
+def _drawn(width: int, records: list[dict]) -> tuple[str, list[str]]:
+    """The rich bar as a terminal `width` columns wide shows it after one window, and the lines printed above it."""
+    from rich.console import Console
+
+    out = io.StringIO()
+    console = ConsoleProgress(total_steps=300, description="fsdp x2",
+                              console=Console(file=out, force_terminal=True, width=width, color_system=None))
+    console.log(10, records)
+    bar = io.StringIO()
+    Console(file=bar, width=width, color_system=None).print(console._progress.get_renderable())
+    console.finish({})
+    printed = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue()).replace("\r", "\n").splitlines()
+    return bar.getvalue().rstrip("\n"), [ln for ln in printed if ln.startswith("step ")]
+
+
+def test_the_bar_at_80_columns_keeps_the_count_eta_loss_and_memory():
+    bar, ranks = _drawn(80, _records(2, rss=[1, 3]))
+    # no bar, no rich time remaining (the stats' ETA says it), then the stats' fields give way in their order
+    assert bar == "fsdp x2  10/300 loss 2.5000 | 500 ms/step | peak host RSS 3.00 GiB | ETA 2m25s"
+    assert ranks == ["step 10: rank 0: 1.00 GiB, 500 ms/step, comm 100 ms",
+                     "step 10: rank 1: 3.00 GiB, 500 ms/step, comm 100 ms"]
+
+
+def test_the_bar_at_160_columns_shows_everything():
+    bar, ranks = _drawn(160, _records(2, rss=[1, 3]))
+    assert len(bar) <= 160 and "━" in bar and "-:--:--" in bar and "…" not in bar
+    assert bar.endswith(" 10/300 -:--:-- loss 2.5000 (mean of 10 steps) | 500 ms/step | 4,096 tok/s | "
+                        "peak host RSS 3.00 GiB (rank 1) | ETA 2m25s")
+    assert ranks == ["step 10: rank 0 (node n0): 1.00 GiB, 500 ms/step, comm 100 ms | "
+                     "rank 1 (node n0): 3.00 GiB, 500 ms/step, comm 100 ms"]
+
+
+@pytest.mark.multiproc
+def test_a_run_at_80_columns_prints_lines_that_fit(tmp_path):
+    """As a user with COLUMNS=80 sees it: every progress and per-rank line, with its `[rank0] ` prefix, fits."""
+    proc = launch(["strategy=single", "logger=none", *FAST, "train.steps=3"], run_dir=tmp_path,
+                  extra_env={"COLUMNS": "80"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    progress = [ln for ln in proc.stderr.splitlines() if ln.startswith("[rank0] step ")]
+    assert len(progress) == 6, proc.stderr  # a line and a rank row for each of 3 steps
+    assert all(len(ln) <= 80 for ln in progress), "\n".join(progress)
+    assert all(k in progress[0] for k in ("step 1/3", "loss", "peak host RSS", "GiB", "ETA")), progress[0]
 
 
 @pytest.mark.parametrize(("rss", "step_s", "says"), [
@@ -57,6 +169,7 @@ def test_small_differences_are_not_warnings():
 
 def test_the_console_logs_both_lines_and_warns_from_the_second_window_on(caplog, monkeypatch):
     monkeypatch.setattr("sys.stderr.isatty", lambda: False, raising=False)
+    monkeypatch.delenv("COLUMNS", raising=False)  # a log: whole lines
     console = ConsoleProgress(total_steps=20, description="fsdp x4")
     lopsided = _records(4, rss=[1, 1, 1, 2])
     with caplog.at_level(logging.INFO, logger="dist_train"):

@@ -39,6 +39,9 @@ def test_gpt2_tp_matches_single_splits_the_blocks_and_all_reduces_activations(st
     tp_dir, tp = straight_run("tp")
     assert_same_losses(single, tp, steps=8)
     assert tp["data_parallel_size"] == 1 and tp["accumulation_steps"] == 4  # both ranks see the whole batch
+    # and the first lines say so: one replica, split over both ranks (not "2 processes" read as data parallelism)
+    assert ("global_batch=8 = micro_batch 2 x accumulation 4 x data_parallel 1 | tensor_parallel 2"
+            in (tp_dir / "logs" / "rank0.log").read_text())
 
     n, cfg = tp["num_params"], ModelConfig()
     split = _split_elements(cfg)
@@ -53,6 +56,12 @@ def test_gpt2_tp_matches_single_splits_the_blocks_and_all_reduces_activations(st
         assert expected <= rec["comm/all_reduce/bytes"] <= expected + 1024
         assert rec["comm/all_gather/count"] == rec["comm/reduce_scatter/count"] == 0
         assert rec["comm/tp/all_reduce/bytes"] == rec["comm/all_reduce/bytes"]  # all of it on the tp group
+        # DTensor's functional all-reduces are timed (issued from Python: telemetry/funcol_issue.py), none is left
+        # untimed, and the step's collective time is theirs, not a 0
+        assert "comm/untimed_count" not in rec and "comm/all_reduce/untimed_count" not in rec
+        assert 0 < rec["comm/tp/all_reduce/time_s"] == rec["comm/all_reduce/time_s"] == rec["time/comm_s"]
+        assert rec["time/compute_s"] == pytest.approx(max(rec["time/step_s"] - rec["time/comm_s"], 0.0))
+    assert all(r["comm/all_reduce/time_s"] > 0 for r in tp["ranks"])  # summary.json's per-rank means
     # the replicated parts are identical on both ranks, so the ranks' views of the model agree
     assert ranks[0]["memory/params_bytes"] == ranks[1]["memory/params_bytes"]
 
@@ -74,6 +83,9 @@ def test_sequence_parallel_splits_the_norms_and_trades_each_all_reduce_for_a_gat
         # block's input gradient and the final norm's output are gathered.
         assert rec["comm/tp/reduce_scatter/bytes"] == 4 * 4 * 4 * activation
         assert rec["comm/tp/all_gather/bytes"] == 4 * (4 * 4 + 2) * activation
+        # gathered along the sequence (dim 1) and scattered along it: timed too, nothing untimed
+        assert rec["comm/tp/all_gather/time_s"] > 0 and rec["comm/tp/reduce_scatter/time_s"] > 0
+        assert "comm/untimed_count" not in rec and rec["time/comm_s"] > 0
         # what remains all-reduced: the norms' weight and bias gradients (partial over the sequence shards,
         # 64 floats each, 4 per block and 2 for the final norm, every micro-batch), the vocabulary split's, and
         # the gradient norm

@@ -9,6 +9,7 @@ from dist_train.compare.report import (comm_table, dtype_table, effects_table, m
                                        summary_table)
 from dist_train.compare.dryruns import DRYRUN_INTRO, dryrun_table
 from dist_train.compare.settings import CompareConfig
+from dist_train.compare.table import few_timed_steps
 from dist_train.estimate.render import human_bytes, human_count
 
 CAVEATS = """\
@@ -46,6 +47,7 @@ def render(*, rows: list[dict[str, Any]], cfg: CompareConfig, out_dir: Path, gro
            effects: list[dict[str, Any]], dryruns: list[dict[str, Any]] | None = None) -> str:
     model, train = base["model"], base["train"]
     num_params = next((r["num_params"] for r in rows if "num_params" in r), None)
+    noisy = few_timed_steps(rows)  # compare printed it on stderr as well
     parts = [
         f"# Strategy comparison `{out_dir.name}`",
         f"`{command}`",
@@ -59,6 +61,7 @@ def render(*, rows: list[dict[str, Any]], cfg: CompareConfig, out_dir: Path, gro
         "## Verdicts",
         "\n".join(f"- **{r['strategy']}**: {r['verdict']}" for r in rows),
         "## Table",
+        *([f"**Warning:** {noisy}."] if noisy else []),
         summary_table(rows),
         *(["## Memory by dtype (worst rank of each category)", dtype_table(rows)]
           if any("mem_by_dtype" in r for r in rows) else []),

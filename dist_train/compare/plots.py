@@ -57,14 +57,19 @@ def memory_per_rank(rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def step_time(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Step time split into compute and (an upper bound of exposed) communication."""
+    """Step time split into compute and (an upper bound of exposed) communication; a strategy whose collectives
+    were not all timed (comm_s None) gets one bar for its whole step, not a split."""
     rs = ok_rows(rows)
     names = [r["strategy"] for r in rs]
-    compute = [r["compute_s"] * 1e3 for r in rs]
-    comm = [min(r["comm_s"], r["step_s"]) * 1e3 for r in rs]
+    timed = [r["comm_s"] is not None for r in rs]
+    compute = [r["compute_s"] * 1e3 if t else 0.0 for r, t in zip(rs, timed)]
+    comm = [min(r["comm_s"], r["step_s"]) * 1e3 if t else 0.0 for r, t in zip(rs, timed)]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names) + 2), 4.5))
     ax.bar(names, compute, label="compute (step - comm)")
     ax.bar(names, comm, bottom=compute, label="collectives (upper bound: may overlap compute)")
+    if not all(timed):
+        ax.bar(names, [0.0 if t else r["step_s"] * 1e3 for r, t in zip(rs, timed)], hatch="//", color="lightgrey",
+               label="whole step (collectives not all timed: no split)")
     ax.set_ylabel("ms per step")
     ax.set_title("Step time: compute vs communication")
     _legend_outside(ax)

@@ -15,7 +15,7 @@ from dist_train.estimate.render import human_bytes
 # Scalar columns of table.csv, in order (a column absent from every row is left out).
 CSV_COLUMNS = [
     "strategy", "knobs", "status", "reason", "verdict", "agrees", "world_size", "nodes", "data_parallel_size", "num_params",
-    "steps",
+    "steps", "timed_steps",
     "step_s", "pred_step_s", "err_step_s", "pred_step_profile", "compute_s", "comm_s", "tokens_per_s",
     *(f"comm_{op}_s" for op in COMM_OPS),
     *(f"mem_{c}_{k}_bytes" for c in MEMORY_FIGURES
@@ -67,6 +67,11 @@ def ms(seconds: Optional[float]) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
+def timed_ms(row: dict[str, Any], key: str) -> str:
+    """A measured time column in ms; "n/a" where it is None (some collective ran untimed: compare/table.py)."""
+    return "n/a" if row.get(key) is None else ms(row[key])
+
+
 def pct(err: Optional[float]) -> str:
     return "n/a" if err is None else f"{err * 100:+.1f}%"
 
@@ -82,10 +87,16 @@ def verdict_mark(row: dict[str, Any]) -> str:
     return {True: "OK", False: "DIFFERS", None: "-"}[row.get("agrees")] if row["status"] == "ok" else "FAILED"
 
 
+# The summary table's memory columns: set-up's peak anonymous (what set-up allocated) beside its peak resident (which
+# counts the pages of memory-mapped weight files a rank read).
+SUMMARY_MEMORY = (*MEMORY_CATEGORIES, "peak_live", "peak_rss", "setup_peak_anon", "setup_peak_rss")
+
+
 def summary_table(rows: list[dict[str, Any]]) -> str:
     held_out = any("final_eval_loss" in r for r in rows)  # eval.every_steps: a column for the held-out loss
     headers = ["strategy", "ranks", "step ms", "compute ms", "comm ms", "tokens/s",
-               "params (max, ±spread)", "grads", "optimizer", "activations", "peak live", "peak RSS", "set-up peak RSS",
+               "params (max, ±spread)", "grads", "optimizer", "activations", "peak live", "peak RSS", "set-up peak anon",
+               "set-up peak RSS",
                "comm bytes/step", "final loss", *(["eval loss"] if held_out else []), "Δ vs single", "verdict"]
     body = []
     for r in rows:
@@ -93,8 +104,8 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             body.append([f"**{r['strategy']}**", "-", *["-"] * (len(headers) - 3), f"FAILED: {r['reason']}"])
             continue
         body.append([
-            f"**{r['strategy']}**", _ranks(r), ms(r["step_s"]), ms(r["compute_s"]), ms(r["comm_s"]),
-            f"{r['tokens_per_s']:,.0f}", *(mem_cell(r, c) for c in (*MEMORY_CATEGORIES, "peak_live", "peak_rss", "setup_peak_rss")),
+            f"**{r['strategy']}**", _ranks(r), ms(r["step_s"]), timed_ms(r, "compute_s"), timed_ms(r, "comm_s"),
+            f"{r['tokens_per_s']:,.0f}", *(mem_cell(r, c) for c in SUMMARY_MEMORY),
             human_bytes(r["comm_bytes_per_step"]), f"{r['final_loss']:.6f}",
             *([f"{r['final_eval_loss']:.6f}" if "final_eval_loss" in r else "-"] if held_out else []),
             f"{r['loss_dev']:+.1e}" if "loss_dev" in r else "-", verdict_mark(r),

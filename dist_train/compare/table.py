@@ -1,9 +1,11 @@
 """One row per strategy, read from what its run left behind (summary.json, metrics.jsonl).
 
 Memory: per category, the max over ranks of each rank's peak, and the spread (max - min) over ranks.
-Time: the run's mean step time (warm-up steps left out, as summary.json does); the collective time of
+Time: the run's mean step time (warm-up steps left out, as summary.json does; `timed_steps` of them, and compare
+warns below MIN_TIMED_STEPS); the collective time of
 the same steps from metrics.jsonl, averaged over ranks. Async collectives overlap compute, so their
-time is an upper bound of the communication the step waits for; compute = step - comm, clipped at 0.
+time is an upper bound of the communication the step waits for; compute = step - comm, clipped at 0. Where some
+collective ran untimed (`comm/<op>/untimed_count` in metrics.jsonl) both are None: n/a in the report, never 0.
 Bytes: buffer bytes per step (nccl-tests convention), the max over ranks; on several nodes also the bytes of
 the collectives whose process group spans nodes (inter-node), as each rank's telemetry classified them.
 """
@@ -21,11 +23,12 @@ MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
 # parameters, ZeRO's fp32 gradient partition at the optimizer step. Peaks, like activations.
 TRANSIENT_CATEGORIES = ("weight_copies", "gathered_params", "step_grads")
 # Every memory figure a run reports per rank (memory/<figure>_bytes): the categories, then the process peaks, then
-# set-up's (before the first step: the peak once the weights were in, and the peak of all of set-up).
+# set-up's (before the first step: the peak once the weights were in, and the peak of all of set-up, anonymous and
+# resident: the resident one counts the pages of memory-mapped weight files a rank read, shared page cache).
 # peak_live: every live tensor at the peak, what decides out-of-memory (beside the categories it adds gathered
 # parameters, unsharded gradients, collective buffers, temporaries).
 MEMORY_FIGURES = (*MEMORY_CATEGORIES, *TRANSIENT_CATEGORIES, "peak_live", "peak_rss", "peak_allocated",
-                  "load_peak_rss", "setup_peak_rss", "setup_peak_allocated")
+                  "load_peak_rss", "setup_peak_anon", "setup_peak_rss", "setup_peak_allocated")
 from dist_train.telemetry.comm import COMM_OPS  # one list of ops for telemetry and the report
 
 
@@ -113,20 +116,52 @@ def timed_windows(records: list[dict[str, Any]], warmup_steps: int) -> list[tupl
 
 
 def time_columns(summary: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Step time, tokens/s, and the collective time per op and in all. An op some of whose calls ran untimed in
+    the timed windows (`comm/<op>/untimed_count`: a functional collective torch issued itself) has no time:
+    `comm_<op>_s`, `comm_s` and `compute_s` are then None (n/a), never the timed part read as the whole."""
     step_s = summary["mean_step_s"]
     windows = timed_windows(records, summary.get("timing_warmup_steps", 0))
     total_steps = sum(n for n, _ in windows) or 1
-    out: dict[str, Any] = {"step_s": step_s, "tokens_per_s": summary["tokens_per_s"]}
-    comm_s = 0.0
+    out: dict[str, Any] = {"step_s": step_s, "tokens_per_s": summary["tokens_per_s"], "timed_steps": timed_steps(summary)}
+    comm_s: float | None = 0.0
     for op in COMM_OPS:
+        if any(r.get(f"comm/{op}/untimed_count") for _, recs in windows for r in recs):
+            out[f"comm_{op}_s"] = comm_s = None
+            continue
         key = f"comm/{op}/time_s"
         per_step = sum(n * _mean(r.get(key, 0.0) for r in recs) for n, recs in windows) / total_steps
         if per_step > 0:
             out[f"comm_{op}_s"] = per_step
-        comm_s += per_step
+        comm_s = None if comm_s is None else comm_s + per_step
     out["comm_s"] = comm_s
-    out["compute_s"] = max(step_s - comm_s, 0.0)
+    out["compute_s"] = None if comm_s is None else max(step_s - comm_s, 0.0)
     return out
+
+
+# A step time from fewer timed steps is noise on a shared machine: single's mean of 3 timed steps (a 5-step run)
+# ranged 20-433 ms across reruns here. compare warns below this (`few_timed_steps`).
+MIN_TIMED_STEPS = 5
+
+
+def timed_steps(summary: dict[str, Any]) -> int:
+    """Steps a run's mean step time comes from: the steps this run's processes ran (after a resume, from
+    start_step + 1; to an interrupt's step), less the warm-up steps summary.json leaves out."""
+    done = summary.get("steps_done", summary["steps"])
+    return max(done - summary.get("start_step", 0) - summary.get("timing_warmup_steps", 0), 0)
+
+
+def few_timed_steps(rows: list[dict[str, Any]], *, minimum: int = MIN_TIMED_STEPS) -> str | None:
+    """One line naming each finished row whose step time comes from fewer than `minimum` timed steps, and how many
+    steps would give `minimum`; None when every row has enough."""
+    few = [r for r in rows if r["status"] == "ok" and r.get("timed_steps", minimum) < minimum]
+    if not few:
+        return None
+    # the steps each row ran beyond its timed ones (warm-up, and a resume's earlier steps) are the same next time
+    needed = max(r["steps"] - r["timed_steps"] + minimum for r in few)
+    listed = ", ".join(f"{r['strategy']} {r['timed_steps']}" for r in few)
+    return (f"step times from fewer than {minimum} timed steps (noise, not a measurement): {listed}; "
+            f"train.steps={needed} or more times {minimum} steps of each (the first are warm-up, "
+            "telemetry.warmup_steps)")
 
 
 def comm_bytes_columns(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -207,7 +207,8 @@ def render(result: dict[str, Any]) -> str:
             rows.append([name, s(pr["step_s"]), r["status"], "", b(pr["peak_bytes"]), "", "", "", ""])
             continue
         rows.append([name, s(pr["step_s"]), s(me["step_s"]), pct(err["step_s"]), b(pr["peak_bytes"]),
-                     b(me["peak_bytes"]), pct(err["peak_bytes"]), s(pr["comm_s"]), s(me["comm_s"])])
+                     b(me["peak_bytes"]), pct(err["peak_bytes"]), s(pr["comm_s"]),
+                     "n/a" if me["comm_s"] is None else s(me["comm_s"])])  # None: some collective untimed
         cats.append([f"{i + 1}.", *(f"{b(pr[f'{c}_bytes'])} / {b(me.get(f'{c}_bytes'))}" for c in COMPARED_CATEGORIES)])
     rho = result["rank_correlation"]
     lines = [

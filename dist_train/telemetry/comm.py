@@ -23,8 +23,13 @@ from the rest: when a logging window closes the ranks compare when each issued t
 (`peer_wait`), and the time before the group's last member issued it, or before this rank's previous
 collective on the group finished, is reported as `wait_s`.
 
-DTensor's functional collectives (`torch.distributed._functional_collectives`, e.g. the all-reduce of
-FSDP2's gradient-norm) are counted and sized but not timed: their completion is a lazy `wait_tensor`.
+DTensor's functional collectives (`torch.distributed._functional_collectives`: tensor parallelism's
+all-reduces, sequence parallelism's all-gathers and reduce-scatters, a DTensor gradient norm) are issued by a C++
+op that keeps its Work from Python. Eager calls that record no autograd are issued from Python instead, as that
+op does (`telemetry/funcol_issue.py`), and timed like any asynchronous collective: on the CPU only, where it is
+tested (on CUDA, until a GPU has run it, they stay torch's own, untimed). The others (traced, recording
+autograd, or a functional collective not handled there) are counted and sized but not timed: `OpTotals.untimed`
+counts them, and the window's record then gives no time for that op (`comm_keys`), never a 0.
 
 Sizes follow nccl-tests: the full buffer (all_gather: the gathered output; reduce_scatter: the input).
 """
@@ -47,6 +52,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 
 from dist_train.telemetry.cuda_timing import CudaTimer, cuda_device
+from dist_train.telemetry.funcol_issue import ISSUERS
 
 COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv")
 
@@ -119,6 +125,8 @@ _FUNCOL_SIZERS: dict[str, tuple[str, Callable[[dict[str, Any]], int]]] = {
     "reduce_scatter_single": ("reduce_scatter", lambda a: _nbytes(a["self"])),
     "broadcast": ("broadcast", lambda a: _nbytes(a["self"])),
 }
+# deprecated functional names that call the newer one (wrapped only where that one is missing: an older torch)
+_FUNCOL_ALIASES = {"all_gather_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
 
 
 def _funcol_size(group: Any) -> int:
@@ -142,6 +150,10 @@ class _Record:
     start_event: Any = None
     end_event: Any = None
     done: bool = False
+    # it ran but its completion cannot be known (a functional collective issued by torch's C++ op, a CUDA work
+    # whose wait failed): counted and sized, never given a time (a record with no time and not untimed: nothing
+    # ran, e.g. this rank is not in the group)
+    untimed: bool = False
 
     def duration_s(self) -> float | None:
         if self.start_event is not None:
@@ -165,21 +177,24 @@ class OpTotals:
     bytes: int = 0
     time_s: float = 0.0
     timed_bytes: int = 0  # bytes of the ops whose completion time is known
+    untimed: int = 0  # ops that ran with no completion time (`_Record.untimed`): time_s is then only a part
     group_size: int = 1
     inter_node_bytes: int = 0  # bytes of the ops whose group spans nodes
     # each timed op on the wall clock: (group ranks or None, seq, bytes, start_s, end_s), for `peer_wait`
     calls: list[tuple[tuple[int, ...] | None, int, int, float, float]] = field(default_factory=list)
-    # per named mesh dimension: [count, bytes, time_s] of the ops over that dimension's group
+    # per named mesh dimension: [count, bytes, time_s, untimed] of the ops over that dimension's group
     by_dim: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, rec: _Record, duration: float | None) -> None:
         self.count += 1
         self.bytes += rec.nbytes
+        self.untimed += rec.untimed
         if rec.dim is not None:
-            per = self.by_dim.setdefault(rec.dim, [0, 0, 0.0])
+            per = self.by_dim.setdefault(rec.dim, [0, 0, 0.0, 0])
             per[0] += 1
             per[1] += rec.nbytes
             per[2] += duration or 0.0
+            per[3] += rec.untimed
         self.inter_node_bytes += rec.nbytes if rec.inter_node else 0
         self.group_size = max(self.group_size, rec.group_size)
         if duration is not None:
@@ -269,9 +284,9 @@ class CommTracker:
                 setattr(module, "batch_isend_irecv", wrapped_batch)
         for name, (op, sizer) in _FUNCOL_SIZERS.items():
             original = getattr(funcol, name, None)
-            if original is not None:
+            if original is not None and not hasattr(funcol, _FUNCOL_ALIASES.get(name, "")):
                 self._originals[(funcol, name)] = original
-                setattr(funcol, name, self._wrap_funcol(original, op, sizer))
+                setattr(funcol, name, self._wrap_funcol(original, op, sizer, ISSUERS.get(name)))
         return self
 
     @contextlib.contextmanager
@@ -392,6 +407,7 @@ class CommTracker:
             rec.end_event = self._cuda.end_now(rec.device)
         elif result is not None:  # None: this rank is not in the group, nothing ran
             rec.end_event = self._cuda.end_after(result, rec.device, tensors)
+            rec.untimed = rec.end_event is None
         rec.done = True
         return result
 
@@ -450,20 +466,60 @@ class CommTracker:
         self._p2p_watchers.submit(wait_and_stamp)
         return proxy
 
-    def _wrap_funcol(self, original: Callable, op: str, sizer: Callable[[dict[str, Any]], int]) -> Callable:
+    def _wrap_funcol(self, original: Callable, op: str, sizer: Callable[[dict[str, Any]], int],
+                     issuer: Callable | None) -> Callable:
+        """A functional collective: issued from Python by `issuer` (funcol_issue.py) and timed where it can be,
+        else by torch's own op, counted and sized but untimed (its completion is a `wait_tensor` we cannot see)."""
         sig = inspect.signature(original)
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if self._should_record():
-                arguments = sig.bind(*args, **kwargs).arguments
-                _, ranks, size = funcol._expand_group(arguments["group"])
-                rec = self._new_record(op, sizer(arguments), None, size=size, ranks=ranks)
-                rec.done = True  # counted and sized; completion is a lazy wait_tensor, so untimed
+            if not self._should_record():
+                return original(*args, **kwargs)
+            arguments = sig.bind(*args, **kwargs).arguments
+            _, ranks, size = funcol._expand_group(arguments["group"])
+            nbytes = sizer(arguments)
+            if issuer is not None and _on_cpu(arguments.get("self")):
+                issued = self._issue_funcol(issuer, arguments, op=op, nbytes=nbytes, size=size, ranks=ranks)
+                if issued is not None:
+                    return issued
+            rec = self._new_record(op, nbytes, None, size=size, ranks=ranks)
+            rec.done = rec.untimed = True
             with self._nested():
                 return original(*args, **kwargs)
 
         return wrapper
+
+    def _issue_funcol(self, issuer: Callable, arguments: dict[str, Any], *, op: str, nbytes: int, size: int,
+                      ranks: Any) -> Any:
+        """Run `issuer`; the record starts when it issues the collective (after any copy it makes first) and ends
+        as any asynchronous collective's does. None: the issuer declined (nothing issued)."""
+        started: list[_Record] = []
+
+        def issue(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+            tensors = [t for t in args if isinstance(t, torch.Tensor)]
+            started.append(self._new_record(op, nbytes, None, size=size, ranks=ranks, device=self._device(tensors)))
+            with self._nested():
+                return fn(*args, **kwargs)
+
+        try:
+            issued = issuer(issue, arguments)
+        except BaseException:
+            for rec in started:
+                rec.done = rec.untimed = True
+            raise
+        if issued is None:
+            return None
+        result, work, buffers = issued
+        rec = started[0]
+        if work is None:  # this rank is not in the group: nothing ran
+            rec.done = True
+        elif rec.device is not None:
+            rec.end_event = self._cuda.end_after(work, rec.device, buffers)
+            rec.done, rec.untimed = True, rec.end_event is None
+        else:
+            self._on_complete([rec], work)
+        return result
 
     def _wrap(self, original: Callable, op: str, sizer: Callable[[dict[str, Any]], int]) -> Callable:
         sig = inspect.signature(original)
@@ -540,10 +596,11 @@ class CommTracker:
         if works and len(works) == len(recs):
             for rec, work, tensor in zip(recs, works, tensors):
                 rec.end_event = self._cuda.end_after(work, rec.device, [tensor])
+                rec.untimed = rec.end_event is None
         elif works:
             end = self._cuda.end_after(works[-1], recs[0].device, tensors)
             for rec in recs:
-                rec.end_event = end
+                rec.end_event, rec.untimed = end, end is None
         for rec in recs:
             rec.done = True
         return works
@@ -570,6 +627,55 @@ class CommTracker:
         with self._lock:
             self._records[:0] = pending
         return totals
+
+
+def _on_cpu(tensor: Any) -> bool:
+    """Whether a functional collective's input lives on the CPU: only there is it issued from Python (gloo, where
+    tensor parallelism's losses are tested equal to one process's). On CUDA torch's own op runs it, untimed, until a
+    GPU has shown the Python issue on NCCL gives the same training (docs/GPU.md)."""
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"
+
+
+def comm_keys(totals: dict[str, OpTotals], num_steps: int, *, multi_node: bool = False) -> dict[str, float]:
+    """A window's collectives per step, as its record names them: `comm/<op>/{count,bytes,time_s,busbw_gbps}`,
+    `comm/<dim>/<op>/...` per named mesh dimension, and on several nodes `comm/<op>/inter_node_bytes`.
+
+    An op with calls whose completion is unknown (`OpTotals.untimed`) gets `comm/<op>/untimed_count` and no
+    `time_s` (the timed part alone would read as the whole); its bus bandwidth, of the timed calls, only where
+    some were timed. `comm/untimed_count` sums them over ops (absent when every call was timed).
+    """
+    n = num_steps
+    out: dict[str, float] = {}
+    untimed = 0
+    for op, t in totals.items():
+        out[f"comm/{op}/count"] = t.count / n
+        out[f"comm/{op}/bytes"] = t.bytes / n
+        if t.untimed:
+            out[f"comm/{op}/untimed_count"] = t.untimed / n
+            untimed += t.untimed
+        else:
+            out[f"comm/{op}/time_s"] = t.time_s / n
+        if t.timed_bytes or not t.untimed:  # until the recorder takes out the waits for peers
+            out[f"comm/{op}/busbw_gbps"] = t.busbw_gbps(op)
+        if multi_node:  # of those bytes, the ones whose group spans nodes
+            out[f"comm/{op}/inter_node_bytes"] = t.inter_node_bytes / n
+        for dim, (count, nbytes, time_s, dim_untimed) in t.by_dim.items():  # the same ops, by mesh dimension
+            out[f"comm/{dim}/{op}/count"] = count / n
+            out[f"comm/{dim}/{op}/bytes"] = nbytes / n
+            if dim_untimed:
+                out[f"comm/{dim}/{op}/untimed_count"] = dim_untimed / n
+            else:
+                out[f"comm/{dim}/{op}/time_s"] = time_s / n
+    if untimed:
+        out["comm/untimed_count"] = untimed / n
+    return out
+
+
+def total_comm_s(rec: dict[str, Any]) -> float | None:
+    """Collective time per step over every op of a record; None where some collective was not timed."""
+    if rec.get("comm/untimed_count"):
+        return None
+    return sum(rec.get(f"comm/{op}/time_s", 0.0) for op in COMM_OPS)
 
 
 class _WatchedWork:

@@ -9,6 +9,9 @@ live tensors (what decides out-of-memory) is the allocator's on CUDA and torch's
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -174,6 +177,70 @@ class HostPeak:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # lifetime peak, never reset
+
+
+_STATM = "/proc/self/statm"
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def anon_bytes() -> int | None:
+    """This process's anonymous resident memory now (Linux RssAnon: resident pages less file-backed and shared
+    ones, from /proc/self/statm, as psutil's `rss - shared`); None where /proc is not there."""
+    try:
+        with open(_STATM, "rb") as f:
+            fields = f.read().split()
+    except OSError:
+        return None
+    return (int(fields[1]) - int(fields[2])) * _PAGE_BYTES
+
+
+class AnonPeak:
+    """The peak of this process's anonymous resident memory from `start()` to `stop()`, sampled by a daemon thread.
+
+    Linux keeps a high-water mark of the whole resident set (VmHWM) but none of its anonymous part, and VmHWM counts
+    the pages of memory-mapped weight files a rank has read: shared page cache the kernel can drop, not what the
+    process allocated. So a thread reads RssAnon every `interval_s` (and once at start and at stop): a rise and fall
+    shorter than the interval can be missed. It costs one read of /proc per interval, and is meant for set-up only:
+    the telemetry stops it before the first step. A sampler dropped without `stop()` ends its thread too."""
+
+    def __init__(self, *, interval_s: float = 0.02) -> None:
+        self.interval_s = interval_s
+        self._peak: list[int] = []  # shared with the thread, which holds no reference to this object
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        weakref.finalize(self, self._done.set)
+
+    def start(self) -> AnonPeak:
+        first = anon_bytes()
+        if first is None:  # no /proc: nothing to sample
+            return self
+        self._peak.append(first)
+        self._thread = threading.Thread(target=_sample, args=(self._peak, self._done, self.interval_s),
+                                        name="dist_train-anon-peak", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> int | None:
+        """End the sampling (idempotent); the peak in bytes, None where nothing was sampled."""
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            now = anon_bytes()
+            self._peak[0] = max(self._peak[0], now or 0)
+        return self._peak[0] if self._peak else None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The peak so far (while sampling: up to the last reading)."""
+        return self._peak[0] if self._peak else None
+
+
+def _sample(peak: list[int], done: threading.Event, interval_s: float) -> None:
+    while not done.wait(interval_s):
+        now = anon_bytes()
+        if now is not None and now > peak[0]:
+            peak[0] = now
 
 
 def cuda_peaks(devices: list[torch.device]) -> dict[str, int]:

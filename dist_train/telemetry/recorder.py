@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from dist_train.contracts import Runtime, StepOutput, Strategy
 from dist_train.telemetry.activations import ActivationMeter
-from dist_train.telemetry.comm import COMM_OPS, CommTracker, busbw_gbps, peer_wait
-from dist_train.telemetry.memory import HostPeak, LiveMeter, cuda_peaks, reset_cuda_peaks
+from dist_train.telemetry.comm import CommTracker, busbw_gbps, comm_keys, peer_wait, total_comm_s
+from dist_train.telemetry.memory import AnonPeak, HostPeak, LiveMeter, cuda_peaks, reset_cuda_peaks
 from dist_train.telemetry.sinks import Sink
 
 log = logging.getLogger("dist_train")
@@ -75,6 +75,9 @@ class Telemetry:
     tracker: CommTracker | None = None
     activations: ActivationMeter | None = None
     live: LiveMeter | None = None  # peak of all live tensors on the CPU (CUDA: the allocator's peak)
+    # The first step whose peak of live tensors is reported (live_step): the one LiveMeter follows on the CPU; on
+    # CUDA every window ending there or later. None: the run ends before the optimizer's state exists.
+    live_step: int | None = None
     # fp16 loss scaling: a non-finite gradient norm means the scaler skipped that step (counted, not fatal).
     skips_allowed: bool = False
     _host: HostPeak = field(default_factory=HostPeak)
@@ -90,6 +93,7 @@ class Telemetry:
     _setup_peaks: dict[str, int] = field(default_factory=dict)  # memory/setup_peak_*: set-up's peaks, read at start
     # Set-up's memory milestones (session._strategy): resident bytes before the model was built, peak once loaded.
     setup_memory: dict[str, int] = field(default_factory=dict)
+    setup_anon: AnonPeak | None = None  # sampling anonymous memory since set-up began; stopped at start()
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss) of every evaluation
     _eval: dict[str, float] = field(default_factory=dict)  # the evaluation at the window's last step, for its records
     _eval_end_s: float | None = None  # when it ended: the next window starts there
@@ -129,8 +133,10 @@ class Telemetry:
         self._reset_peaks()
 
     def start(self) -> None:
-        self._setup_peaks = setup_peaks(self._host, self.strategy.devices)  # before the first step: what set-up itself held
+        # Before the first step: what set-up itself held.
+        self._setup_peaks = setup_peaks(self._host, self.strategy.devices, anon=self.setup_anon)
         self._setup_peaks.update(self.setup_memory)
+        log.info("set-up peak: %s", describe_setup_peaks(self._setup_peaks))
         self._reset_peaks()
         if self.tracker is not None:
             self.tracker.drain()  # set-up traffic (DDP's initial broadcast, ...) is not a step's
@@ -138,8 +144,8 @@ class Telemetry:
 
     def measuring(self, step: int, *, live: bool = False) -> Any:
         """Context for the step itself: activation bytes are counted on the first step of each logging window,
-        and on the CPU the peak of all live tensors once, on the step the loop names `live` (a warm-up step:
-        torch's MemTracker makes it several times slower, so the steady step times leave it out).
+        and on the CPU the peak of all live tensors once, on the step the loop names `live` (`live_step`: a
+        warm-up step where the run is long enough, since torch's MemTracker makes it several times slower).
 
         Every step saves the same tensors (same shapes, same graph), so one step per window gives the window's
         peak; counting every step would cost each step a Python call per saved tensor and per release."""
@@ -216,8 +222,9 @@ class Telemetry:
             if self.activations.weights_peak_bytes:
                 rec["memory/weight_copies_bytes"] = self.activations.weights_peak_bytes
         rec.update(cuda_peaks(self.strategy.devices))
-        if "memory/peak_allocated_bytes" in rec:  # on CUDA the allocator's peak is every live tensor's
-            rec["memory/peak_live_bytes"] = rec["memory/peak_allocated_bytes"]
+        if "memory/peak_allocated_bytes" in rec:  # on CUDA the allocator's peak is every live tensor's,
+            if self.live_step is not None and step >= self.live_step:  # once the optimizer's state exists
+                rec["memory/peak_live_bytes"] = rec["memory/peak_allocated_bytes"]
         elif self.live is not None and self.live.peak_bytes:  # in the window of the step it followed
             rec["memory/peak_live_bytes"] = self.live.peak_bytes
             for category, nbytes in self.live.peak_by_category.items():
@@ -226,28 +233,18 @@ class Telemetry:
         rec["memory/peak_rss_bytes"] = self._host.peak_bytes()
         rec.update(self._setup_peaks)
         if self.tracker is not None:
-            calls: dict[str, Any] = {}
-            group_sizes: dict[str, int] = {}
-            for op, totals in self.tracker.drain().items():
-                rec[f"comm/{op}/count"] = totals.count / n
-                rec[f"comm/{op}/bytes"] = totals.bytes / n
-                rec[f"comm/{op}/time_s"] = totals.time_s / n
-                rec[f"comm/{op}/busbw_gbps"] = totals.busbw_gbps(op)  # until `_add_transfers` takes out the waits
-                calls[op], group_sizes[op] = totals.calls, totals.group_size
-                if self.tracker.multi_node:  # of those bytes, the ones whose group spans nodes
-                    rec[f"comm/{op}/inter_node_bytes"] = totals.inter_node_bytes / n
-                for dim, (count, nbytes, time_s) in totals.by_dim.items():  # the same ops, by mesh dimension
-                    rec[f"comm/{dim}/{op}/count"] = count / n
-                    rec[f"comm/{dim}/{op}/bytes"] = nbytes / n
-                    rec[f"comm/{dim}/{op}/time_s"] = time_s / n
+            totals = self.tracker.drain()
+            rec.update(comm_keys(totals, n, multi_node=self.tracker.multi_node))
             # Issue times on the host's monotonic clock (CUDA events are mapped onto it): comparable across the
             # ranks of a host, so each call's wait for late peers is split out (`wait_s`), on gloo and on NCCL.
-            rec["_comm_calls"], rec["_comm_group_size"] = calls, group_sizes
+            rec["_comm_calls"] = {op: t.calls for op, t in totals.items()}
+            rec["_comm_group_size"] = {op: t.group_size for op, t in totals.items()}
         rec.update(self.strategy.extra_metrics())
         rec["time/step_s"] = (self.step_end_s[-1] - self._window_start_s) / n
-        if self.tracker is not None:  # collective time (an upper bound of the exposed part) and the rest
-            rec["time/comm_s"] = sum(rec.get(f"comm/{op}/time_s", 0.0) for op in COMM_OPS)
-            rec["time/compute_s"] = max(rec["time/step_s"] - rec["time/comm_s"], 0.0)
+        comm_s = total_comm_s(rec) if self.tracker is not None else None
+        if comm_s is not None:  # collective time (an upper bound of the exposed part) and the rest; neither
+            rec["time/comm_s"] = comm_s  # where some collective ran untimed (`comm/untimed_count`)
+            rec["time/compute_s"] = max(rec["time/step_s"] - comm_s, 0.0)
         rec["time/checkpoint_s"] = self._checkpoint_s / n
         rec["_losses"] = [
             (float(p.loss_sum.detach().float().cpu()) if p.loss_sum is not None else None, p.num_microbatches)
@@ -276,6 +273,8 @@ class Telemetry:
         split = peer_wait({r["rank"]: r["_comm_calls"] for r in records}, {r["rank"]: r["node"] for r in records})
         for r in records:
             for op, t in split[r["rank"]].items():
+                if f"comm/{op}/time_s" not in r:  # some of its calls untimed: no split of a time not known
+                    continue
                 r[f"comm/{op}/wait_s"] = t.wait_s / num_steps
                 if t.timed_bytes:
                     r[f"comm/{op}/busbw_gbps"] = busbw_gbps(op, t.timed_bytes, t.transfer_s, r["_comm_group_size"][op])
@@ -388,14 +387,45 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 80.0))
 
 
-def setup_peaks(host: HostPeak, devices: list[torch.device]) -> dict[str, int]:
-    """This process's peaks from its start to now (the end of set-up; nothing reset them yet): resident host memory
-    (VmHWM, imports included: it starts again at exec, where Linux's ru_maxrss keeps the launcher's) and, on CUDA,
-    the allocator's. Weights a loader memory-maps count only once touched: a model mapped whole but read by the
-    first step shows in that step's memory/peak_rss_bytes."""
+def setup_peaks(host: HostPeak, devices: list[torch.device], *, anon: AnonPeak | None = None) -> dict[str, int]:
+    """This process's peaks of set-up, read at its end (nothing reset them yet):
+    - memory/setup_peak_anon_bytes: anonymous resident memory, what the process allocated, sampled by `anon` (which
+      this stops) from the start of set-up (session.build_session, after imports and the process group);
+    - memory/setup_peak_rss_bytes: resident memory from the process's start (VmHWM, imports included: it starts
+      again at exec, where Linux's ru_maxrss keeps the launcher's), with the pages of memory-mapped weight files
+      the rank read: shared page cache, which the kernel can drop;
+    - on CUDA, the allocator's peak."""
     out = {"memory/setup_peak_rss_bytes": host.peak_bytes()}
+    peak = anon.stop() if anon is not None else None
+    if peak is not None:
+        out["memory/setup_peak_anon_bytes"] = peak
     cuda = [d for d in devices if d.type == "cuda"]
     if cuda:
         out["memory/setup_peak_allocated_bytes"] = max(torch.cuda.max_memory_allocated(d) for d in cuda)
     return out
+
+
+def describe_setup_peaks(peaks: dict[str, int]) -> str:
+    """One line for the log: set-up's anonymous peak, then its resident one (VmHWM)."""
+    mib = 2**20
+    anon = peaks.get("memory/setup_peak_anon_bytes")
+    parts = [f"{anon / mib:.1f} MiB anonymous"] if anon is not None else []
+    parts.append(f"{peaks['memory/setup_peak_rss_bytes'] / mib:.1f} MiB resident (pages of mapped files included)")
+    if "memory/setup_peak_allocated_bytes" in peaks:
+        parts.append(f"{peaks['memory/setup_peak_allocated_bytes'] / mib:.1f} MiB allocated on the device")
+    return ", ".join(parts)
+
+
+def live_step(*, start_step: int, last_step: int, warmup_steps: int) -> int | None:
+    """The first step whose peak of all live tensors is reported, None where the run ends before it.
+
+    A torch optimizer makes its state (AdamW's moments) at its first step(), so the peak of a fresh run's first
+    step misses it (14% under torch's FSDPMemTracker, measured, which agrees byte for byte from the second step
+    on); a resumed run loads the state with the checkpoint before its first step (DCP's load and DeepSpeed's engine
+    alike: a resumed fsdp and zero2 run's first step had it, measured), so that step has it. Not before `start_step + warmup_steps` either, as far as the run has a
+    step after that: on the CPU the step MemTracker follows is the last warm-up step (warmup_steps: those
+    wanted, that one included), except where the run is too short (a fresh run of 2 steps: step 2)."""
+    first_with_state = 2 if start_step == 0 else 1
+    step = start_step + max(min(warmup_steps, last_step - start_step - 1), first_with_state)
+    return step if step <= last_step else None
 
