@@ -96,6 +96,15 @@ def test_parameter_counts_match_the_built_models():
     assert PRESETS["70b"].num_params == pytest.approx(68.98e9, rel=1e-3)
 
 
+def test_every_estimator_preset_is_the_same_shape_as_training_knows_by_that_name():
+    """`model=70b` names one shape everywhere: the estimator's preset and conf/model/70b.yaml (what training, the
+    advisor's suggested command and --check-config read)."""
+    from dist_train.estimate.compose import model_config
+
+    for key, preset in PRESETS.items():
+        assert ModelShape.from_config(model_config(key)) == preset, key
+
+
 # Small configs of each architecture the estimator counts exactly: head_dim=32 (not hidden / heads = 16) where
 # the architecture takes its own, so a shape that ignored it would miss; gpt2 ties its embeddings by default.
 HF_ARCHS = {
@@ -419,8 +428,8 @@ def test_cli_fit_models_take_the_printed_names(capsys):
 @pytest.mark.parametrize("args, says", [
     (["fit.models=[llama2-8b]"], "fit.models: 'llama2-8b' is not a model; allowed: 7b, 13b, 70b, llama2-7b"),
     (["fit.models=[hf]"], "fit.models: 'hf' needs a model directory"),
-    (["model=8b"], "model=8b is not an option (no conf/model/8b.yaml, no estimator preset); available: gpt2_small, "
-                   "hf, llama_1b, tiny, or the presets 7b, 13b, 70b (llama2-7b, llama2-13b, llama2-70b)"),
+    (["model=8b"], "model=8b is not an option (no conf/model/8b.yaml); available: 13b, 70b, 7b, gpt2_small, hf, "
+                   "llama_1b, tiny (or the presets by the names the tables print: llama2-7b, llama2-13b, llama2-70b)"),
     (["fit.strategies=[banana]"], "fit.strategies: strategy 'banana': cannot tell its family"),
     (["fit.gpus=[0]"], "fit.gpus: 0 GPUs; each count must be >= 1"),
     (["fit.seq_len=4096"], "fit.seq_len is no longer an option; the breakdown and the fit table share one"),
@@ -523,3 +532,89 @@ def test_zero12_peak_live_holds_the_reduction_bucket_read_from_the_run_config():
             assert rank.peak_live == rank.total + 100000 * elem
     zero3 = predict_memory(shape, setup_from_config(config(3, "fp32", small), world_size=2))[0]
     assert zero3.peak_live is None
+
+
+# ---------------------------------------------------------------- the estimator refuses what training refuses
+def _stablelm_dir(root) -> str:
+    """A StableLM directory (config.json only): transformers has neither a tensor-parallel nor a pipeline plan
+    for it, so training refuses strategy=tp and strategy=gpipe with it."""
+    from transformers import StableLmConfig
+
+    StableLmConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4,
+                   max_position_embeddings=128).save_pretrained(root)
+    return str(root)
+
+
+def test_the_estimator_refuses_what_training_refuses_with_the_same_line(capsys, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import TRAIN, env
+
+    overrides = ["strategy=tp", "model=hf", f"model.path={_stablelm_dir(tmp_path)}"]
+    proc = subprocess.run([sys.executable, str(TRAIN), "--check-config", *overrides], capture_output=True, text=True,
+                          env={**env(), "WORLD_SIZE": "2"}, cwd=tmp_path, timeout=120)
+    trained = [ln for ln in proc.stderr.splitlines() if ln.startswith("config error:")]
+    assert proc.returncode == 2 and len(trained) == 1, proc.stderr[-2000:]
+    assert "has no tensor-parallel plan" in trained[0]
+
+    assert estimate_main([*overrides, "world_size=2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines() == trained  # no table, the same one line
+
+    assert estimate_main(["strategy=gpipe", *overrides[1:], "world_size=2", "format=json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines() == [
+        "config error: strategy=gpipe: model.arch=stablelm has no pipeline plan of the form embeddings, blocks, "
+        "final norm in transformers (base_model_pp_plan: none), so it cannot be cut into stages; use fsdp, ddp or a "
+        "ZeRO stage"]
+    # what training runs with that model still gets its tables; their fit rows for it under a pipeline or tp are
+    # n/a, with training's reason
+    assert estimate_main(["strategy=fsdp", *overrides[1:], "world_size=2", "fit.strategies=[fsdp,gpipe,tp]"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy fsdp (fsdp) on 2 ranks" in out
+    rows = _fit_rows(out)
+    own = next(m for m, _ in rows)
+    assert rows[(own, "gpipe")] == rows[(own, "tp")] == ["n/a"] * 3 and rows[(own, "fsdp")][0].endswith("ok")
+    assert f"n/a: {own} gpipe: launch/train.py refuses it: pipelines: model.arch=stablelm has no pipeline plan" in out
+    assert f"n/a: {own} tp: launch/train.py refuses it: tensor parallelism: model.arch=stablelm has no" in out
+    assert rows[("llama2-7b", "gpipe")][0].endswith("ok")  # a Llama splits
+
+
+@pytest.mark.parametrize("args, refusal", [
+    (["strategy=gpipe", "model=tiny", "world_size=8"], "model.num_layers=4 is fewer than the 8 pipeline stages"),
+    (["strategy=tp", "model=tiny", "world_size=8"], "strategy=tp splits model.num_heads=4 8 ways"),
+    (["strategy=ddp", "train.global_batch_size=6", "world_size=4"], "train.global_batch_size=6 must be divisible"),
+])
+def test_the_world_size_is_checked_as_training_would_check_it(capsys, args, refusal):
+    assert estimate_main(args) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: ") and refusal in lines[0], lines
+
+
+def test_set_ups_training_runs_still_estimate_at_any_world_size_and_for_a_gpu_machine(capsys):
+    """Huge worlds and shapes given without files; offloading is checked as on a machine with GPUs (this one may
+    have none: training here would refuse it, a GPU node runs it)."""
+    assert estimate_main(["strategy=fsdp", "model=70b", "world_size=4096", "format=json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["world_size"] == 4096
+    assert estimate_main(["strategy=zero3_offload", "model=7b", "world_size=64", "format=json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["strategy"] == "zero3_offload"
+
+
+def test_tp_says_what_its_split_is_over(capsys):
+    """tp halves the projections and the vocabulary on 2 ranks: the "sharded over" column said 1 beside halved
+    figures."""
+    from dist_train.estimate.memory import tp_rank_params
+
+    assert estimate_main(["strategy=tp", "model=llama_1b", "world_size=2"]) == 0
+    out = capsys.readouterr().out
+    weights = next(ln for ln in out.splitlines() if ln.startswith("weights "))
+    assert weights.split()[1:4] == ["4", "2", "(tp)"]
+    shape = ModelShape.from_config(model_config("llama_1b"))
+    per_rank = tp_rank_params(shape, _setup("tp", "tp", world_size=2))
+    assert shape.num_params / 2 < per_rank < shape.num_params * 0.55  # halved, but for the norms kept whole
+    assert "(tp 2: each layer's matmul weights" in out
+    assert estimate_main(["strategy=fsdp_tp", "model=llama_1b", "world_size=8", "format=json"]) == 0
+    setup = json.loads(capsys.readouterr().out)["setup"]
+    assert (setup["data_parallel_size"], setup["tensor_parallel_size"]) == (4, 2)

@@ -211,6 +211,9 @@ def test_json_answer_for_70b_on_16_nodes():
         assert p["tokens_per_s"] == pytest.approx(512 * 4096 / p["step_s"])
         assert c["command"].startswith("sbatch --nodes=16 --gpus-per-node=8 launch/slurm.sbatch ")
         assert f"strategy={c['strategy']}" in c["overrides"]
+        # the preset is a model option of its own (conf/model/70b.yaml), not twenty model.* overrides
+        assert " model=70b " in c["command"] and "model.num_layers" not in c["command"]
+        assert len(c["command"]) < 300, c["command"]
     steps = [c["predicted"]["step_s"] for c in out["candidates"]]
     assert steps == sorted(steps)
     whys = {o["strategy"]: o["why"] for o in out["others"]}
@@ -293,3 +296,24 @@ def test_the_comparison_row_gets_the_predicted_step_of_its_device(tmp_path):
     csv_path, _ = write_tables([row], tmp_path)
     header = csv_path.read_text().splitlines()[0].split(",")
     assert {"pred_step_s", "err_step_s", "pred_comm_bytes_per_step"} <= set(header)
+
+
+def test_the_advisor_drops_what_training_refuses_with_trainings_line_for_the_cluster_it_plans(tmp_path):
+    """A StableLM directory: transformers has no tensor-parallel plan for it, so training refuses tp; the advisor's
+    reason is training's one line (once, not followed by its cause again). For a GPU cluster a GPU is assumed
+    (fp16 under DeepSpeed needs one; this machine may have none)."""
+    from types import SimpleNamespace
+
+    from transformers import StableLmConfig
+
+    from dist_train.plan.cli import candidate_check
+
+    StableLmConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, max_position_embeddings=128).save_pretrained(tmp_path)
+    training = ["logger=none", "model=hf", f"model.path={tmp_path}"]
+    check = candidate_check(training, 4, 2, here=False)
+    assert check(SimpleNamespace(overrides=("strategy=tp",))) == (
+        "strategy=tp: model.arch=stablelm has no tensor-parallel plan in transformers (base_model_tp_plan), so its "
+        "projections cannot be split; use fsdp, ddp, a ZeRO stage or a pipeline")
+    assert check(SimpleNamespace(overrides=("strategy=fsdp",))) is None
+    assert check(SimpleNamespace(overrides=("strategy=zero2", "precision=fp16"))) is None  # on a GPU machine

@@ -28,7 +28,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dist_train.estimate.comm import bus_factor, predict_comm, ring_bytes, ring_volume_psi
-from dist_train.estimate.dryrun import dryrun_rows, dryrun_section, supported, training_run
+from dist_train.estimate.compose import check_as_training
+from dist_train.estimate.dryrun import dryrun_rows, dryrun_section, supported
 from dist_train.estimate.fit import DEFAULT_FIT_GPUS, DEFAULT_FIT_STRATEGIES, FitCell, FitModel, fit_table
 from dist_train.estimate.memory import (
     RankMemory,
@@ -251,8 +252,9 @@ def resolve_model_choice(training: list[str]) -> list[str]:
         return training
     preset = find_preset(name)
     if preset is None:
-        raise ValueError(f"model={name} is not an option (no conf/model/{name}.yaml, no estimator preset); "
-                         f"available: {', '.join(groups)}, or the presets {preset_names()}")
+        printed = ", ".join(s.name for s in PRESETS.values())
+        raise ValueError(f"model={name} is not an option (no conf/model/{name}.yaml); available: {', '.join(groups)} "
+                         f"(or the presets by the names the tables print: {printed})")
     return shape_overrides(preset) + [a for a in training if a not in choices]
 
 
@@ -277,11 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     """Bad input of any kind (our checks, Hydra's composition, OmegaConf's types) is one `config error:` line."""
     from hydra.errors import HydraException
 
-    from dist_train.entry import one_line, report_config_error
+    from dist_train.config import ConfigError
+    from dist_train.entry import one_line, print_help, report_config_error
+    from dist_train.paths import expand_overrides
 
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = expand_overrides(sys.argv[1:] if argv is None else list(argv))  # model.path=~/m, as the shell left it
     if "--help" in argv or "-h" in argv:  # before Hydra's override parser, which cannot read it
-        print(help_text())
+        print_help(help_text())
         return 0
     own, training = split_args(argv)
     try:
@@ -293,13 +297,19 @@ def main(argv: list[str] | None = None) -> int:
             cfg, world_size=args.world_size, regime=args.regime, **checkpointing,
             **({"strategy": unlisted} if unlisted else {}),
         )
-        models = fit_models(shape, args.fit)
+        dryrun_overrides = resolve_model_choice(training)
         if args.dryrun.ranks:
             why_not = supported(setup.family, setup.strategy)
             if why_not:
                 raise ValueError(why_not)
-            dryrun_overrides = resolve_model_choice(training)
-            training_run(dryrun_overrides, world_size=args.world_size)  # what training would refuse, refused now
+        refused: dict[str, str] = {}
+        if unlisted is None:  # a strategy with no YAML yet: nothing of training's to check it against
+            # training's checks, training's line; the dry run runs here, so it is checked for this machine
+            run = check_as_training(dryrun_overrides, world_size=args.world_size, here=bool(args.dryrun.ranks))
+            refused = model_refusals(run)
+        models = fit_models(shape, args.fit, refused=refused)
+    except ConfigError as exc:  # our own checks' line, as launch/train.py prints it
+        return report_config_error(str(exc))
     except (ValueError, OmegaConfBaseException, HydraException) as exc:
         return report_config_error(one_line(exc))
     dry: list[dict[str, Any]] = []
@@ -331,8 +341,10 @@ def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
     return {
         "model": {**asdict(shape), "num_params": shape.num_params},
         "setup": {**asdict(setup), "resolved_regime": setup.resolved_regime,
-                  "data_parallel_size": setup.data_parallel_size, "microbatches_per_step": setup.microbatches_per_step},
+                  "data_parallel_size": setup.data_parallel_size, "microbatches_per_step": setup.microbatches_per_step,
+                  "tensor_parallel_size": setup.tensor_parallel_size},
         "bytes_per_param": asdict(setup_state_bytes(with_model(shape, setup))),
+        # data-parallel sharding; tensor parallelism splits each rank's share further (setup.tensor_parallel_size)
         "sharded_over": asdict(shards(setup)),
         "memory_per_rank": [_rank_json(r) for r in predict_memory(shape, setup)],
         "activations_with_the_other_checkpointing": [r.activations for r in other],
@@ -381,11 +393,12 @@ def memory_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> st
     show = list(range(len(ranks))) if len(set(ranks)) > 1 and len(ranks) <= 8 else [0]
     cols = [f"rank {r}" for r in show] if len(show) > 1 else ["per rank"]
     other = "with" if not setup.activation_checkpointing else "without"
+    t = setup.tensor_parallel_size
     rows: list[list[object]] = [
-        ["weights", b.weights, sh.weights, *(human_bytes(ranks[r].params) for r in show)],
-        ["gradients", b.grads, sh.grads, *(human_bytes(ranks[r].grads) for r in show)],
-        ["master weights", b.master, sh.optimizer, *(human_bytes(ranks[r].master) for r in show)],
-        ["optimizer state", b.optimizer, sh.optimizer, *(human_bytes(ranks[r].optimizer) for r in show)],
+        ["weights", b.weights, split_over(sh.weights, t), *(human_bytes(ranks[r].params) for r in show)],
+        ["gradients", b.grads, split_over(sh.grads, t), *(human_bytes(ranks[r].grads) for r in show)],
+        ["master weights", b.master, split_over(sh.optimizer, t), *(human_bytes(ranks[r].master) for r in show)],
+        ["optimizer state", b.optimizer, split_over(sh.optimizer, t), *(human_bytes(ranks[r].optimizer) for r in show)],
         ["= model state", b.total, "", *(human_bytes(ranks[r].model_state) for r in show)],
         ["activations", "", "", *(human_bytes(ranks[r].activations) for r in show)],
         *_transient_rows(ranks, show),
@@ -400,9 +413,19 @@ def memory_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> st
     return "\n".join([
         "memory per rank (bytes/param before sharding; GiB = 2^30 bytes)",
         text_table(["category", "bytes/param", "sharded over", *cols], rows),
+        *([f"(tp {t}: each layer's matmul weights and column-parallel biases, the embedding and an untied head are "
+           f"split {t} ways; norms, positions and row-parallel biases are whole on every rank)"] if t > 1 else []),
         f"KV cache for inference (2 x batch {kv_batch} x {shape.num_layers} layers x {shape.kv_heads} kv heads "
         f"x {shape.head_dim} head_dim x context {kv_ctx} x {element_bytes(setup.precision)} B): {human_bytes(kv)}",
     ])
+
+
+def split_over(shards: int, tensor_parallel: int) -> str:
+    """The "sharded over" cell: the ranks a category is divided over, by data-parallel sharding (FSDP, ZeRO) and
+    by tensor parallelism (`2 (tp)`, `4 x 2 (dp x tp)`); tensor parallelism leaves some parameters whole."""
+    if tensor_parallel == 1:
+        return str(shards)
+    return f"{tensor_parallel} (tp)" if shards == 1 else f"{shards} x {tensor_parallel} (dp x tp)"
 
 
 _TRANSIENT = (
@@ -458,8 +481,30 @@ def fit_shape(name: str) -> ModelShape:
                      f"{', '.join(s.name for s in PRESETS.values())}, {', '.join(groups)}")
 
 
-def fit_models(shape: ModelShape, args: FitArgs) -> list[FitModel]:
-    models = [FitModel(shape.name, shape.num_params, shape)]
+def model_refusals(run: Any) -> dict[str, str]:
+    """Strategy families training refuses for the run's own model whatever the world size (a model directory
+    whose architecture has no pipeline or no tensor-parallel plan in transformers), with training's reason: the
+    same checks the strategies run (pipeline.check_splittable, base.check_tensor_parallel)."""
+    from dist_train.config import ConfigError
+    from dist_train.strategies.base import check_tensor_parallel
+    from dist_train.strategies.pipeline import check_splittable
+
+    if run.model.path is None:  # the presets and conf/model shapes: GPT-2 and Llama, which both split
+        return {}
+    out: dict[str, str] = {}
+    for families, check in ((("pipeline",), lambda: check_splittable(run, what="pipelines")),
+                            (("tp", "fsdp_tp"), lambda: check_tensor_parallel(run, 1, what="tensor parallelism"))):
+        try:
+            check()
+        except ConfigError as exc:
+            out.update(dict.fromkeys(families, str(exc)))
+    return out
+
+
+def fit_models(shape: ModelShape, args: FitArgs, *, refused: Optional[dict[str, str]] = None) -> list[FitModel]:
+    """The fit table's models: the run's own first (with the strategy families training refuses for it), then
+    fit.models and fit.params."""
+    models = [FitModel(shape.name, shape.num_params, shape, refused=refused or {})]
     for name in args.models:
         other = fit_shape(name)
         if any(other == m.shape for m in models):
@@ -501,6 +546,8 @@ def fit_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
     mb = "train.micro_batch_size" if f.micro_batch_size is None else "fit.micro_batch_size"
     short = [f"{m.name} (max_seq_len {m.shape.max_seq_len})" for m in models
              if m.shape is not None and m.shape.max_seq_len < setup.seq_len]
+    refusals = dict.fromkeys(f"n/a: {c.model} {c.strategy}: launch/train.py refuses it: {c.note}" for c in cells
+                             if c.peak_bytes is None and c.note in models[0].refused.values())
     return "\n".join([
         f"fits in {args.gpu_gib:g} GiB per GPU? worst rank's GiB: model state + activations of one micro-batch of "
         f"{base.micro_batch_size} x {setup.seq_len} tokens ({mb} x train.seq_len, every model), plus what the peak "
@@ -509,4 +556,5 @@ def fit_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
         "pipeline: one stage per GPU, M = K micro-batches; * = model state only",
         text_table(["model", "strategy", *(f"N={n}" for n in f.gpus)], rows),
         *([f"predicted at {setup.seq_len} tokens beyond the max_seq_len of: {', '.join(short)}"] if short else []),
+        *refusals,
     ])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +36,41 @@ def compose_run(overrides: list[str]) -> Any:
     return _compose(overrides)[1]
 
 
+def check_as_training(overrides: list[str], *, world_size: int, here: bool = False) -> Any:
+    """The RunConfig `launch/train.py <overrides>` would train on `world_size` processes, checked by the checks
+    training runs (checks.validate: the fields, the strategy registry's check_strategy, the optimizer, peft), or
+    the ConfigError whose line `launch/train.py --check-config` prints.
+
+    A prediction (the estimator, the advisor) is for a machine with GPUs, not necessarily this one: the checks that
+    ask this machine whether it has a GPU (DeepSpeed's offloading and fp16, Accelerate's FSDP) are answered as on a
+    GPU machine. `here`: a run on this machine (the dry run, plan.verify) asks this machine."""
+    from dist_train.checks import validate
+
+    run = compose_run(overrides)
+    with contextlib.nullcontext() if here else _as_on_a_gpu_machine():
+        validate(run, world_size)
+    return run
+
+
+@contextlib.contextmanager
+def _as_on_a_gpu_machine() -> Iterator[None]:
+    """torch.cuda reports GPUs for a while (checks only run meanwhile; nothing touches a device): as many as a
+    set-up may name (strategy=dp's device_ids)."""
+    import torch
+
+    saved = torch.cuda.is_available, torch.cuda.device_count
+    torch.cuda.is_available, torch.cuda.device_count = (lambda: True), (lambda: 1 << 16)
+    try:
+        yield
+    finally:
+        torch.cuda.is_available, torch.cuda.device_count = saved
+
+
 def _compose(overrides: list[str]) -> tuple[Any, Any]:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from dist_train.paths import expand_overrides, normalize_paths
     from dist_train.pretrained import resolve_model
     from dist_train.rundir import register_resolvers
     from dist_train.strategies.registry import register_configs
@@ -47,10 +80,11 @@ def _compose(overrides: list[str]) -> tuple[Any, Any]:
     GlobalHydra.instance().clear()  # a caller (tests, compare) may have initialised Hydra already
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=list(overrides))
+            cfg = compose(config_name="config", overrides=expand_overrides(list(overrides)))
     finally:
         GlobalHydra.instance().clear()
     run = OmegaConf.to_object(cfg)
+    normalize_paths(run)
     resolve_model(run.model)  # type: ignore[union-attr]  # model=hf: the sizes come from the directory's config.json
     return cfg, run
 

@@ -409,7 +409,7 @@ def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, A
             continue
         out[f"comm/{op}/count"] = totals.count
         out[f"comm/{op}/bytes"] = totals.bytes
-        for dim, (count, nbytes, _) in totals.by_dim.items():
+        for dim, (count, nbytes, *_) in totals.by_dim.items():  # [count, bytes, time_s, untimed]
             out[f"comm/{dim}/{op}/count"] = count
             out[f"comm/{dim}/{op}/bytes"] = nbytes
     out["memory/peak_live_bytes"] = meter.peak_bytes

@@ -3,7 +3,8 @@ the peak of all live tensors where the estimator models it, else model state plu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from dist_train.estimate.memory import SHAPED_OPTIMIZERS, RankMemory, model_state_bytes, predict_memory
@@ -23,6 +24,9 @@ class FitModel:
     name: str
     num_params: float
     shape: Optional[ModelShape] = None
+    # strategy family -> why training refuses this model under it at any world size (a model directory whose
+    # architecture has no pipeline or tensor-parallel plan): its cells are n/a with that reason
+    refused: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ def fit_cell(model: FitModel, *, base: Setup, strategy: str, world_size: int, gp
     setup = replace(base, strategy=strategy, family=family, zero_stage=stage, schedule=schedule,
                     world_size=world_size, split_points=None,
                     num_microbatches=world_size if family == "pipeline" else None, global_batch_size=None)
+    if family in model.refused:
+        return FitCell(model.name, strategy, world_size, None, False, model.refused[family])
     if family == "tp":
         if model.shape is None:
             return FitCell(model.name, strategy, world_size, None, False, "needs a model shape")

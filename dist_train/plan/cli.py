@@ -140,19 +140,22 @@ def profile(args: PlanArgs, shape: ModelShape, cfg: dict[str, Any]) -> tuple[Har
     return apply_overrides(hw, c), how
 
 
-def candidate_check(training: list[str], global_batch: int, world_size: int):  # noqa: ANN201
-    """Why launch/train.py would refuse a candidate (its own checks, for world_size processes), or None."""
+def candidate_check(training: list[str], global_batch: int, world_size: int, *, here: bool):  # noqa: ANN201
+    """Why launch/train.py would refuse a candidate (its own checks, for world_size processes, and its line), or
+    None. `here`: for this machine (cluster.gpu=cpu); else for a machine with GPUs (estimate.compose)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from dist_train.checks import validate
+    from dist_train.config import ConfigError
     from dist_train.entry import one_line
-    from dist_train.estimate.compose import compose_run
+    from dist_train.estimate.compose import check_as_training
 
     def check(c: Candidate) -> Optional[str]:
         try:
-            run = compose_run([*training, f"train.global_batch_size={global_batch}", *c.overrides])
-            validate(run, world_size)
+            check_as_training([*training, f"train.global_batch_size={global_batch}", *c.overrides],
+                              world_size=world_size, here=here)
+        except ConfigError as exc:
+            return str(exc)
         except (ValueError, HydraException, OmegaConfBaseException) as exc:
             return one_line(exc)
         return None
@@ -236,12 +239,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from dist_train.entry import one_line, report_config_error
+    from dist_train.entry import one_line, print_help, report_config_error
+    from dist_train.paths import expand_overrides
     from dist_train.estimate.cli import compose, resolve_model_choice
 
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = expand_overrides(sys.argv[1:] if argv is None else list(argv))  # model.path=~/m, as the shell left it
     if "--help" in argv or "-h" in argv:
-        print(help_text())
+        print_help(help_text())
         return 0
     own, user_training = split_args(argv)
     try:
@@ -332,7 +336,8 @@ def _search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, args: PlanArgs
     return search(shape, cfg, hw, nodes=args.cluster.nodes, strategies=tuple(p.strategies),
                   micro_batch_sizes=list(p.micro_batch_sizes) or None, checkpointing=tuple(p.checkpointing),
                   optimizers=list(p.optimizers) or None, memory_fraction=p.memory_fraction,
-                  check=candidate_check(training, global_batch, world), top=max(p.top, p.verify),
+                  check=candidate_check(training, global_batch, world, here=args.cluster.gpu == "cpu"),
+                  top=max(p.top, p.verify),
                   distinct=p.distinct)
 
 
