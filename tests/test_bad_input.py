@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_train.checkpoint.verify import manifest
 from dist_train.compare.runner import run_strategy
 from dist_train.compare.settings import StrategySpec
 from dist_train.entry import one_line
@@ -68,6 +69,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (zero / "COMPLETE").write_text(json.dumps({**marker, "format": "deepspeed"}))
     state = json.loads((zero / "trainer.json").read_text())
     (zero / "trainer.json").write_text(json.dumps({**state, "strategy": "zero2"}))
+    marker = json.loads((zero / "COMPLETE").read_text())  # its list of files as they now are: whole, not damaged
+    (zero / "COMPLETE").write_text(json.dumps({**marker, "files": manifest(zero)}))
     return {"ckpt": str(ckpt), "partial": str(partial), "zero": str(zero)}
 
 

@@ -55,11 +55,11 @@ def _differences(saved: dict[str, Any], run: RunConfig) -> list[str]:
     now = {"model": asdict(run.model), "train": asdict(run.train), "data": asdict(run.data)}
     out = []
     for name, value in now["model"].items():
-        if name not in _MODEL_KEYS_IGNORED and saved.get("model", {}).get(name) != value:
+        if name not in _MODEL_KEYS_IGNORED and _saved(saved, "model", name) != value:
             out.append(f"model.{name}: saved {saved.get('model', {}).get(name)!r}, now {value!r}")
     for dotted in _SAME:
         group, name = dotted.split(".")
-        was, now_value = saved.get(group, {}).get(name), now[group][name]
+        was, now_value = _saved(saved, group, name), now[group][name]
         if was != now_value:
             out.append(f"{dotted}: saved {was!r}, now {now_value!r}")
     was = PrecisionConfig(**saved.get("precision", {}))
@@ -67,3 +67,12 @@ def _differences(saved: dict[str, Any], run: RunConfig) -> list[str]:
         out.append(f"precision: saved {saved.get('precision', {}).get('name')!r}, now {run.precision.name!r} "
                    "(an fp16 loss scaler is part of the state only in fp16)")
     return out
+
+
+def _saved(saved: dict[str, Any], group: str, name: str) -> Any:
+    """A saved value as this run's config holds it: a path option absolute (a checkpoint written before paths were
+    made absolute holds it as typed, relative to the directory the run was started in, which is where we are)."""
+    from dist_train.paths import PATH_KEYS, user_path
+
+    value = saved.get(group, {}).get(name)
+    return user_path(value) if (group, name) in PATH_KEYS and isinstance(value, str) and value else value

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 MARKER = "COMPLETE"
 TRAINER_STATE = "trainer.json"
@@ -61,32 +61,66 @@ def latest(root: Path) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
-def resolve_resume(resume: str, *, default_root: Optional[Path], key: str = "checkpoint.resume") -> Optional[Path]:
+def resolve_resume(
+    resume: str, *, default_root: Optional[Path], key: str = "checkpoint.resume",
+    verify: Optional[Callable[[Path], Optional[str]]] = None, warn: Optional[Callable[[str], None]] = None,
+) -> Optional[Path]:
     """The checkpoint `checkpoint.resume` names, or None to start fresh. Raises ValueError with one line.
 
     auto: the newest complete checkpoint in `default_root` (None if there is none); none: None; a path: that
     checkpoint, or the newest complete one in that directory.
+
+    verify: what is wrong with a complete checkpoint, or None (verify.problem). With it, `auto` and a directory
+    skip a damaged checkpoint for the newest whole one, telling `warn` once per skipped checkpoint (nothing is
+    deleted); a damaged checkpoint named itself, or a directory whose every checkpoint is damaged, is refused.
     """
     if resume == "none":
         return None
     if resume == "auto":
-        return latest(default_root) if default_root is not None else None
+        return _newest_whole(default_root, key=f"{key}=auto", verify=verify, warn=warn) if default_root else None
     path = Path(resume).expanduser()
     key = f"{key}={resume}"
     if not path.exists():
         raise ValueError(f"{key}: no such file or directory")
     if is_complete(path):
+        why = verify(path) if verify is not None else None
+        if why:
+            raise ValueError(f"{key} is damaged and cannot be resumed from: {why}; complete checkpoints beside it: "
+                             f"{_names(complete_checkpoints(path.parent))}")
         return path.resolve()
     if _STEP_DIR.match(path.name) or path.name.endswith(PARTIAL_SUFFIX):
-        others = ", ".join(p.name for _, p in complete_checkpoints(path.parent)) or "none"
         raise ValueError(
             f"{key} is incomplete (no {MARKER} marker: its save was interrupted) and cannot be resumed from; "
-            f"complete checkpoints beside it: {others}"
+            f"complete checkpoints beside it: {_names(complete_checkpoints(path.parent))}"
         )
-    newest = latest(path)
+    newest = _newest_whole(path, key=key, verify=verify, warn=warn)
     if newest is None:
         raise ValueError(f"{key} holds no complete checkpoint (step-NNNNNNNN/{MARKER})")
     return newest.resolve()
+
+
+def _newest_whole(root: Path, *, key: str, verify: Optional[Callable[[Path], Optional[str]]],
+                  warn: Optional[Callable[[str], None]]) -> Optional[Path]:
+    """The newest complete checkpoint under `root` that `verify` finds whole (None: there is no complete one)."""
+    found = complete_checkpoints(root)
+    damaged: list[str] = []
+    for _, path in reversed(found):
+        why = verify(path) if verify is not None else None
+        if not why:
+            return path
+        damaged.append(why)
+        if warn is not None:
+            older = [p.name for _, p in found if p.name < path.name]
+            then = f"trying {older[-1]}" if older else "no older checkpoint"
+            warn(f"{key}: skipping {path.name}, which is damaged: {why}; {then}")
+    if damaged:
+        raise ValueError(f"{key}: every checkpoint in {root} is damaged ({_names(found)}; the newest: {damaged[0]}); "
+                         "checkpoint.resume=none starts from step 1")
+    return None
+
+
+def _names(found: list[tuple[int, Path]]) -> str:
+    return ", ".join(p.name for _, p in found) or "none"
 
 
 def read_marker(path: Path) -> dict[str, Any]:

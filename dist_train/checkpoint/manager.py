@@ -40,6 +40,7 @@ from dist_train.checkpoint.layout import (
     read_trainer_state,
     step_dir_name,
 )
+from dist_train.checkpoint.verify import manifest, problem
 from dist_train.config import CheckpointConfig
 from dist_train.contracts import Runtime
 
@@ -111,7 +112,7 @@ class Checkpointer:
             if tracker is not None:
                 tracker.ignore_group(group)
         me = cls(cfg, root, runtime, io, total_steps, tracker=tracker, group=group, background=background)
-        if runtime.is_main and cfg.every_steps > 0:
+        if runtime.is_main and (cfg.every_steps > 0 or cfg.save_on_signal):
             me._remove_partials()
         return me
 
@@ -170,10 +171,11 @@ class Checkpointer:
             return
         final = self.root / step_dir_name(step)
         if final.exists():  # a step saved again after a resume from an earlier checkpoint
-            shutil.rmtree(final)
+            _set_aside_or_remove(final)
         directory.rename(final)
+        # Every file with its size, so that damage after the commit is found before a resume (verify.problem).
         marker = {"step": step, "format": self.io.format, "world_size": self.runtime.world_size,
-                  "committed_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                  "committed_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": manifest(final)}
         (final / MARKER).write_text(json.dumps(marker))  # last: from here on the checkpoint counts
         log.info("checkpoint step %d: %s", step, final)
         self._prune()
@@ -197,10 +199,27 @@ class Checkpointer:
     def load(self, path: Path) -> dict[str, Any]:
         """Load the strategy's state and this rank's RNG states from a complete checkpoint; return trainer.json."""
         with self._quiet():
-            self.io.load(path)
+            try:
+                self.io.load(path)
+            except Exception as exc:  # damage the pre-flight check cannot see (a tensor's bytes): name the checkpoint
+                raise RuntimeError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); if its files "
+                                   f"are damaged, resume from an older one with checkpoint.resume=PATH") from exc
         rng = _rng_path(path, self.runtime.rank)
         if rng.is_file():
             set_rng_state(torch.load(rng, weights_only=True), self.runtime.device)
         else:  # resumed on more ranks than saved: the new ranks keep their seeded generators
             log.warning("checkpoint %s has no RNG state for rank %d; it keeps its own", path, self.runtime.rank)
         return read_trainer_state(path)
+
+
+def _set_aside_or_remove(final: Path) -> None:
+    """A checkpoint about to be replaced by a new save of its step: removed when whole (it is the same training), but
+    set aside as `<name>.damaged-<time>` when damaged: the run resumed before it, and damage is kept to be looked at,
+    never deleted."""
+    why = problem(final)
+    if not why:
+        shutil.rmtree(final)
+        return
+    aside = final.with_name(f"{final.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+    final.rename(aside)
+    log.warning("checkpoint %s was damaged (%s): set aside as %s", final.name, why, aside)
