@@ -18,8 +18,10 @@ def validate(run: RunConfig, world_size: int) -> None:
 
     A null train.global_batch_size is filled in here (config.resolve_global_batch), before the checks that
     divide it, and `model.path=DIR` fills the model group from the directory's config.json (pretrained.resolve_model)."""
+    from dist_train.paths import normalize_paths
     from dist_train.pretrained import resolve_model
 
+    normalize_paths(run)  # `~`, `$HOME` and relative paths, recorded as absolute ones
     resolve_model(run.model)
     validate_fields(run)
     _check_resume(run.checkpoint.resume)

@@ -13,11 +13,14 @@ import dataclasses
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
+
+from dist_train.token_files import ITEM_BYTES, looks_like_text, max_token_id
 
 
 class ConfigError(ValueError):
@@ -318,6 +321,9 @@ class CheckpointConfig:
     # Write in a background thread (torch.distributed.checkpoint.async_save) where the strategy allows it;
     # the step only waits for the copy of the state to host memory.
     async_save: bool = True
+    # On Ctrl-C or SIGTERM (Slurm's time limit, pre-emption), save the step every rank stopped after, even with
+    # every_steps=0, so that the run can resume; false: stop without saving.
+    save_on_signal: bool = True
 
 
 @dataclass
@@ -376,13 +382,33 @@ def resolve_global_batch(run: RunConfig, world_size: int) -> None:
 
 
 def describe_batch(run: RunConfig, world_size: int) -> str:
-    """The batch this run trains, as its first log lines say it: `global_batch=16 (micro_batch 2 x 8 processes)
-    micro_batch=2 accumulation=1 data_parallel=8`."""
-    t, dp = run.train, run.strategy.data_parallel_size(world_size)
-    how = f" (micro_batch {t.micro_batch_size} x {world_size} process{'es' if world_size > 1 else ''})" \
-        if t.global_batch_size == default_global_batch(t, world_size) else ""
-    return (f"global_batch={t.global_batch_size}{how} micro_batch={t.micro_batch_size} "
-            f"accumulation={accumulation_steps(run, world_size)} data_parallel={dp}")
+    """The batch this run trains and how it is split, as its first log line and `--check-config` say it:
+    `global_batch=16 = micro_batch 2 x accumulation 1 x data_parallel 8` (ddp on 8), then what splits each
+    replica's model over the remaining processes: `global_batch=4 = micro_batch 2 x accumulation 2 x
+    data_parallel 1 | tensor_parallel 2` (tp on 2). A pipeline's micro-batches are its schedule's, not
+    accumulation: `micro_batch 2 x pipeline_microbatches 4 x data_parallel 1 | pipeline_stages 2` (gpipe on 2),
+    with the micro-batch the schedule really feeds (strategy.num_microbatches may set it)."""
+    t, s = run.train, run.strategy
+    dp, micro = s.data_parallel_size(world_size), accumulation_steps(run, world_size)
+    pipelined = hasattr(s, "num_stages")  # the pipeline family (config.py cannot import strategies/)
+    size = t.global_batch_size // dp // micro if pipelined and micro else t.micro_batch_size
+    how = "pipeline_microbatches" if pipelined else "accumulation"
+    split = _model_split(s, world_size, data_parallel=dp)
+    return (f"global_batch={t.global_batch_size} = micro_batch {size} x {how} {micro} x data_parallel {dp}"
+            + (f" | {split}" if split else ""))
+
+
+def _model_split(strategy: "StrategyConfig", world_size: int, *, data_parallel: int) -> str:
+    """What splits one replica's model, by the strategy's own degrees: its pipeline stages, its tensor-parallel
+    degree (world / data-parallel size), nn.DataParallel's split of each micro-batch; "" for none."""
+    if hasattr(strategy, "num_stages"):
+        return f"pipeline_stages {strategy.num_stages(world_size)}"
+    if strategy.splits_projections:
+        return f"tensor_parallel {world_size // data_parallel}"
+    if hasattr(strategy, "device_ids"):  # nn.DataParallel: one process, its GPUs share each micro-batch
+        n = None if strategy.device_ids is None else len(strategy.device_ids)
+        return "nn.DataParallel over every visible GPU" if n is None else f"nn.DataParallel over {n} GPU(s)"
+    return ""
 
 
 def accumulation_steps(run: RunConfig, world_size: int) -> int:
@@ -460,36 +486,102 @@ def _validate_peft(p: PeftConfig) -> None:
     require(0 <= p.dropout < 1, f"peft.dropout={p.dropout} must be in [0, 1)")
 
 
-TOKEN_DTYPES = ("uint16", "uint32")
+TOKEN_DTYPES = tuple(ITEM_BYTES)
 
 
 def token_file_meta(path: str) -> dict[str, Any]:
-    """The JSON beside a token file (`x.bin` -> `x.json`: dtype, vocab_size, tokenizer, ...), or {} (nanoGPT's)."""
-    meta = Path(path).with_suffix(".json")
-    return json.loads(meta.read_text()) if meta.is_file() else {}
+    """The JSON beside a token file (`x.bin` -> `x.json`: dtype, vocab_size, tokenizer, num_tokens, max_id), or {}
+    where there is none (nanoGPT's files). ConfigError if it is there but not a JSON object."""
+    sidecar = Path(path).with_suffix(".json")
+    if not sidecar.is_file():
+        return {}
+    try:
+        meta = json.loads(sidecar.read_text())
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
+        raise ConfigError(f"{sidecar} (the sidecar of {path}) is not JSON ({exc}); launch/prepare_tokens.py writes "
+                          "both files again, or remove it to read the file as uint16 ids") from exc
+    require(isinstance(meta, dict), f"{sidecar} (the sidecar of {path}) is not a JSON object")
+    return meta
 
 
 def _validate_token_file(run: RunConfig) -> None:
     d = run.data
     require(bool(d.path), "data=tokens needs data.path=/path/to/tokens.bin (launch/prepare_tokens.py writes one)")
-    require(os.path.isfile(d.path), f"data.path={d.path!r} is not a readable file")
-    meta = token_file_meta(d.path)
-    dtype = d.dtype or meta.get("dtype", "uint16")
-    choice("data.dtype", dtype, TOKEN_DTYPES)
-    itemsize = 2 if dtype == "uint16" else 4
-    size = os.path.getsize(d.path)
-    require(size % itemsize == 0, f"data.path={d.path!r} has {size} bytes, not a whole number of {dtype} tokens")
+    _check_token_file(run, key="data.path", path=d.path)
+
+
+def _check_token_file(run: RunConfig, *, key: str, path: str) -> None:
+    """A token file against the model, before step 1: not text, a whole number of ids of its dtype (data.dtype,
+    else the sidecar's, else uint16), as many as its sidecar says, one sample at least, and no id the model's
+    vocabulary lacks (the sidecar's max_id, else a scan of the whole file)."""
+    require(os.path.isfile(path), f"{key}={path!r} is not a readable file")
+    require(not looks_like_text(path), _text_file_message(run, key=key, path=path))
+    meta = token_file_meta(path)
+    if meta.get("tokenizer") == "byte":
+        _refuse_bytes_for_pretrained(run, what=f"{key}={path!r} (byte tokens, says its sidecar)")
+    dtype = _token_dtype(run.data.dtype, meta, path=path)
+    itemsize, size = ITEM_BYTES[dtype], os.path.getsize(path)
+    require(size % itemsize == 0, f"{key}={path!r} has {size} bytes, not a whole number of {dtype} tokens "
+                                  f"({itemsize} bytes each): a file cut short, or not a token file")
+    count = meta.get("num_tokens")
+    if count is not None:
+        require(count * itemsize == size,
+                f"{key}={path!r} has {size:,} bytes but its sidecar {Path(path).with_suffix('.json')} says {count:,} "
+                f"{dtype} tokens ({count * itemsize:,} bytes): the sidecar's dtype is wrong or the file changed since; "
+                "write both again with launch/prepare_tokens.py")
     need = run.train.seq_len + 1
-    require(
-        size // itemsize >= need,
-        f"data.path={d.path!r} holds {size // itemsize} tokens; train.seq_len={run.train.seq_len} needs >= {need}",
-    )
+    require(size // itemsize >= need,
+            f"{key}={path!r} holds {size // itemsize} tokens; train.seq_len={run.train.seq_len} needs >= {need}")
     vocab = meta.get("vocab_size")
-    require(
-        vocab is None or vocab <= run.model.vocab_size,
-        f"data.path={d.path!r} was tokenized with {meta.get('tokenizer')!r} ({vocab} tokens) but model.vocab_size="
-        f"{run.model.vocab_size}; set model.vocab_size={vocab} or more",
-    )
+    require(vocab is None or vocab <= run.model.vocab_size,
+            f"{key}={path!r} was tokenized with {meta.get('tokenizer')!r} ({vocab} tokens) but "
+            f"{_vocab_fix(run, need=vocab or 0)}")
+    largest = meta["max_id"] if count is not None and isinstance(meta.get("max_id"), int) else \
+        max_token_id(path, dtype=dtype, announce=_announce)
+    require(largest < run.model.vocab_size,
+            f"{key}={path!r} holds token id {largest} (read as {dtype}) but {_vocab_fix(run, need=largest + 1)}")
+
+
+def _token_dtype(configured: str | None, meta: dict[str, Any], *, path: str) -> str:
+    """data.dtype, else the sidecar's, else uint16 (nanoGPT's); ConfigError where the two disagree, or the
+    sidecar's cannot hold its own vocabulary."""
+    written, sidecar = meta.get("dtype"), Path(path).with_suffix(".json")
+    if written is not None:
+        require(written in TOKEN_DTYPES, f"{sidecar} says dtype={written!r}; a token file holds "
+                                         f"{' or '.join(TOKEN_DTYPES)} ids")
+        require(configured in (None, written), f"data.dtype={configured} but {sidecar} says the file holds {written} "
+                                               "ids; leave data.dtype unset to read it as its sidecar says")
+        vocab = meta.get("vocab_size")
+        require(written != "uint16" or vocab is None or vocab <= 2**16,
+                f"{sidecar} says dtype=uint16 but vocab_size={vocab}: ids up to {vocab - 1 if vocab else 0} do not "
+                "fit in 16 bits; write both files again with launch/prepare_tokens.py")
+    dtype = configured or written or "uint16"
+    choice("data.dtype", dtype, TOKEN_DTYPES)
+    return dtype
+
+
+def _vocab_fix(run: RunConfig, *, need: int) -> str:
+    """`the model's vocabulary; how to make ids up to need - 1 fit`, for a preset or a model directory."""
+    m = run.model
+    if m.path is not None:  # the vocabulary is the directory's (config.json): its own tokenizer fits it
+        return (f"model.path={m.path} has {m.vocab_size} tokens (its config.json); tokenize the text with its "
+                f"tokenizer: python launch/prepare_tokens.py SOURCE OUT.bin --model {m.path}")
+    return f"model.vocab_size={m.vocab_size}; set model.vocab_size={need} or more"
+
+
+def _text_file_message(run: RunConfig, *, key: str, path: str) -> str:
+    out = Path(path).with_suffix(".bin")
+    if out == Path(path):
+        out = out.with_name(f"{out.stem}-tokens.bin")
+    tokenizer = f"--model {run.model.path}" if run.model.path is not None else "--model DIR (or --tokenizer byte)"
+    return (f"{key}={path!r} looks like text, not token ids; tokenize it first with python launch/prepare_tokens.py "
+            f"{path} {out} {tokenizer}, then pass {key}={out} (or train on its bytes with data=textfile)")
+
+
+def _announce(line: str) -> None:
+    """A pre-flight note on stderr, from one process of a launch (every rank runs the checks)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
 
 
 def _validate_eval(run: RunConfig) -> None:
@@ -501,6 +593,8 @@ def _validate_eval(run: RunConfig) -> None:
         require(d.name != "synthetic", f"eval.path={e.path!r} is a file of the same kind as data.path, but "
                                        "data=synthetic reads none (its held-out batches are a stream of their own)")
         require(os.path.isfile(e.path), f"eval.path={e.path!r} is not a readable file")
+        if d.name == "tokens" and e.every_steps:  # read as data.path is: the same checks against the model
+            _check_token_file(run, key="eval.path", path=e.path)
     elif e.every_steps and d.name != "synthetic" and d.path and os.path.isfile(d.path):
         seq, size = run.train.seq_len + 1, os.path.getsize(d.path)
         tokens = size if d.name == "textfile" else size // (4 if (d.dtype or token_file_meta(d.path).get("dtype")) == "uint32" else 2)
@@ -539,4 +633,21 @@ def _validate_data(run: RunConfig) -> None:
         run.model.vocab_size >= 256,
         f"data=textfile uses a byte-level tokenizer (256 tokens) but model.vocab_size={run.model.vocab_size}; "
         "set model.vocab_size=256 or more",
+    )
+    _refuse_bytes_for_pretrained(run, what="data=textfile (its bytes as token ids)")
+
+
+# A pretrained vocabulary this large is not bytes: byte ids fit it, so no id check would stop them.
+BYTE_VOCAB_LIMIT = 1024
+
+
+def _refuse_bytes_for_pretrained(run: RunConfig, *, what: str) -> None:
+    """Byte tokens fed to pretrained weights that learned another tokenizer: they fit any vocabulary and train on
+    meaningless ids without a word, so they are refused (a model of its own, model.init=random, may learn bytes)."""
+    m = run.model
+    require(
+        not (m.path is not None and m.init == "pretrained" and m.vocab_size > BYTE_VOCAB_LIMIT),
+        f"{what} with the pretrained weights of model.path={m.path} ({m.vocab_size} tokens): those weights learned "
+        f"their own tokenizer; tokenize with it: python launch/prepare_tokens.py SOURCE OUT.bin --model {m.path}, "
+        "then data=tokens data.path=OUT.bin (or model.init=random to learn bytes from scratch)",
     )

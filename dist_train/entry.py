@@ -175,11 +175,28 @@ _WIDTH = 110  # wrap help lines here
 _NOTE_COLUMN = 34  # where an option's note starts
 
 
+# A reader that stopped early (`--help | head`): the exit status of a tool that SIGPIPE ended, 128 + 13, as the
+# shell reports it for `yes | head`.
+SIGPIPE_EXIT = 141
+
+
 def exit_on_help(argv: list[str], build: Callable[[], str]) -> None:
     """`-h`/`--help` anywhere on the command line: print `build()` to stdout and exit 0 (before anything else runs)."""
     if any(arg in HELP_FLAGS for arg in argv):
-        print(build())
+        print_help(build())
         sys.exit(0)
+
+
+def print_help(text: str) -> None:
+    """Print `text` to stdout. Where the reader has gone (`--help | head`), end quietly with SIGPIPE_EXIT: Python
+    ignores SIGPIPE, so the write raises BrokenPipeError, which would end in a traceback (the recipe of Python's
+    "Note on SIGPIPE" in the signal module's documentation)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python flushes stdout once more at exit; devnull takes what is left, so that flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(SIGPIPE_EXIT)
 
 
 def help_text(doc: str, *, usage: str, sections: list[tuple[str, list[str]]], examples: list[str]) -> str:
@@ -311,6 +328,12 @@ def argument_parser(*, prog: str, doc: str, usage: str, examples: list[str]) -> 
     class OneLineParser(argparse.ArgumentParser):
         def error(self, message: str) -> None:  # type: ignore[override]
             sys.exit(report_config_error(f"{message} (usage: {usage})"))
+
+        def print_help(self, file: Any = None) -> None:
+            if file is None or file is sys.stdout:  # -h: quiet into a closed pipe, as every entry point
+                print_help(self.format_help().rstrip("\n"))
+            else:
+                super().print_help(file)
 
     return OneLineParser(prog=prog, description=about(doc), formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog=examples_epilog(examples))

@@ -7,8 +7,11 @@ no traceback). The ranks then agree on the step to stop after: at the end of eve
 before. Every rank reads the same value after the same step, so all stop together, one step after the first of them
 saw the signal, and without a host-device sync (gloo, on the CPU, whatever the training's backend).
 
-Then the loop closes the window, saves a checkpoint of that step where checkpoints are on, and rank 0 prints the
-newest complete checkpoint and the command that resumes from it (`resume_command`).
+Then the loop closes the window, saves a checkpoint of that step (also with checkpoint.every_steps=0, unless
+checkpoint.save_on_signal=false), and rank 0 prints the newest complete checkpoint and the command that resumes from
+it (`resume_command`). The launcher must give the save time: torchrun kills its workers `--shutdown-timeout` seconds
+(default 30) after forwarding the signal, and Slurm `KillWait` seconds after its own (launch/slurm.sbatch asks for
+the signal early, with `--signal`).
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ class StopRequest:
             self.step = step
             if self.signal is None:  # a peer saw it: this rank stops as one of the group
                 self.signal = signal.SIGTERM
+            if self._deadline is not None:  # not stuck: every rank is here, and the save may take longer than that
+                self._deadline.cancel()
         return stop
 
     def close(self) -> None:

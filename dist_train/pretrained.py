@@ -155,8 +155,11 @@ def _open(f: Path) -> Any:
 
 def resolve_model(model: ModelConfig) -> None:
     """For `model.path=DIR`: check the directory, choose the init, and fill the model group from its config.json.
-    A preset (no path) is left as it is."""
+    A preset (no path) is left as it is; `model=hf` without a path is refused (it would train the schema's default
+    sizes, a model nobody asked for)."""
     if model.path is None:
+        require(model.name != "hf", "model=hf needs model.path=DIR: a local directory with a transformers config.json "
+                                    "(save_pretrained's output)")
         return
     d = ModelDir.open(model.path)
     if model.init is not None:

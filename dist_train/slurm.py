@@ -12,6 +12,10 @@
 - the config is checked first, in a one-task job step (with the job's world size): a config error is one
   line in the job's output and the job ends FAILED with exit code 2 before any node starts training;
 - the job's exit code is srun's, i.e. torchrun's: 0, or 1 when a rank failed;
+- before the time limit: launch/slurm.sbatch asks Slurm for SIGTERM 300 s before it (`--signal=TERM@300`); every
+  rank stops after the same step and saves it (checkpoint.save_on_signal), within the 270 s torchrun gives its
+  workers (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; a larger lead needs both raised). The same command in the same run
+  directory resumes (`sbatch --requeue` keeps the job id, which names the default run directory);
 - `compare` runs launch/compare.py on the batch node; each strategy becomes a job step (`srun`) of this
   allocation, on every node (single and dp: one process on one node).
 
@@ -40,6 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "launch" / "train.py"
 COMPARE = ROOT / "launch" / "compare.py"
 DEFAULT_PORT = 29500
+# launch/slurm.sbatch's `#SBATCH --signal=TERM@300`, and the part of it torchrun's workers get to stop and save.
+SIGNAL_LEAD_S = 300
+SHUTDOWN_TIMEOUT_S = SIGNAL_LEAD_S - 30
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,6 +159,9 @@ def step_env() -> dict[str, str]:
     # torchrun's rendezvous store is kept across restarts (--max-restarts) unless told otherwise, and a restarted
     # rank can then read the failed attempt's addresses (pytorch#135712); across nodes only this avoids it.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # launch/slurm.sbatch asks Slurm for SIGTERM SIGNAL_LEAD_S seconds before the time limit; torchrun forwards it and
+    # kills its workers this many seconds later: time for them to finish the step, save it and exit (`--signal`).
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     env.update({k: v for k, v in flight_recorder_env(env).items() if k not in env})  # the user's settings win
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
@@ -194,7 +204,20 @@ def compare(alloc: Allocation, args: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dist_train.entry import exit_on_help, help_text
+
     argv = sys.argv[1:] if argv is None else argv
+    exit_on_help(argv, lambda: help_text(
+        __doc__, usage="sbatch [SBATCH OPTIONS] launch/slurm.sbatch [compare] [GROUP=OPTION ...] [KEY=VALUE ...]  "
+                       "(inside a job: python -m dist_train.slurm ...)",
+        sections=[("environment:", ["  NPROC_PER_NODE, DIST_TRAIN_RDZV_PORT, DIST_TRAIN_SRUN_ARGS, "
+                                    "DIST_TRAIN_STEP_PYTHON, TORCH_ELASTIC_SHUTDOWN_TIMEOUT (see above)"])],
+        examples=["sbatch --nodes=2 --gpus-per-node=8 launch/slurm.sbatch strategy=fsdp model=llama_1b precision=bf16",
+                  "sbatch --nodes=2 launch/slurm.sbatch compare compare.strategies=[ddp,fsdp]"]))
+    if "SLURM_JOB_ID" not in os.environ:
+        print("dist_train.slurm runs inside a Slurm job: submit it with sbatch launch/slurm.sbatch ... (--help says "
+              "more)", file=sys.stderr)
+        return 2
     alloc = Allocation.from_env()
     if argv[:1] == ["compare"]:
         return compare(alloc, argv[1:])

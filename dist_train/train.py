@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dist_train.checks import validate
 from dist_train.config import ConfigError, RunConfig, accumulation_steps, describe_batch, world_size_from_env
+from dist_train.paths import PATH_KEYS
 from dist_train.session import Session, build_session, checkpoint_root, hydra_run_dir
 
 log = logging.getLogger("dist_train")
@@ -48,6 +49,8 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
         cfg.train.global_batch_size = run.train.global_batch_size
         for f in dataclasses.fields(run.model):  # model=hf: what the directory's config.json said
             cfg.model[f.name] = getattr(run.model, f.name)
+        for group, key in PATH_KEYS:  # absolute, as validate made them
+            cfg[group][key] = getattr(getattr(run, group), key)
         fault = fault_from_env()
         resume = resume_point(run, world_size=world_size, run_dir=Path(hydra_run_dir()))
     except ConfigError as exc:
@@ -73,11 +76,12 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
 
 
 def _remove_if_empty(run_dir: Path) -> None:
-    """The run directory Hydra created for a launch that trains nothing, and its parent (outputs/) if that is
-    empty too."""
-    for d in (run_dir, run_dir.parent):
+    """The run directory Hydra created for a launch that trains nothing, and the default parent (outputs/) if that
+    is empty too (not a parent the user named: it may have been there, empty, before)."""
+    for d in (run_dir, run_dir.parent if run_dir.parent.name == "outputs" else None):
         try:
-            d.rmdir()  # only an empty directory
+            if d is not None:
+                d.rmdir()  # only an empty directory
         except OSError:
             return
 
@@ -111,14 +115,22 @@ def resume_point(run: RunConfig, *, world_size: int, run_dir: Path) -> Path | No
     """The checkpoint this run resumes from (checkpoint.resume), checked against the run; None: start fresh."""
     from dist_train.checkpoint.compat import check_resumable
     from dist_train.checkpoint.layout import resolve_resume
+    from dist_train.checkpoint.verify import problem
 
     try:
-        path = resolve_resume(run.checkpoint.resume, default_root=checkpoint_root(run, run_dir))
+        path = resolve_resume(run.checkpoint.resume, default_root=checkpoint_root(run, run_dir), verify=problem,
+                              warn=_warn_once)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if path is not None:
         check_resumable(path, run, world_size=world_size)
     return path
+
+
+def _warn_once(message: str) -> None:
+    """A warning before logging is set up, from one rank (every rank finds the same, from the same files)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
@@ -215,17 +227,18 @@ def _fit(session: Session) -> dict[str, Any] | None:
 def _say_how_to_resume(session: Session, stop: Any) -> None:
     """Rank 0, after a signal: where training stopped, the newest complete checkpoint, the command that resumes."""
     from dist_train.checkpoint.layout import resolve_resume
+    from dist_train.checkpoint.verify import problem
     from dist_train.interrupt import resume_command
 
     t = session.run.train
     try:
-        newest = resolve_resume("auto", default_root=checkpoint_root(session.run, session.run_dir))
+        newest = resolve_resume("auto", default_root=checkpoint_root(session.run, session.run_dir), verify=problem)
     except ValueError:
         newest = None
     head = f"{stop.signal_name}: stopped after step {stop.step} of {t.steps}"
     if newest is None:
-        log.warning("%s; no checkpoint to resume from (checkpoint.every_steps=%d): a new run starts from step 1",
-                    head, session.run.checkpoint.every_steps)
+        log.warning("%s; no checkpoint to resume from (checkpoint.save_on_signal=false, checkpoint.every_steps=%d): a "
+                    "new run starts from step 1", head, session.run.checkpoint.every_steps)
         return
     log.warning("%s; newest complete checkpoint: %s", head, newest)
     log.warning("resume with: %s", resume_command(session.run_dir))
@@ -246,11 +259,12 @@ def _loop(session: Session) -> None:
 
 
 def _stop_after(session: Session, step: int) -> None:
-    """Every rank, after the step they agreed to stop at: close its window, and save it where checkpoints are on
-    (unless this step was saved already)."""
+    """Every rank, after the step they agreed to stop at: close its window, and save it (unless this step was saved
+    already, or checkpoint.save_on_signal=false), also where no periodic checkpoint is set: a stopped run can always
+    resume."""
     session.telemetry.log(step)  # a no-op where this step closed a window
     checkpointer = session.checkpointer
-    if session.run.checkpoint.every_steps > 0 and not checkpointer.due(step):
+    if session.run.checkpoint.save_on_signal and not checkpointer.due(step):
         session.telemetry.add_checkpoint_time(checkpointer.save(step, _trainer_state(session, step)))
 
 
@@ -264,7 +278,7 @@ def train_one_step(session: Session, step: int) -> None:
     batch = session.batches.local_batch(step - 1)
     if session.neftune is not None:
         session.neftune.begin_step(step)
-    with telemetry.measuring(step, live=step == session.start_step + max(warmup_steps(session), 1)):
+    with telemetry.measuring(step, live=step == telemetry.live_step):
         out = session.strategy.train_step(batch)
     telemetry.step_end(step, out)
     checkpointer.poll()
@@ -290,11 +304,13 @@ def eval_due(session: Session, step: int) -> bool:
 def warmup_steps(session: Session) -> int:
     """This process's first steps that summary.json's steady figures leave out (lazy initialisation, DDP's
     bucket rebuild, ZeRO-3's parameter trace, a pipeline's handshake): telemetry.warmup_steps, fewer when
-    the run is shorter, never all of them. On the CPU with telemetry.peak_live, one more: the last of them is
-    the step whose live tensors torch's MemTracker follows (it runs several times slower), after a first step
-    has made the optimizer's state."""
+    the run is shorter, never all of them. On the CPU with telemetry.peak_live, through the step whose live tensors
+    torch's MemTracker follows (it runs several times slower): one more, and at least 2 on a fresh run, whose first
+    step makes the optimizer's state (recorder.live_step). A run too short to leave a step after that one (a fresh
+    run of 2 steps) times the followed step."""
     t = session.run.train
-    wanted = session.run.telemetry.warmup_steps + int(getattr(session.telemetry, "live", None) is not None)
+    live = getattr(session.telemetry, "live", None)
+    wanted = session.run.telemetry.warmup_steps if live is None else session.telemetry.live_step - session.start_step
     return max(0, min(wanted, t.steps - session.start_step - 1))
 
 
@@ -337,6 +353,7 @@ def _report(session: Session) -> dict[str, Any] | None:
 
 def _summary(session: Session) -> dict[str, Any]:
     from dist_train.telemetry.recorder import perplexity
+    from dist_train.versions import installed_versions
 
     run, runtime, telemetry = session.run, session.runtime, session.telemetry
     t = run.train
@@ -385,6 +402,7 @@ def _summary(session: Session) -> dict[str, Any]:
         "run_dir": str(session.run_dir),
         "ranks": telemetry.per_rank_summary(session.start_step + warmup),
         "predicted_memory_bytes": predicted_memory(session),
+        "versions": installed_versions(),  # torch, transformers, ... as installed: what produced these figures
     }
 
 

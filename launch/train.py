@@ -85,10 +85,13 @@ _CHECK_ONLY = False  # --check-config: validate for WORLD_SIZE and exit, start n
 def _accept_launcher_args(argv: list[str]) -> list[str]:
     """Take off the command line what Hydra would reject.
 
-    --local_rank=N (the deepspeed launcher, torch.distributed.launch) becomes LOCAL_RANK, as torchrun passes
-    it; --check-config only validates the config (for WORLD_SIZE) and exits: 0, or 2 with the one line.
+    `~` starting a value is expanded (dist_train.paths); --local_rank=N (the deepspeed launcher,
+    torch.distributed.launch) becomes LOCAL_RANK, as torchrun passes it; --check-config only validates the config (for WORLD_SIZE) and exits: 0, or 2 with the one line.
     """
     global _CHECK_ONLY
+    from dist_train.paths import expand_overrides
+
+    argv = expand_overrides(argv)  # `model.path=~/x`: the `~` the shell left, which Hydra's lexer refuses
     kept, i = [], 0
     while i < len(argv):
         arg = argv[i]

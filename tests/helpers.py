@@ -32,6 +32,7 @@ def env(*, cuda: bool = False, **extra: str) -> dict[str, str]:
     )
     e.pop("RANK", None)
     e.pop("WORLD_SIZE", None)
+    e.pop("COLUMNS", None)  # a developer's narrow terminal would shorten the console lines the tests read
     e.update(extra)
     return e
 

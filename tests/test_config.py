@@ -44,7 +44,7 @@ def test_defaults_validate_for_one_and_two_processes():
         (["data=textfile"], 1, "data.path"),
         (["data=textfile", "data.path=/nonexistent/file.txt"], 1, "data.path='/nonexistent/file.txt'"),
         # a key the chosen group does not read is not ignored: it names the group that reads it
-        (["data.path=tale.bin"], 1, "data.path=tale.bin is set but data=synthetic reads no file; pick data=tokens"),
+        (["data.path=tale.bin"], 1, "/tale.bin is set but data=synthetic reads no file; pick data=tokens"),
         (["data.dtype=uint32"], 1, "data.dtype=uint32 is read only by data=tokens"),
         (["peft.rank=16"], 1, "peft.rank=16 is set but peft=none trains the whole model; pick peft=lora or peft=qlora"),
         (["peft=lora", "peft.quant_type=fp4"], 1, "peft.quant_type=fp4 is read only by peft=qlora"),
@@ -142,7 +142,55 @@ def test_check_config_says_which_batch_it_chose(tmp_path):
     proc = subprocess.run([sys.executable, str(TRAIN), "--check-config", "strategy=fsdp"], capture_output=True,
                           text=True, env={**env(), "WORLD_SIZE": "8"}, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "global_batch=16 (micro_batch 2 x 8 processes) micro_batch=2 accumulation=1 data_parallel=8" in proc.stderr
+    assert "global_batch=16 = micro_batch 2 x accumulation 1 x data_parallel 8" in proc.stderr.splitlines()[-1]
+
+
+DATA_PARALLEL = "micro_batch 2 x accumulation 2 x data_parallel 2"
+# every strategy: (processes, extra overrides, how the batch line splits global_batch=8 of micro-batches of 2)
+BATCH_LINES = {
+    "single": (1, [], "micro_batch 2 x accumulation 4 x data_parallel 1"),
+    "dp": (1, [], "micro_batch 2 x accumulation 4 x data_parallel 1 | nn.DataParallel over every visible GPU"),
+    **{name: (2, [], DATA_PARALLEL)
+       for name in ("ddp", "fsdp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "accelerate")},
+    "tp": (2, [], "micro_batch 2 x accumulation 4 x data_parallel 1 | tensor_parallel 2"),
+    "fsdp_tp": (4, ["strategy.tp=2"], "micro_batch 2 x accumulation 2 x data_parallel 2 | tensor_parallel 2"),
+    "gpipe": (2, [], "micro_batch 2 x pipeline_microbatches 4 x data_parallel 1 | pipeline_stages 2"),
+    "1f1b": (2, [], "micro_batch 2 x pipeline_microbatches 4 x data_parallel 1 | pipeline_stages 2"),
+    "pp_dp": (4, ["strategy.pp=2"], "micro_batch 2 x pipeline_microbatches 2 x data_parallel 2 | pipeline_stages 2"),
+}
+
+
+def test_the_batch_lines_cover_every_strategy():
+    from dist_train.strategies.registry import available
+
+    assert set(BATCH_LINES) == set(available())
+
+
+@pytest.mark.parametrize("name", sorted(BATCH_LINES))
+def test_the_batch_line_names_the_split_as_the_strategy_makes_it(name):
+    """Data-parallel replicas and accumulation as the strategy itself counts them (a tp or pipeline run has one
+    replica, not one per process), and the tensor-parallel degree or pipeline stages that split each replica."""
+    from dist_train.config import accumulation_steps, describe_batch
+
+    world, extra, split = BATCH_LINES[name]
+    _, run = run_config(f"strategy={name}", "train.global_batch_size=8", "train.micro_batch_size=2", *extra)
+    if not name.endswith("_offload"):  # those are refused without a GPU (tested elsewhere); the batch is the same
+        validate(run, world)
+    line = describe_batch(run, world)
+    assert line == f"global_batch=8 = {split}"
+    dp = run.strategy.data_parallel_size(world)
+    assert f"x data_parallel {dp}" in line and f" {accumulation_steps(run, world)} x data_parallel" in line
+    assert 2 * accumulation_steps(run, world) * dp == 8  # the line's product is the global batch
+
+
+def test_a_pipelines_batch_line_gives_the_micro_batch_its_schedule_feeds():
+    from dist_train.config import describe_batch
+
+    _, run = run_config("strategy=gpipe", "train.global_batch_size=8", "train.micro_batch_size=2",
+                        "strategy.num_microbatches=2")
+    validate(run, 2)
+    assert describe_batch(run, 2) == (
+        "global_batch=8 = micro_batch 4 x pipeline_microbatches 2 x data_parallel 1 | pipeline_stages 2")
 
 
 @pytest.mark.parametrize("gpus", range(1, 9))

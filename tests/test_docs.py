@@ -118,7 +118,9 @@ def example_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def test_every_readme_command_is_run_by_a_test_or_checked(example_paths):
     commands = readme_commands()
-    assert any(c.startswith("torchrun ") for c in commands) and any("launch/compare.py" in c for c in commands)
+    launches = [c for c in commands if "launch/train.py" in c and "--check-config" not in c]
+    assert launches and all(c.startswith("python -m dist_train.torchrun ") for c in launches)  # it checks first
+    assert any("launch/compare.py" in c for c in commands)
     unchecked = []
     for command in commands:
         if any(command.startswith(prefix) for prefix in RUN_BY):
@@ -132,6 +134,66 @@ def test_every_readme_command_is_run_by_a_test_or_checked(example_paths):
     assert not unchecked, "\n".join(unchecked)
 
 
+# ------------------------------------------------------------------------------------------------ the docs' commands
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+# A docs command (its prefix) that no check here can judge -> the test that runs it, or why nothing here can.
+DOCS_RUN_BY = {
+    **RUN_BY,
+    ". .venv/bin/activate": "the shell's own",
+    "pip install -c constraints.txt torch==2.13.0 -e .[dev]": "tests/test_install.py",
+    "python3 -m pip install --no-index --no-deps --target /tmp/site .whl/": "a lent GPU machine (docs/bench.md)",
+    "python bench/gpu_check.py": "a GPU machine (docs/GPU.md)",
+    "pytest -q tests/test_cuda.py": "a GPU machine (docs/GPU.md)",
+    "python launch/train.py --help": "tests/test_help.py::test_every_entry_point_has_help",
+    "python launch/train.py --cfg job": "Hydra's own (prints the composed config)",
+    "python launch/train.py strategy=single checkpoint.resume=outputs/fsdp-long/":
+        "tests/test_checkpoint.py::test_fsdp_checkpoint_reshards_into_other_strategies_and_world_sizes",
+    "python launch/export.py outputs/fsdp-long/": "tests/test_checkpoint.py::test_export_loads_in_transformers_and_reproduces_the_next_loss",
+    "python launch/export.py outputs/lora-run/": "tests/test_export_lora.py::test_lora_export_merges_reproduces_the_next_loss_and_trains_on",
+    "python launch/plan.py model=tiny train.global_batch_size=8 cluster.gpu=cpu plan.verify=4":
+        "tests/test_plan.py::test_verify_on_this_machine",
+    "python launch/train.py -m hydra/launcher=submitit_slurm": "tests/test_slurm.py::test_a_sweep_of_jobs_is_collected_into_one_report",
+    "python launch/compare.py compare.from=[sweeps/demo/": "tests/test_slurm.py::test_a_sweep_of_jobs_is_collected_into_one_report",
+    "sbatch --nodes=2 --gpus-per-node=8 launch/slurm.sbatch compare ": "tests/test_slurm.py::test_compare_runs_every_strategy_as_a_job_step",
+    "python launch/dashboard.py outputs/compare-": "tests/test_compare.py::test_the_dashboard_names_only_keys_the_runs_logged",
+    "accelerate launch ": "tests/test_accelerate.py::test_accelerate_launch_runs_the_same_training",  # your my_fsdp.yaml
+}
+
+
+def doc_commands(path: Path) -> list[str]:
+    """Each command of a page's ```bash blocks, continuation lines joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(" ".join(words))
+    return commands
+
+
+def test_the_tests_named_for_docs_commands_exist():
+    for command, test in DOCS_RUN_BY.items():
+        if test.startswith("tests/") or test == ".ci/run":
+            assert _test_exists(test), f"{command!r} is said to be run by {test}, which does not exist"
+
+
+def test_every_docs_command_runs_as_printed_or_is_run_by_a_test(example_paths):
+    """The docs' examples as printed: each training, comparison or estimate command is checked the way its entry point
+    checks it before it starts (the README's checks), the rest are named with the test that runs them."""
+    unchecked = []
+    for page in DOCS:
+        for command in doc_commands(page):
+            if any(command.startswith(prefix) for prefix in DOCS_RUN_BY):
+                continue
+            for placeholder, path in example_paths.items():
+                command = command.replace(placeholder, path)
+            try:
+                check_command(shlex.split(command))
+            except Exception as exc:  # noqa: BLE001 - every failure is reported with its page and command
+                unchecked.append(f"{page.name}: {command}: {type(exc).__name__}: {exc}")
+    assert not unchecked, "\n".join(unchecked)
+
+
 def check_command(words: list[str]) -> None:
     """Raise unless the command is one its entry point would accept (nothing is trained)."""
     env = {}
@@ -139,6 +201,11 @@ def check_command(words: list[str]) -> None:
         key, value = words.pop(0).split("=", 1)
         env[key] = value
     tool, args = words[0], words[1:]
+    if words[:3] == ["python", "-m", "dist_train.torchrun"]:  # torchrun's arguments, the config checked first
+        tool, args = "torchrun", words[3:]
+    if tool == "deepspeed":  # deepspeed --num_gpus N launch/train.py ...
+        assert args[0] == "--num_gpus" and args[2] == "launch/train.py", words
+        return check_training(args[3:], world_size=int(args[1]))
     if tool == "make":
         return check_make_target(args[0])
     if tool == "torchrun":

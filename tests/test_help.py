@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,32 @@ def test_every_entry_point_has_help():
     assert "schema/" not in results[("launch/train.py", "--help")].stdout  # Hydra's internal groups stay hidden
 
 
+@pytest.mark.multiproc
+def test_help_into_a_closed_pipe_ends_quietly():
+    """`--help | head`: once the reader has gone, the next write fails (Python ignores SIGPIPE and raises
+    BrokenPipeError). The reader here is gone before the first write, so every entry point meets it, whatever the
+    help's length and the timing; each ends with no traceback and the status of a tool that SIGPIPE ended."""
+    from dist_train.entry import SIGPIPE_EXIT
+
+    commands = [[script] for script in ENTRIES] + [["-m", "dist_train.estimate"]]
+
+    def run(command: list[str]) -> subprocess.CompletedProcess[str]:
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            return subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, env=env(), stdout=write,
+                                  stderr=subprocess.PIPE, text=True, timeout=120)
+        finally:
+            os.close(write)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(map(" ".join, commands), pool.map(run, commands)))
+    for command, proc in results.items():
+        said = f"{command} --help: rc={proc.returncode}\n{proc.stderr[-2000:]}"
+        assert proc.returncode == SIGPIPE_EXIT, said
+        assert not any(s in proc.stderr for s in ("Traceback", "BrokenPipeError", "Exception ignored")), said
+
+
 @dataclass
 class _Example:
     # Where it goes, e.g. a path. More words.
@@ -80,3 +107,15 @@ def test_help_defaults_are_the_ones_training_uses():
         assert getattr(TrainConfig(), key) == value, key
     groups = {name: (options, default) for name, options, default in config_groups(ROOT / "conf")}
     assert "fsdp" in groups["strategy"][0] and groups["strategy"][1] == "ddp" and groups["model"][1] == "tiny"
+
+
+def test_the_slurm_entry_point_has_help_and_says_where_it_runs():
+    """`python -m dist_train.slurm` (what launch/slurm.sbatch runs): help anywhere; outside a job one line, exit 2."""
+    job_free = {k: v for k, v in env().items() if not k.startswith("SLURM_")}
+    helped = subprocess.run([sys.executable, "-m", "dist_train.slurm", "--help"], cwd=ROOT, env=job_free,
+                            capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "one torchrun per node" in helped.stdout and "--signal" in helped.stdout
+    outside = subprocess.run([sys.executable, "-m", "dist_train.slurm", "strategy=ddp"], cwd=ROOT, env=job_free,
+                             capture_output=True, text=True, timeout=60)
+    assert outside.returncode == 2 and outside.stderr.splitlines() == [
+        "dist_train.slurm runs inside a Slurm job: submit it with sbatch launch/slurm.sbatch ... (--help says more)"]

@@ -21,13 +21,15 @@ pytestmark = pytest.mark.multiproc
 def test_ctrl_c_stops_every_rank_cleanly_and_the_printed_command_resumes_bit_exact(straight_run, tmp_path):
     """SIGINT to the launch's process group, as a terminal's Ctrl-C sends it (torchrun and both workers), once
     rank 0 has logged step 1 of 8: each rank stops after the step they agree on (two or three steps later: the
-    flag is read one step after it is posted), saves it, and the launch ends with exit code 130, no traceback
-    (`python -m dist_train.torchrun`: torchrun, quiet on a signal). The printed command resumes and gives the
-    uninterrupted run's losses exactly."""
+    flag is read one step after it is posted), saves it although no periodic checkpoint was asked for (the default
+    checkpoint.every_steps=0), and the launch ends with exit code 130, no traceback (`python -m
+    dist_train.torchrun`: torchrun, quiet on a signal). The printed command resumes and gives the uninterrupted
+    run's losses exactly."""
     _, straight = straight_run("fsdp")
     run_dir = tmp_path / "run"
+    no_periodic_saves = [o for o in CHECKPOINTED if not o.startswith("checkpoint.every_steps=")]
     proc = subprocess.Popen([sys.executable, "-m", "dist_train.torchrun", "--standalone", "--nproc_per_node=2",
-                             str(TRAIN), "strategy=fsdp", *CHECKPOINTED, f"hydra.run.dir={run_dir}"],
+                             str(TRAIN), "strategy=fsdp", *no_periodic_saves, f"hydra.run.dir={run_dir}"],
                             cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     seen = []
@@ -44,6 +46,7 @@ def test_ctrl_c_stops_every_rank_cleanly_and_the_printed_command_resumes_bit_exa
     step = int(stopped.split("stopped after step ")[1].split()[0])
     assert 1 < step < 8
     assert f"newest complete checkpoint: {run_dir}/checkpoints/step-{step:08d}" in stopped
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step-{step:08d}"]  # the signal's save only
     command = next(line for line in stderr.splitlines() if "resume with: " in line).split("resume with: ", 1)[1]
     assert command.startswith("python -m dist_train.torchrun --standalone --nproc_per_node=2 ")  # as launched
     assert command.endswith(f"hydra.run.dir={run_dir}")

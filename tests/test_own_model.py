@@ -267,6 +267,36 @@ def test_prepare_tokens_uses_the_model_directorys_tokenizer(tmp_path):
     validate(run, 1)  # the directory's vocabulary holds the tokenizer's
 
 
+def test_prepare_tokens_refuses_a_model_directory_without_a_tokenizer(tmp_path):
+    """launch/export.py's output (save_pretrained of the model alone) has no tokenizer: one line naming the fix, not
+    byte ids, which a pretrained model would take without a word; bytes only when asked for."""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.helpers import ROOT, env
+
+    d = tmp_path / "exported"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=320, **ARCHS["llama"])).save_pretrained(d)
+    text, out = tmp_path / "t.txt", tmp_path / "t.bin"
+    text.write_text("some text")
+
+    def prepare(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "launch/prepare_tokens.py", str(text), str(out), f"--model={d}", *extra],
+                              cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+
+    refused = prepare()
+    assert refused.returncode == 2 and not out.exists(), refused.stderr
+    assert refused.stderr.splitlines() == [
+        f"config error: --model={d}: no tokenizer there (tokenizer.json or tokenizer_config.json); copy the tokenizer "
+        "files of the model it came from into it, or pass --tokenizer=DIR with them (--tokenizer=byte only for a "
+        "model that learned bytes)"]
+    asked = prepare("--tokenizer=byte")
+    assert asked.returncode == 0, asked.stderr
+    assert json.loads(out.with_suffix(".json").read_text())["tokenizer"] == "byte"
+
+
 def test_the_setup_peak_is_this_processs_own_not_its_launchers():
     """Linux's ru_maxrss survives exec, so a rank would report the RSS of a launcher that held a model; VmHWM not."""
     import subprocess

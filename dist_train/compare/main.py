@@ -31,7 +31,7 @@ def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = ""
     from dist_train.compare.report import write_tables
     from dist_train.compare.runner import run_strategy
     from dist_train.compare.sweep import add_knobs, expand, knob_effects
-    from dist_train.compare.table import build_row
+    from dist_train.compare.table import build_row, few_timed_steps
     from dist_train.compare.verdict import add_verdicts
     from dist_train.estimate.compose import compose_training_config
 
@@ -66,6 +66,9 @@ def run_comparison(cfg: CompareConfig, training: list[str], *, command: str = ""
             print(f"[compare] interrupted: writing the report of the {len(rows)} finished row(s)", file=sys.stderr,
                   flush=True)
     add_verdicts(rows, rtol=cfg.loss_rtol)
+    noisy = few_timed_steps(rows)
+    if noisy:  # report.md says it too, above its table
+        print(f"[compare] warning: {noisy}", file=sys.stderr, flush=True)
     for row in rows:
         _predict_safely(row, memory_rtol=cfg.memory_rtol)
     effects = knob_effects(rows, add_knobs(rows))
@@ -122,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from dist_train.entry import one_line, report_config_error
 
-    argv = sys.argv[1:] if argv is None else argv
+    from dist_train.paths import expand_overrides
+
+    argv = expand_overrides(sys.argv[1:] if argv is None else argv)  # compare.out_dir=~/x, model.path=~/m
     command = "python launch/compare.py " + " ".join(shlex.quote(a) for a in argv)
     try:
         own, training = split_argv(argv)

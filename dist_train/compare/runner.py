@@ -127,7 +127,8 @@ def run_strategy(spec: StrategySpec, *, training: list[str], nproc: int, out_dir
 def _run_logged(cmd: list[str], *, env: dict[str, str], log: Any, timeout_s: float) -> Optional[int]:
     """Exit code, or None after a timeout. The launch gets its own session so that a timeout stops
     torchrun's workers too (killing torchrun alone would orphan them)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # In the directory compare was started in: relative paths among the overrides mean what the user meant.
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -159,7 +159,7 @@ def parse(own: list[str]) -> CompareConfig:
 
 def resolve_out_dir(cfg: CompareConfig) -> Path:
     if cfg.out_dir:
-        return Path(cfg.out_dir).resolve()
+        return Path(cfg.out_dir).expanduser().resolve()
     return Path("outputs", f"compare-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
 

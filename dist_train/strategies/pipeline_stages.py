@@ -216,9 +216,10 @@ class Stage(nn.Module):
             hidden = t.drop(hidden)
         else:
             hidden = x
-        # As the full model builds it (with sdpa and no padding mask: None, causal by `is_causal`).
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=positions)
+        # As the full model builds it (with sdpa and no padding mask: None, causal by `is_causal`). The cache (None)
+        # goes by position: transformers 5.24 renamed it `past_key_values` -> `cache` (the old name warns), 5.23
+        # knows only the old one.
+        mask = create_causal_mask(self.config, hidden, None, None, position_ids=positions)
         for block in self.blocks():
             hidden = block(
                 hidden, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=positions
