@@ -40,9 +40,10 @@ constraints:
 demo: install
 	OMP_NUM_THREADS=1 $(PY) -m dist_train.torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py strategy=ddp
 
+# The unit tests and the Slurm jobs run beside the launched training runs (tests/suite.sh says why).
 test: install
 	$(VENV)/bin/ruff check dist_train launch tests bench
-	$(PY) -m pytest -q
+	PY=$(PY) tests/suite.sh
 
 # The unit tests only (no multi-process runs): for iterating.
 test-fast: install

@@ -25,10 +25,26 @@ CHECKPOINTED = ["logger=none", *FAST, "train.steps=8", "checkpoint.every_steps=4
 
 
 @pytest.fixture(scope="session")
-def single_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+def fast_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, dict[str, Any]]]:
+    """`fast_run(*overrides, nproc=N)`: `launch/train.py logger=none <FAST> <overrides>` run to completion, once per
+    session and set of overrides; returns its run directory and summary.json. Tests that read the same training
+    share its run (the dry run's comparison, ZeRO's collectives, FSDP's memory): a launch costs seconds of imports."""
+    cache: dict[tuple[tuple[str, ...], int], tuple[Path, dict[str, Any]]] = {}
+
+    def run(*overrides: str, nproc: int = 0) -> tuple[Path, dict[str, Any]]:
+        key = (tuple(sorted(overrides)), nproc)
+        if key not in cache:
+            run_dir = tmp_path_factory.mktemp("run")
+            cache[key] = run_dir, train_ok(["logger=none", *FAST, *overrides], run_dir=run_dir, nproc=nproc)
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def single_run(fast_run: Callable[..., tuple[Path, dict[str, Any]]]) -> tuple[Path, dict[str, Any]]:
     """The one-process baseline every strategy is compared with (run once per session)."""
-    run_dir = tmp_path_factory.mktemp("single")
-    return run_dir, train_ok(["strategy=single", "logger=none", *FAST], run_dir=run_dir)
+    return fast_run("strategy=single")
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,7 @@ def test_every_strategy_is_a_row(comparison):
     assert "report:" in stdout
 
 
+@pytest.mark.beside
 def test_every_row_is_checked_before_the_first_runs(tmp_path):
     """A typo in the last row is one line before anything runs, naming each bad row, not a failed row an hour in."""
     out = tmp_path / "compare"
@@ -60,6 +61,7 @@ def test_every_row_is_checked_before_the_first_runs(tmp_path):
     assert "running" not in proc.stderr and not any(out.glob("*/compare.log"))
 
 
+@pytest.mark.beside
 def test_a_failed_row_keeps_the_report_and_the_exit_code_says_so(tmp_path):
     """A row that fails while it runs (here a fault injected at step 2) is a failed row with its reason; the
     report is written, and the comparison exits 1."""
@@ -443,6 +445,7 @@ def test_every_row_gets_one_global_batch_where_the_config_leaves_it_null():
     assert pinned_global_batch(base, StrategySpec.parse("ddp+train.global_batch_size=4"), world_size=4) == []
 
 
+@pytest.mark.beside
 def test_ctrl_c_keeps_the_finished_rows_and_says_how_to_finish(tmp_path):
     """SIGINT while the second row runs (sent once compare says it started): its launch is stopped, the first
     row's report is written, and one line names the rows left and the commands that finish the comparison."""

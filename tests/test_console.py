@@ -141,6 +141,7 @@ def test_the_bar_at_160_columns_shows_everything():
 
 
 @pytest.mark.multiproc
+@pytest.mark.beside
 def test_a_run_at_80_columns_prints_lines_that_fit(tmp_path):
     """As a user with COLUMNS=80 sees it: every progress and per-rank line, with its `[rank0] ` prefix, fits."""
     proc = launch(["strategy=single", "logger=none", *FAST, "train.steps=3"], run_dir=tmp_path,

@@ -261,9 +261,14 @@ def check_comparison(argv: list[str]) -> None:
 
 
 def check_estimate(argv: list[str]) -> None:
-    """The estimator runs nothing but arithmetic: run it, as `python -m dist_train.estimate` would."""
-    from dist_train.estimate.cli import main
+    """The estimator runs nothing but arithmetic: run it, as `python -m dist_train.estimate` would. A dry run
+    (`dryrun.ranks=`) has its options parsed, and the estimate beside it run; the dry run itself, a process per rank
+    (a minute for a 70B model), is run through the same command line by tests/test_estimate.py (its --help examples)
+    and tests/test_dryrun.py."""
+    from dist_train.estimate.cli import main, parse_args, split_args
 
+    parse_args(split_args(argv)[0])  # every option of the estimator's own, the dry run's included
+    argv = [a for a in argv if not a.startswith("dryrun.")]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)

@@ -67,6 +67,7 @@ def peft_loss(base: torch.nn.Module, adapter_dir: Path) -> float:
 
 
 @pytest.mark.multiproc
+@pytest.mark.beside
 def test_lora_export_merges_reproduces_the_next_loss_and_trains_on(lora_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -99,6 +100,7 @@ def test_lora_export_merges_reproduces_the_next_loss_and_trains_on(lora_run, tmp
 
 
 @pytest.mark.multiproc
+@pytest.mark.beside
 def test_qlora_export_writes_the_adapter_and_merges_over_the_dequantized_base(tmp_path_factory, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -76,6 +76,7 @@ def test_a_raising_rank_ends_the_job_with_its_exception(tmp_path):
     assert not _alive(pids)
 
 
+@pytest.mark.beside
 def test_a_hung_rank_ends_the_job_after_runtime_timeout(tmp_path):
     # The hung rank ignores torchrun's SIGTERM until runtime.stop_grace_s (a rank may need it to reach the step every
     # rank stops after, tests/test_interrupt.py); here it has no step to reach.

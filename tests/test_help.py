@@ -32,6 +32,7 @@ ENTRIES = {
 
 
 @pytest.mark.multiproc
+@pytest.mark.beside
 def test_every_entry_point_has_help():
     from dist_train.dashboard import _OPTIONS  # what the dashboard accepts: its help lists each one
 
@@ -57,6 +58,7 @@ def test_every_entry_point_has_help():
 
 
 @pytest.mark.multiproc
+@pytest.mark.beside
 def test_help_into_a_closed_pipe_ends_quietly():
     """`--help | head`: once the reader has gone, the next write fails (Python ignores SIGPIPE and raises
     BrokenPipeError). The reader here is gone before the first write, so every entry point meets it, whatever the

@@ -44,6 +44,8 @@ def test_a_checkpoint_that_recorded_a_relative_path_still_matches_the_same_file(
     assert _saved({"train": {"seed": 3}}, "train", "seed") == 3
 
 
+@pytest.mark.multiproc
+@pytest.mark.beside
 def test_paths_as_the_docs_write_them_reach_the_checks_expanded(tmp_path):
     """`model.path=~/...` used to fail in Hydra's lexer (`token recognition error at: '~'`); relative and `$HOME`
     paths are now checked, and named, as the absolute paths they are."""

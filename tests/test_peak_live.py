@@ -9,7 +9,7 @@ import pytest
 
 from dist_train.estimate import ModelShape, predict_comm, predict_memory
 from dist_train.estimate.setup import Setup
-from tests.helpers import FAST, ROOT, launch, summary, train_ok
+from tests.helpers import ROOT, launch, summary
 
 SCRIPT = ROOT / "tests" / "scripts" / "peak_live_vs_tracker.py"
 
@@ -45,13 +45,12 @@ def test_fsdp_peak_live_is_torch_fsdp_mem_trackers_from_a_step_with_the_optimize
 
 
 @pytest.mark.multiproc
-def test_fsdp_accumulation_holds_unsharded_gradients_unless_reduced_every_microbatch(tmp_path):
+def test_fsdp_accumulation_holds_unsharded_gradients_unless_reduced_every_microbatch(fast_run):
     # FAST: two micro-batches per rank and step. By default FSDP2 keeps every parameter's unsharded gradient, 4 B
     # each in fp32, from the first micro-batch's backward to the last one's reduce-scatter: the categories do not
     # see them. strategy.reduce_every_microbatch reduce-scatters after each micro-batch instead.
-    once = train_ok(["strategy=fsdp", "logger=none", *FAST], run_dir=tmp_path / "once", nproc=2)
-    every = train_ok(["strategy=fsdp", "strategy.reduce_every_microbatch=true", "logger=none", *FAST],
-                     run_dir=tmp_path / "every", nproc=2)
+    _, once = fast_run("strategy=fsdp", nproc=2)  # also the dry run's and test_strategies_core's fsdp run
+    _, every = fast_run("strategy=fsdp", "strategy.reduce_every_microbatch=true", nproc=2)
     n = once["num_params"]
     assert once["timing_warmup_steps"] == 2  # telemetry.warmup_steps=1, plus the step MemTracker followed
     for rank in once["ranks"]:

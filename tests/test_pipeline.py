@@ -268,18 +268,16 @@ def _assert_pipeline_telemetry(ranks: list[dict[str, Any]], *, micro: int, send_
         assert r["memory/activations_bytes"] > 0
 
 
+# FAST's global batch of 8 in micro-batches of 2, over one data-parallel replica: 4 micro-batches a step, the
+# pipelines' default (strategy.num_microbatches=null). The 1F1B run is also the one tests/test_dryrun.py reads.
 @pytest.fixture(scope="module")
-def gpipe_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    run_dir = tmp_path_factory.mktemp("gpipe")
-    overrides = ["strategy=gpipe", "strategy.num_microbatches=4", "logger=none", *FAST]
-    return run_dir, train_ok(overrides, run_dir=run_dir, nproc=2)
+def gpipe_run(fast_run: Any) -> tuple[Path, dict[str, Any]]:
+    return fast_run("strategy=gpipe", nproc=2)
 
 
 @pytest.fixture(scope="module")
-def onef1b_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    run_dir = tmp_path_factory.mktemp("1f1b")
-    overrides = ["strategy=1f1b", "strategy.num_microbatches=4", "logger=none", *FAST]
-    return run_dir, train_ok(overrides, run_dir=run_dir, nproc=2)
+def onef1b_run(fast_run: Any) -> tuple[Path, dict[str, Any]]:
+    return fast_run("strategy=1f1b", nproc=2)
 
 
 @pytest.mark.multiproc

@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers import FAST, ROOT, TRAIN, env, metrics
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.slurm]
 
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
 LAB = ROOT / ".slurm-local"

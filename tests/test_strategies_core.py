@@ -31,16 +31,13 @@ def test_ddp_matches_single_and_all_reduces_one_gradient_per_step(single_run, tm
 
 
 @pytest.mark.parametrize("reshard", [True, False])
-def test_fsdp_matches_single_and_holds_half_the_model_state(single_run, tmp_path, reshard):
+def test_fsdp_matches_single_and_holds_half_the_model_state(single_run, fast_run, reshard):
     _, single = single_run
-    s = train_ok(
-        ["strategy=fsdp", f"strategy.reshard_after_forward={str(reshard).lower()}", "logger=none", *FAST],
-        run_dir=tmp_path,
-        nproc=2,
-    )
+    # reshard_after_forward=true is fsdp's default: the run tests/test_dryrun.py and tests/test_peak_live.py read
+    run_dir, s = fast_run("strategy=fsdp", *([] if reshard else ["strategy.reshard_after_forward=false"]), nproc=2)
     assert_same_losses(single, s)
     n = s["num_params"]
-    ranks = last_step(tmp_path)
+    ranks = last_step(run_dir)
     assert sum(r["memory/params_bytes"] for r in ranks) == 4 * n  # the shards add up to one copy
     for rec in ranks:
         assert rec["memory/params_bytes"] == pytest.approx(2 * n, rel=0.02)  # half of 4 bytes/param

@@ -234,6 +234,7 @@ CASES = ["text", "id beyond the vocabulary", "id beyond, with a sidecar", "odd s
 
 
 @pytest.mark.multiproc
+@pytest.mark.beside
 @pytest.mark.parametrize("case", CASES)
 def test_a_bad_token_file_is_one_line_before_anything_starts(case, checked):
     proc, says = checked[case]

@@ -53,6 +53,7 @@ def _online(tmp_path: Path, base_url: str):
 
 
 @pytest.mark.multiproc
+@pytest.mark.beside
 @pytest.mark.parametrize("server", ["unreachable", "rejects the key"])
 def test_online_trouble_falls_back_to_offline_and_says_so_once(server, rejecting_server, tmp_path):
     url = f"http://127.0.0.1:{_free_port()}" if server == "unreachable" else rejecting_server
@@ -66,6 +67,7 @@ def test_online_trouble_falls_back_to_offline_and_says_so_once(server, rejecting
 
 
 @pytest.mark.multiproc
+@pytest.mark.beside
 def test_a_directory_that_refuses_the_files_turns_wandb_off(tmp_path):
     (tmp_path / "wandb").write_text("a file where W&B wants its directory")
     proc = launch(["strategy=single", "logger=wandb", *FAST], run_dir=tmp_path)
