@@ -82,13 +82,7 @@ def test_every_relative_link_in_the_readme_resolves(site):
 # ------------------------------------------------------------------------------------------------ README's commands
 def readme_commands() -> list[str]:
     """Each command of README's ```bash blocks, continuation lines joined, comments dropped."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if words:
-                commands.append(" ".join(words))
-    return commands
+    return doc_commands(README)
 
 
 def _test_exists(ref: str) -> bool:
@@ -121,17 +115,24 @@ def test_every_readme_command_is_run_by_a_test_or_checked(example_paths):
     launches = [c for c in commands if "launch/train.py" in c and "--check-config" not in c]
     assert launches and all(c.startswith("python -m dist_train.torchrun ") for c in launches)  # it checks first
     assert any("launch/compare.py" in c for c in commands)
+    unchecked = unchecked_commands(commands, run_by=RUN_BY, paths=example_paths)
+    assert not unchecked, "\n".join(unchecked)
+
+
+def unchecked_commands(commands: list[str], *, run_by: dict[str, str], paths: dict[str, str]) -> list[str]:
+    """`command: why` for each command neither named in `run_by` (by its prefix) nor accepted by `check_command`,
+    once the example paths are put in for their placeholders."""
     unchecked = []
     for command in commands:
-        if any(command.startswith(prefix) for prefix in RUN_BY):
+        if any(command.startswith(prefix) for prefix in run_by):
             continue
-        for placeholder, path in example_paths.items():
+        for placeholder, path in paths.items():
             command = command.replace(placeholder, path)
         try:
             check_command(shlex.split(command))
         except Exception as exc:  # noqa: BLE001 - every failure is reported with its command
             unchecked.append(f"{command}: {type(exc).__name__}: {exc}")
-    assert not unchecked, "\n".join(unchecked)
+    return unchecked
 
 
 # ------------------------------------------------------------------------------------------------ the docs' commands
@@ -161,7 +162,8 @@ DOCS_RUN_BY = {
 
 
 def doc_commands(path: Path) -> list[str]:
-    """Each command of a page's ```bash blocks, continuation lines joined, comments dropped."""
+    """Each command of a page's ```bash blocks (the README's or a docs page's), continuation lines joined, comments
+    dropped."""
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -180,17 +182,8 @@ def test_the_tests_named_for_docs_commands_exist():
 def test_every_docs_command_runs_as_printed_or_is_run_by_a_test(example_paths):
     """The docs' examples as printed: each training, comparison or estimate command is checked the way its entry point
     checks it before it starts (the README's checks), the rest are named with the test that runs them."""
-    unchecked = []
-    for page in DOCS:
-        for command in doc_commands(page):
-            if any(command.startswith(prefix) for prefix in DOCS_RUN_BY):
-                continue
-            for placeholder, path in example_paths.items():
-                command = command.replace(placeholder, path)
-            try:
-                check_command(shlex.split(command))
-            except Exception as exc:  # noqa: BLE001 - every failure is reported with its page and command
-                unchecked.append(f"{page.name}: {command}: {type(exc).__name__}: {exc}")
+    unchecked = [f"{page.name}: {line}" for page in DOCS
+                 for line in unchecked_commands(doc_commands(page), run_by=DOCS_RUN_BY, paths=example_paths)]
     assert not unchecked, "\n".join(unchecked)
 
 
