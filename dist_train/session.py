@@ -112,8 +112,8 @@ def build_session(
 def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int, float, Any, dict[str, int]]:
     """The model (built identically on every rank), transformed, then set up by the strategy; its size and
     FLOPs per token are read before any wrapping shards it. Last: set-up's memory milestones, resident bytes
-    just before the model was built (`memory/setup_baseline_rss_bytes`: imports, process group, the strategy's own
-    libraries) and the peak once this rank's weights were in (`memory/load_peak_rss_bytes`), before a strategy
+    just before the model was built (`memory/setup_baseline_rss_bytes`, and its anonymous part
+    `memory/setup_baseline_anon_bytes`: imports, process group, the strategy's own libraries) and the peak once this rank's weights were in (`memory/load_peak_rss_bytes`), before a strategy
     allocates its training state (DeepSpeed's engine does at set-up)."""
     from dist_train.model import (apply_activation_checkpointing, apply_lora, apply_neftune, build_model,
                                   compile_blocks, count_params, qlora_base)
@@ -138,10 +138,13 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     empty = strategy.empty_model_context() if sharded else None  # DeepSpeed's is made (and imported) here
     import transformers  # noqa: F401  (what every model build imports, counted in the baseline)
 
-    from dist_train.telemetry.memory import HostPeak
+    from dist_train.telemetry.memory import HostPeak, anon_bytes
 
     host = HostPeak()
     memory["memory/setup_baseline_rss_bytes"] = host.current_bytes()
+    baseline_anon = anon_bytes()  # the same moment, anonymous memory only (memory/setup_peak_anon_bytes' baseline)
+    if baseline_anon is not None:
+        memory["memory/setup_baseline_anon_bytes"] = baseline_anon
     compute_dtype = getattr(torch, PRECISIONS[run.precision.name][0])  # QLoRA's 4-bit layers compute in it
     quantize = qlora_base(run.peft, compute_dtype) if run.peft.name == "qlora" else None
     model = build_model(run.model, seed=t.seed, empty=empty, quantize=quantize)

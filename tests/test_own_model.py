@@ -189,6 +189,8 @@ def test_every_strategy_starts_from_the_directorys_weights(strategy, arch, model
                   "train.log_every=1", f"train.seq_len={SEQ}"], run_dir=tmp_path, nproc=2)
     assert s["losses"][0] == pytest.approx(reference_loss(d, global_batch=4), rel=1e-5)
     assert all(r["memory/setup_peak_rss_bytes"] > 0 for r in s["ranks"])
+    # set-up's anonymous peak and the baseline it is read against (bench/setup_memory.py): the same memory, later
+    assert all(0 < r["memory/setup_baseline_anon_bytes"] <= r["memory/setup_peak_anon_bytes"] for r in s["ranks"])
     assert "each rank fills only what it holds" in (tmp_path / "logs" / "rank1.log").read_text()
 
 
