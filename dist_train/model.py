@@ -327,11 +327,6 @@ def apply_neftune(model: nn.Module, *, alpha: float, seed: int) -> NEFTune:
     return hook
 
 
-# Every attention and MLP projection, by architecture (GPT-2's `c_proj` names both attention's and the MLP's).
-LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
-                "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
-
-
 def quantize_base(model: nn.Module, targets: list[str], *, quant_type: str, compute_dtype: torch.dtype,
                   source: Any = None) -> None:
     """QLoRA's base (Dettmers et al. 2023): each target projection becomes a bitsandbytes Linear4bit holding the
@@ -381,23 +376,28 @@ def qlora_base(peft: Any, compute_dtype: torch.dtype) -> Callable[[nn.Module, An
     weight source as they are read."""
 
     def quantize(model: nn.Module, source: Any) -> None:
-        targets = list(peft.target_modules or default_lora_targets(model, model.config.model_type))
+        targets = list(peft.target_modules or default_lora_targets(model))
         quantize_base(model, targets, quant_type=peft.quant_type, compute_dtype=compute_dtype, source=source)
 
     return quantize
 
 
-def default_lora_targets(model: nn.Module, arch: str) -> list[str]:
-    """GPT-2's fused projections, else the Llama-style names (q/k/v/o, gate/up/down: Llama, Mistral, Qwen, Gemma,
-    ...) that this model has; a model with none of them needs peft.target_modules."""
-    if arch in LORA_TARGETS:
-        return LORA_TARGETS[arch]
-    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    found = [t for t in LORA_TARGETS["llama"] if t in leaves]
-    if not found:
-        raise ValueError(f"{type(model).__name__} has none of the projections LoRA adapts by default "
-                         f"({', '.join(LORA_TARGETS['llama'])}): set peft.target_modules=[...]")
-    return found
+def default_lora_targets(model: nn.Module) -> list[str]:
+    """The names of every projection of the model's transformer blocks (its nn.Linear layers, and GPT-2's Conv1D),
+    as the model itself is built: Llama's q/k/v/o and gate/up/down, Phi-3's fused qkv_proj and gate_up_proj,
+    GPT-2's c_attn, c_proj and c_fc. Read from the first block; no architecture is named. A model whose blocks have
+    none needs peft.target_modules."""
+    from transformers.pytorch_utils import Conv1D
+
+    names: list[str] = []
+    for name, module in transformer_blocks(model)[0].named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, (nn.Linear, Conv1D)) and leaf not in names:
+            names.append(leaf)
+    if not names:
+        raise ValueError(f"{type(model).__name__}'s transformer blocks have no linear projection for LoRA to adapt: "
+                         "set peft.target_modules=[...]")
+    return names
 
 
 def apply_lora(model: nn.Module, peft: Any, *, seed: int, compute_dtype: torch.dtype = torch.float32) -> None:
@@ -408,14 +408,16 @@ def apply_lora(model: nn.Module, peft: Any, *, seed: int, compute_dtype: torch.d
     rank and every strategy starts from the same A (B starts at zero: the model is unchanged at step 0)."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    arch = model.config.model_type
-    targets = list(peft.target_modules or default_lora_targets(model, arch))
+    from transformers.pytorch_utils import Conv1D
+
+    targets = list(peft.target_modules or default_lora_targets(model))
+    conv1d = any(isinstance(m, Conv1D) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets)
     if peft.name == "qlora":
         quantize_base(model, targets, quant_type=peft.quant_type, compute_dtype=compute_dtype)
     config = LoraConfig(
         r=peft.rank, lora_alpha=peft.alpha, lora_dropout=peft.dropout, target_modules=targets,
-        # transformers' Conv1D stores its weight as in x out (QLoRA's Linear4bit layers do not)
-        fan_in_fan_out=arch == "gpt2" and peft.name == "lora",
+        # transformers' Conv1D (GPT-2's) stores its weight as in x out (QLoRA's Linear4bit layers do not)
+        fan_in_fan_out=conv1d and peft.name == "lora",
     )
     torch.manual_seed(seed)
     inject_adapter_in_model(config, model)

@@ -117,7 +117,7 @@ def test_qlora_export_writes_the_adapter_and_merges_over_the_dequantized_base(tm
     assert json.loads((adapter_only / "adapter_config.json").read_text())["r"] == 8
     # over the base quantized as training quantized it (the same weights and seed: the same 4-bit values)
     base = base_model(checkpoint)
-    quantize_base(base, default_lora_targets(base, "gpt2"), quant_type="nf4", compute_dtype=torch.float32)
+    quantize_base(base, default_lora_targets(base), quant_type="nf4", compute_dtype=torch.float32)
     base = base.to("cpu")  # bitsandbytes packs the 4-bit weights on the move
     assert rel_diff(loss_on(base, 4), losses[4]) > 1e-5  # without the adapters: not step 5's loss
     adapted = peft_loss(base, adapter_only)

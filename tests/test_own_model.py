@@ -328,7 +328,7 @@ def test_qlora_quantises_each_projection_as_it_loads(arch, tmp_path):
     peft = PeftConfig(name="qlora")
     loaded = build_model(m, seed=0, quantize=qlora_base(peft, torch.float32))
     whole = build_model(m, seed=0)
-    quantize_base(whole, default_lora_targets(whole, arch), quant_type="nf4", compute_dtype=torch.float32)
+    quantize_base(whole, default_lora_targets(whole), quant_type="nf4", compute_dtype=torch.float32)
     whole.to("cpu")  # packs the 4-bit layers
     packed = [n for n, mod in loaded.named_modules() if isinstance(mod, bnb.nn.Linear4bit)]
     assert len(packed) == len([n for n, mod in whole.named_modules() if isinstance(mod, bnb.nn.Linear4bit)]) > 0
