@@ -20,16 +20,9 @@ from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
 
+from dist_train.errors import ConfigError, require
+from dist_train.parallel_dims import ParallelDims
 from dist_train.token_files import ITEM_BYTES, looks_like_text, max_token_id
-
-
-class ConfigError(ValueError):
-    """A config value that cannot run; the message is one line naming the key and what is allowed."""
-
-
-def require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 def importable(module: str) -> bool:
@@ -47,7 +40,7 @@ def choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 # --------------------------------------------------------------------------------------------------
 # Strategies. The base of every strategy schema; each family's schema lives in its own module under
 # dist_train/strategies/ (see strategies/registry.py), the YAML files in conf/strategy/ pick one and set `name`.
-# `data_parallel_size` tells the loop how many ranks split each global batch.
+# `parallel_dims` states the strategy's degrees; every batch and mesh question is answered from them.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -94,29 +87,31 @@ class StrategyConfig:
         no gradient to reduce first."""
         return False
 
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """This strategy's degrees on `world_size` processes (dist_train/parallel_dims.py): by default every rank a
+        whole replica (DDP). Families that shard, split or pipeline override it; nothing else computes degrees."""
+        return ParallelDims(world_size, dp_replicate=world_size)
+
+    # The questions every caller asks, answered by the degrees.
     def data_parallel_size(self, world_size: int) -> int:
-        return world_size
+        return self.parallel_dims(world_size).dp
 
     def data_parallel_rank(self, rank: int, world_size: int) -> int:
         """Which slice of the global batch `rank` trains on (ranks of one model replica share a slice)."""
-        return rank % self.data_parallel_size(world_size)
+        return self.parallel_dims(world_size).data_parallel_rank(rank)
 
     def check(self, world_size: int) -> None:
         """Strategy-specific checks; world_size is the number of processes that will run."""
 
     def microbatches_per_step(self, train: "TrainConfig", world_size: int) -> int:
         """Micro-batches each rank runs per optimizer step (gradient accumulation)."""
-        return train.global_batch_size // (train.micro_batch_size * self.data_parallel_size(world_size))
+        return self.parallel_dims(world_size).microbatches(global_batch_size=train.global_batch_size,
+                                                           micro_batch_size=train.micro_batch_size)
 
     def check_run(self, run: "RunConfig", world_size: int) -> None:
         """Checks that also need the model/train values; by default, that the global batch splits evenly."""
-        t, dp = run.train, self.data_parallel_size(world_size)
-        per_step = t.micro_batch_size * dp
-        require(
-            t.global_batch_size % per_step == 0,
-            f"train.global_batch_size={t.global_batch_size} must be divisible by train.micro_batch_size "
-            f"({t.micro_batch_size}) x data-parallel size ({dp}) = {per_step}",
-        )
+        self.parallel_dims(world_size).check_batch(global_batch_size=run.train.global_batch_size,
+                                                   micro_batch_size=run.train.micro_batch_size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -387,28 +382,30 @@ def describe_batch(run: RunConfig, world_size: int) -> str:
     replica's model over the remaining processes: `global_batch=4 = micro_batch 2 x accumulation 2 x
     data_parallel 1 | tensor_parallel 2` (tp on 2). A pipeline's micro-batches are its schedule's, not
     accumulation: `micro_batch 2 x pipeline_microbatches 4 x data_parallel 1 | pipeline_stages 2` (gpipe on 2),
-    with the micro-batch the schedule really feeds (strategy.num_microbatches may set it)."""
+    with the micro-batch the schedule really feeds (strategy.num_microbatches may set it). HSDP's data
+    parallelism says its two factors: `data_parallel 4 (replicas 2 x shards 2)`."""
     t, s = run.train, run.strategy
-    dp, micro = s.data_parallel_size(world_size), accumulation_steps(run, world_size)
-    pipelined = hasattr(s, "num_stages")  # the pipeline family (config.py cannot import strategies/)
-    size = t.global_batch_size // dp // micro if pipelined and micro else t.micro_batch_size
+    dims = s.parallel_dims(world_size)
+    dp, micro = dims.dp, accumulation_steps(run, world_size)
+    pipelined = dims.pp > 1 or hasattr(s, "num_stages")  # the pipeline family (config.py cannot import strategies/)
+    size = dims.samples_per_replica(t.global_batch_size) // micro if pipelined and micro else t.micro_batch_size
     how = "pipeline_microbatches" if pipelined else "accumulation"
-    split = _model_split(s, world_size, data_parallel=dp)
-    return (f"global_batch={t.global_batch_size} = micro_batch {size} x {how} {micro} x data_parallel {dp}"
+    hybrid = f" (replicas {dims.dp_replicate} x shards {dims.dp_shard})" if min(dims.dp_replicate, dims.dp_shard) > 1 else ""
+    split = _model_split(s, dims)
+    return (f"global_batch={t.global_batch_size} = micro_batch {size} x {how} {micro} x data_parallel {dp}{hybrid}"
             + (f" | {split}" if split else ""))
 
 
-def _model_split(strategy: "StrategyConfig", world_size: int, *, data_parallel: int) -> str:
-    """What splits one replica's model, by the strategy's own degrees: its pipeline stages, its tensor-parallel
-    degree (world / data-parallel size), nn.DataParallel's split of each micro-batch; "" for none."""
-    if hasattr(strategy, "num_stages"):
-        return f"pipeline_stages {strategy.num_stages(world_size)}"
-    if strategy.splits_projections:
-        return f"tensor_parallel {world_size // data_parallel}"
+def _model_split(strategy: "StrategyConfig", dims: ParallelDims) -> str:
+    """What splits one replica's model, by the strategy's degrees: its pipeline stages, its tensor-parallel degree,
+    nn.DataParallel's split of each micro-batch; "" for none."""
+    parts = [f"pipeline_stages {dims.pp}"] if dims.pp > 1 or hasattr(strategy, "num_stages") else []
+    if dims.tp > 1 or "tp" in dims.mesh_dim_names:
+        parts.append(f"tensor_parallel {dims.tp}")
     if hasattr(strategy, "device_ids"):  # nn.DataParallel: one process, its GPUs share each micro-batch
         n = None if strategy.device_ids is None else len(strategy.device_ids)
-        return "nn.DataParallel over every visible GPU" if n is None else f"nn.DataParallel over {n} GPU(s)"
-    return ""
+        parts.append("nn.DataParallel over every visible GPU" if n is None else f"nn.DataParallel over {n} GPU(s)")
+    return " x ".join(parts)
 
 
 def accumulation_steps(run: RunConfig, world_size: int) -> int:

@@ -115,8 +115,7 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     just before the model was built (`memory/setup_baseline_rss_bytes`, and its anonymous part
     `memory/setup_baseline_anon_bytes`: imports, process group, the strategy's own libraries) and the peak once this rank's weights were in (`memory/load_peak_rss_bytes`), before a strategy
     allocates its training state (DeepSpeed's engine does at set-up)."""
-    from dist_train.model import (apply_activation_checkpointing, apply_lora, apply_neftune, build_model,
-                                  compile_blocks, count_params, qlora_base)
+    from dist_train.model import build_model, count_params, qlora_base
     from dist_train.optim import OptimizerFactory
     from dist_train.strategies.base import StrategyContext
     from dist_train.strategies.registry import build_strategy
@@ -153,14 +152,7 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     if run.model.path is not None:
         log.info("model.path=%s: %s weights, %s", run.model.path, run.model.init,
                  "each rank fills only what it holds" if sharded else "built whole on each rank")
-    if run.peft.name != "none":  # a model transform, like checkpointing: before any wrapping
-        apply_lora(model, run.peft, seed=t.seed, compute_dtype=compute_dtype)
-        log.info("peft=%s: %s trainable parameters of %s", run.peft.name,
-                 f"{count_params(model, trainable_only=True):,}", f"{count_params(model):,}")
-    if t.activation_checkpointing:
-        apply_activation_checkpointing(model)  # a model transform: before any strategy wraps the model
-    if t.compile:
-        compile_blocks(model)  # after checkpointing (which it then compiles too), before wrapping
+    transform_model(run, model, compute_dtype=compute_dtype)
     num_params, num_trainable = count_params(model), count_params(model, trainable_only=True)
     fpt = flops_per_token(
         num_params=num_params, num_embedding_params=embedding_params(model),
@@ -169,8 +161,34 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     strategy.setup(model)
     if tracker is not None:  # collectives also counted per device-mesh dimension (tp, dp) where there is a mesh
         tracker.name_groups(getattr(strategy, "mesh_groups", dict)())
-    neftune = apply_neftune(model, alpha=t.neftune_alpha, seed=t.seed) if t.neftune_alpha > 0 else None
+    neftune = attach_neftune(run, model)
     return strategy, num_params, num_trainable, fpt, neftune, memory
+
+
+def transform_model(run: RunConfig, model: Any, *, compute_dtype: Any) -> None:
+    """The model transforms, in place, before any strategy wraps the model: LoRA's adapters, then activation
+    checkpointing, then torch.compile of each block (which then compiles the checkpointing too). A training run and
+    the dry run (estimate/dryrun.py) build a rank through this and `attach_neftune`, so they cannot differ."""
+    from dist_train.model import apply_activation_checkpointing, apply_lora, compile_blocks, count_params
+
+    t = run.train
+    if run.peft.name != "none":
+        apply_lora(model, run.peft, seed=t.seed, compute_dtype=compute_dtype)
+        log.info("peft=%s: %s trainable parameters of %s", run.peft.name,
+                 f"{count_params(model, trainable_only=True):,}", f"{count_params(model):,}")
+    if t.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if t.compile:
+        compile_blocks(model)
+
+
+def attach_neftune(run: RunConfig, model: Any) -> Any:
+    """NEFTune's noise hook on the token embeddings, once the strategy has wrapped the model (it survives any
+    wrapping; a pipeline's first stage keeps it); None without train.neftune_alpha."""
+    from dist_train.model import apply_neftune
+
+    t = run.train
+    return apply_neftune(model, alpha=t.neftune_alpha, seed=t.seed) if t.neftune_alpha > 0 else None
 
 
 def loads_own_shard(run: RunConfig) -> bool:

@@ -157,6 +157,7 @@ BATCH_LINES = {
     "gpipe": (2, [], "micro_batch 2 x pipeline_microbatches 4 x data_parallel 1 | pipeline_stages 2"),
     "1f1b": (2, [], "micro_batch 2 x pipeline_microbatches 4 x data_parallel 1 | pipeline_stages 2"),
     "pp_dp": (4, ["strategy.pp=2"], "micro_batch 2 x pipeline_microbatches 2 x data_parallel 2 | pipeline_stages 2"),
+    "hsdp": (4, ["strategy.replicate=2"], "micro_batch 2 x accumulation 1 x data_parallel 4 (replicas 2 x shards 2)"),
 }
 
 

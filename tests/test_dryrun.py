@@ -23,23 +23,31 @@ def dry_run(overrides: list[str], *, world_size: int, ranks: list[int]) -> subpr
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize(("strategy", "nproc"), [("ddp", 2), ("fsdp", 2), ("tp", 2), ("fsdp_tp", 4), ("pp_dp", 4),
-                                                  ("1f1b", 2), ("zero2", 2), ("zero3", 2)])
+@pytest.mark.parametrize(("strategy", "nproc"), [("ddp", 2), ("fsdp", 2), ("hsdp", 4), ("tp", 2), ("fsdp_tp", 4),
+                                                  ("pp_dp", 4), ("1f1b", 2), ("zero2", 2), ("zero3", 2)])
 def test_dry_run_equals_a_real_run(strategy, nproc, fast_run):
     # ddp with 0.2 MB buckets: tiny's 0.96 MB of gradients go in several all-reduces, not one. DeepSpeed with a
     # reduction bucket of 100,000 elements: several reductions too, and a bucket that does not hide the rest of the
     # peak (its default, 5e8 elements, is 2 GB allocated whole).
     extra = {"ddp": ["strategy.bucket_cap_mb=0.2"],
              "zero2": ["+strategy.extra.zero_optimization.reduce_bucket_size=100000"],
-             "zero3": ["+strategy.extra.zero_optimization.reduce_bucket_size=100000"]}.get(strategy, [])
+             "zero3": ["+strategy.extra.zero_optimization.reduce_bucket_size=100000"],
+             "hsdp": ["strategy.replicate=2"]}.get(strategy, [])
     overrides = [f"strategy={strategy}", *FAST, *extra]
     _, real = fast_run(f"strategy={strategy}", *extra, nproc=nproc)  # the same run tests/test_zero.py and others read
     # The first and the last rank, as the comparison's dry-run rows take them: on 4 ranks a pipeline's first and last
     # stage, and the corners of a 2 x 2 mesh (ranks 1 and 2 repeat their roles); a process of its own each.
+    _assert_dry_run_equals(strategy, overrides, real, nproc=nproc)
+
+
+def _assert_dry_run_equals(strategy: str, overrides: list[str], real: dict, *, nproc: int,
+                           predicted: bool = True) -> None:
     ranks = sorted({0, nproc - 1})
     proc = dry_run(overrides, world_size=nproc, ranks=ranks)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    dry = json.loads(proc.stdout)["dryrun"]
+    out = json.loads(proc.stdout)
+    dry = out["dryrun"]
+    assert ("note" in out) == (not predicted), out.get("note")
     assert dry["world_size"] == nproc and [r["rank"] for r in dry["ranks"]] == ranks
     for got, want in zip(dry["ranks"], [real["ranks"][r] for r in ranks]):
         measured = got["measured"]
@@ -56,6 +64,9 @@ def test_dry_run_equals_a_real_run(strategy, nproc, fast_run):
         # Every live tensor at the peak: the fake CPU attention kernel saves a little more than the real one.
         live, want_live = measured["memory/peak_live_bytes"], want["memory/peak_live_bytes"]
         assert abs(live - want_live) <= 0.05 * want_live, (strategy, live, want_live)
+        if not predicted:  # LoRA: measured only, nothing predicted beside it
+            assert got["predicted"] == {} and got["diff"] == {}
+            continue
         if "memory/peak_live_bytes" in got["predicted"]:  # where the estimator models the peak (not zero3, pipelines)
             predicted_live = got["predicted"]["memory/peak_live_bytes"]
             # ddp within 5%: two micro-batches accumulate into DDP's buckets, no second copy of the gradients
@@ -65,6 +76,16 @@ def test_dry_run_equals_a_real_run(strategy, nproc, fast_run):
         assert got["predicted"]["memory/params_bytes"] > 0
         assert got["diff"]["memory/params_bytes"] == pytest.approx(
             measured["memory/params_bytes"] / got["predicted"]["memory/params_bytes"] - 1)
+
+
+def test_dry_run_builds_a_rank_as_training_does_lora_and_neftune_included(fast_run):
+    """The dry run assembles a rank through training's own builder (session.transform_model, attach_neftune): LoRA's
+    adapters, the frozen base, NEFTune's hook. Its figures equal a real run's; the estimator does not model LoRA, so
+    nothing is predicted beside them, and a note says so."""
+    extra = ["peft=lora", "train.neftune_alpha=5"]
+    _, real = fast_run("strategy=ddp", *extra, nproc=2)
+    _assert_dry_run_equals("ddp", ["strategy=ddp", *FAST, *extra], real, nproc=2, predicted=False)
+    assert real["ranks"][0]["memory/grads_bytes"] < real["ranks"][0]["memory/params_bytes"] / 4  # adapters only
 
 
 @pytest.mark.beside

@@ -369,7 +369,7 @@ def test_pp_dp_replicated_stages_match_single_with_tied_embeddings(tied_single, 
         own = STAGE_PARAMS[r["rank"] // 2]
         assert r["pipeline/num_replicas"] == 2 and r["pipeline/stage"] == r["rank"] // 2
         assert r["memory/params_bytes"] == 4 * own
-        assert r["comm/dp/all_reduce/bytes"] == 4 * own
+        assert r["comm/dp_replicate/all_reduce/bytes"] == 4 * own
         # the norm over the pipeline's stages, and the tied gradient between its first and last stage (with
         # 2 stages, that pair is the pipeline's group too)
         assert r["comm/pp/all_reduce/bytes"] == 4 + 4 * 256 * 64
@@ -394,9 +394,9 @@ def test_pp_dp_fsdp_stages_match_single_predicted_and_resume_under_one_process(s
     for r in last_step(run_dir):
         own = STAGE_PARAMS[r["rank"] // 2]
         assert r["memory/params_bytes"] == pytest.approx(4 * own / 2, rel=0.01)
-        assert r["comm/dp/reduce_scatter/bytes"] == 4 * own
+        assert r["comm/dp_shard/reduce_scatter/bytes"] == 4 * own
         # 2 micro-batches: each block gathered for both forwards and once at the first backward, the root once
-        assert r["comm/dp/all_gather/bytes"] == 4 * (3 * 2 * BLOCK + own - 2 * BLOCK)
+        assert r["comm/dp_shard/all_gather/bytes"] == 4 * (3 * 2 * BLOCK + own - 2 * BLOCK)
         assert r["comm/pp/send/bytes"] == r["comm/pp/recv/bytes"] == 2 * ACTIVATION_BYTES
     rows = compare_from(tmp_path / "compare", single_dir, run_dir)
     assert rows["pp_dp"]["prediction_ok"] is True, rows["pp_dp"]

@@ -133,7 +133,7 @@ def test_a_tp_checkpoint_resumes_under_single(straight_run, tmp_path):
 
 def test_fsdp_tp_on_a_2x2_mesh_matches_single_and_names_each_dimensions_traffic(straight_run, tmp_path):
     """tp=2 inside, FSDP2 over the 2 groups: half of TP's per-rank state per rank, Megatron's all-reduces on the
-    tp groups, FSDP's gathers and reduce-scatters on the dp groups, and the estimator agrees (compare.from)."""
+    tp groups, FSDP's gathers and reduce-scatters on the dp_shard groups, and the estimator agrees (compare.from)."""
     single_dir, single = straight_run("single")
     run_dir = tmp_path / "fsdp_tp"
     s = train_ok(["strategy=fsdp_tp", "strategy.tp=2", *CHECKPOINTED], run_dir=run_dir, nproc=4)
@@ -142,8 +142,8 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_single_and_names_each_dimensions_traffic(
     tp_rank = s["num_params"] - _split_elements(ModelConfig()) // 2  # what one rank of a TP pair holds
     for rec in last_step(run_dir):
         assert rec["memory/params_bytes"] == pytest.approx(4 * tp_rank / 2, rel=0.02)  # FSDP halves it again
-        assert rec["comm/dp/reduce_scatter/bytes"] == rec["comm/reduce_scatter/bytes"] == 4 * tp_rank
-        assert rec["comm/dp/all_gather/bytes"] == rec["comm/all_gather/bytes"] > 0
+        assert rec["comm/dp_shard/reduce_scatter/bytes"] == rec["comm/reduce_scatter/bytes"] == 4 * tp_rank
+        assert rec["comm/dp_shard/all_gather/bytes"] == rec["comm/all_gather/bytes"] > 0
         activation = 2 * 64 * 64 * 4
         expected = 2 * 4 * 4 * activation + 2 * (2 * activation + 3 * 2 * 64 * 4)  # 2 micro-batches per rank
         assert expected <= rec["comm/tp/all_reduce/bytes"] <= expected + 1024

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from dist_train.config import PrecisionConfig, TrainConfig
+from dist_train.parallel_dims import ParallelDims
 from dist_train.strategies._deepspeed import deep_merge, deepspeed_config
 from dist_train.strategies.zero import ZeroConfig
 from tests.helpers import FAST, ROOT, TRAIN, assert_same_losses, env, last_step, launch, summary, train_ok
@@ -39,7 +40,7 @@ def _ds(zero: ZeroConfig | None = None, **train: Any) -> dict[str, Any]:
         zero=zero or ZeroConfig(name="zero2", stage=2),
         train=TrainConfig(**{"global_batch_size": 8, **train}),  # resolved, as validation leaves it
         precision=PrecisionConfig(name="fp32"),
-        data_parallel_size=N_RANKS,
+        dims=ParallelDims(N_RANKS, dp_shard=N_RANKS),
     )
 
 
@@ -62,7 +63,7 @@ def test_gradient_clipping_follows_train_grad_clip(clip):
 def test_precision_maps_to_deepspeed_sections(precision):
     cfg = deepspeed_config(
         zero=ZeroConfig(name="zero1", stage=1), train=TrainConfig(global_batch_size=8),
-        precision=PrecisionConfig(name=precision), data_parallel_size=1,
+        precision=PrecisionConfig(name=precision), dims=ParallelDims(1),
     )
     assert cfg["bf16"]["enabled"] == (precision == "bf16")
     assert cfg["fp16"]["enabled"] == (precision == "fp16")

@@ -60,7 +60,7 @@ class Collective:
     bytes: float  # buffer bytes per step, all calls together
     what: str
     elem: int = 4  # bytes per element moved
-    dim: str = ""  # the mesh dimension it runs over (fsdp_tp: tp or dp); "" = the strategy's one group
+    dim: str = ""  # the mesh dimension it runs over (fsdp_tp: tp or dp_shard); "" = the strategy's one group
     group_size: int = 0  # ranks in that group; 0 = the group size the caller passes
     calls: int = 1  # separate calls per step (buckets, one per block, ...): what latency costs (estimate/step_time.py)
 
@@ -84,7 +84,7 @@ def predict_comm(shape: ModelShape, setup: Setup) -> list[list[Collective]]:
         # FSDP2 over the dp dimension, of what each TP rank holds (blocks split by tp, the rest whole)
         fsdp = _fsdp(shape, setup, block_params=shape.num_layers * shape.layer_params_tp(setup.tp),
                      num_params=tp_rank_params(shape, setup))
-        return [tp + [replace(c, dim="dp", group_size=setup.data_parallel_size) for c in fsdp]] * setup.world_size
+        return [tp + [replace(c, dim="dp_shard", group_size=setup.data_parallel_size) for c in fsdp]] * setup.world_size
     return [_data_parallel(shape, setup)] * setup.world_size
 
 
@@ -101,7 +101,8 @@ def _data_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
         return [Collective("all_reduce", num_params * b.grads, "gradients, once per step (no_sync while accumulating)",
                            int(b.grads), calls=buckets(num_params * b.grads, DDP_BUCKET_BYTES))]
     if setup.kind == "fsdp":
-        return _fsdp(shape, setup, block_params=shape.num_layers * shape.layer_params(), num_params=num_params)
+        fsdp = _fsdp(shape, setup, block_params=shape.num_layers * shape.layer_params(), num_params=num_params)
+        return fsdp if setup.dims.dp_replicate == 1 else _hybrid(fsdp, shape, setup, num_params=num_params)
     stage = setup.zero_stage
     if stage >= 3:
         # The paper gathers every parameter in forward and again in backward. DeepSpeed keeps a parameter
@@ -150,6 +151,18 @@ def _fsdp(shape: ModelShape, setup: Setup, *, block_params: float, num_params: f
     ]
 
 
+def _hybrid(fsdp: list[Collective], shape: ModelShape, setup: Setup, *, num_params: float) -> list[Collective]:
+    """HSDP: FSDP's gathers and reduce-scatters within a replica (dp_shard), then each gradient shard all-reduced
+    across the replicas (dp_replicate), as often as the reduce-scatter runs."""
+    dims = setup.dims
+    reduces = setup.microbatches_per_step if setup.reduce_every_microbatch else 1
+    inside = [replace(c, dim="dp_shard", group_size=dims.dp_shard) for c in fsdp]
+    across = Collective("all_reduce", reduces * num_params * 4 / dims.dp_shard,
+                        f"fp32 gradient shards across the {dims.dp_replicate} replicas", 4,
+                        dim="dp_replicate", group_size=dims.dp_replicate, calls=reduces * (shape.num_layers + 1))
+    return [*inside, across]
+
+
 def _pipeline(shape: ModelShape, setup: Setup, *, stage: int) -> list[Collective]:
     k, m = setup.num_stages, setup.microbatches_per_step
     # Under autocast the residual stream between blocks stays fp32; otherwise it has the training dtype.
@@ -165,7 +178,8 @@ def _pipeline(shape: ModelShape, setup: Setup, *, stage: int) -> list[Collective
                    calls=sends * m),
     ]
     if d > 1:
-        out += [replace(c, dim="dp", group_size=d) for c in _stage_data_parallel(shape, setup, stage=stage)]
+        dp_dim = "dp_shard" if setup.dp_mode == "fsdp" else "dp_replicate"
+        out += [replace(c, dim=dp_dim, group_size=d) for c in _stage_data_parallel(shape, setup, stage=stage)]
     return out
 
 

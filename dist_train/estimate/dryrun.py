@@ -4,13 +4,14 @@
 
 For each asked rank a fresh process (`python -m dist_train.estimate.dryrun`) joins torch's fake process group
 (`backend="fake"`: every collective returns at once, with no peer and no data) as that rank of `world_size`, builds
-the model under FakeTensorMode (tensors with shapes and no storage: a 70B model costs no memory), lets the
-strategy shard and wrap it as training does, and runs one training step. What the rank would hold and send is read
+the model under FakeTensorMode (tensors with shapes and no storage: a 70B model costs no memory), assembles the rank
+through training's own builder (session.transform_model and attach_neftune: LoRA, activation checkpointing, the
+strategy's set-up, NEFTune), and runs one training step. What the rank would hold and send is read
 with the same code a training run uses, on the second step (the first makes the optimizer's state): the strategy's model state by category, the collectives the CommTracker
 sees, and the peak of all live tensors that torch's MemTracker follows (it works under FakeTensorMode). The figures
 use the keys of summary.json's `ranks[]`.
 
-Strategies: ddp, fsdp, tp, fsdp_tp, the pipelines (gpipe, 1f1b, pp_dp) and the DeepSpeed ZeRO stages (without offload,
+Strategies: ddp, fsdp, hsdp, tp, fsdp_tp, the pipelines (gpipe, 1f1b, pp_dp) and the DeepSpeed ZeRO stages (without offload,
 which needs a GPU). The others are refused with one line saying why (NOT_YET). Where the real code reads a value back
 after a collective (a pipeline's shape vote, DeepSpeed's order and overflow checks), the collective still runs and the
 read-back takes a healthy run's answer (DDP's shape check and bucket regrouping, likewise); each such place is one
@@ -173,19 +174,23 @@ def _fsdp_chunks_on_demand() -> list[Patch]:
 
 
 def _moves_in_place() -> list[Patch]:
-    """`module.to(device)` where every tensor is there already returns the module: a fake tensor cannot be swapped
-    (torch's _apply swaps tensor subclasses), and DeepSpeed's engine moves the model it is given."""
+    """`module.to(device[, dtype])` where every tensor is there, in that dtype, already returns the module: a fake
+    tensor cannot be swapped (torch's _apply swaps tensor subclasses). DeepSpeed's engine moves the model it is
+    given; peft moves each new adapter to its base layer's device and dtype."""
     import torch
     from torch import nn
 
     original = nn.Module.to
 
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
-        device = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
-        if device is not None and len(args) + len(kwargs) == 1:
-            target = torch.device(device)
-            if all(t.device.type == target.type for t in [*self.parameters(), *self.buffers()]):
-                return self
+        try:
+            device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        except (TypeError, RuntimeError):
+            return original(self, *args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if device is not None and all(t.device.type == device.type for t in tensors) and (
+                dtype is None or all(t.dtype == dtype for t in tensors if t.is_floating_point())):
+            return self
         return original(self, *args, **kwargs)
 
     return [(nn.Module, "to", to)]
@@ -364,8 +369,9 @@ def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, A
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from dist_train.contracts import Batch, Runtime
-    from dist_train.model import _constructor, apply_activation_checkpointing
+    from dist_train.model import _constructor
     from dist_train.optim import OptimizerFactory
+    from dist_train.session import attach_neftune, transform_model
     from dist_train.strategies.base import StrategyContext
     from dist_train.strategies.registry import build_strategy
     from dist_train.strategies.torch_strategy import TorchStrategy
@@ -387,9 +393,10 @@ def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, A
     local = t.global_batch_size // dp
     with FakeTensorMode(allow_non_fake_inputs=True), _under_fake_group(zero=isinstance(run.strategy, ZeroConfig)):
         model = _constructor(run.model)()
-        if t.activation_checkpointing:
-            apply_activation_checkpointing(model)
+        # training's own assembly of a rank: LoRA, checkpointing, compile, the strategy's set-up, NEFTune's hook
+        transform_model(run, model, compute_dtype=run.precision.dtype)
         strategy.setup(model)
+        attach_neftune(run, model)
         tracker.name_groups(getattr(strategy, "mesh_groups", dict)())  # comm/<dim>/<op>/... where there is a mesh
         ids = torch.zeros(local, t.seq_len, dtype=torch.long)
         # As a training run measures: a first step makes the optimizer's state (and runs lazy initialisation);
@@ -440,13 +447,17 @@ def run_ranks(overrides: list[str], *, world_size: int, ranks: list[int], timeou
 
 
 def dryrun_rows(overrides: list[str], shape: ModelShape, setup: Setup, *, ranks: list[int],
-                timeout_s: float) -> list[dict[str, Any]]:
+                timeout_s: float, predict: bool = True) -> list[dict[str, Any]]:
     """Per asked rank: the dry run's figures (summary.json's ranks[] keys), the prediction for the same keys, and
-    their relative difference (dry run / predicted - 1)."""
+    their relative difference (dry run / predicted - 1). predict=False (LoRA, which the estimator does not model):
+    the dry run's figures alone."""
     from dist_train.estimate.comm import predict_comm
     from dist_train.estimate.memory import category_bytes, predict_memory
 
     measured = run_ranks(overrides, world_size=setup.world_size, ranks=ranks, timeout_s=timeout_s)
+    if not predict:
+        return [{"rank": m["rank"], "measured": {k: v for k, v in m.items() if k != "rank"}, "predicted": {},
+                 "diff": {}} for m in measured]
     predicted_ranks, comm = predict_memory(shape, setup), predict_comm(shape, setup)
     rows = []
     for m in measured:

@@ -172,6 +172,7 @@ def shards(setup: Setup) -> Shards:
         s = setup.zero_stage
         return Shards(weights=n if s >= 3 else 1, grads=n if s >= 2 else 1, optimizer=n)
     if setup.kind in ("fsdp", "fsdp_tp") or (setup.family == "pipeline" and setup.dp_mode == "fsdp"):
+        n = setup.dims.dp_shard  # HSDP: sharded within a replica only
         return Shards(weights=n, grads=n, optimizer=n)
     return Shards(weights=1, grads=1, optimizer=1)
 

@@ -8,12 +8,14 @@ not exist yet, by name.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from dist_train.config import PrecisionConfig
+from dist_train.parallel_dims import ParallelDims
 
 FAMILIES = ("single", "dp", "ddp", "fsdp", "zero", "pipeline", "tp", "accelerate", "fsdp_tp")
 
@@ -23,6 +25,7 @@ KNOWN_STRATEGIES: dict[str, tuple[str, int, str]] = {
     "dp": ("dp", 0, ""),
     "ddp": ("ddp", 0, ""),
     "fsdp": ("fsdp", 0, ""),
+    "hsdp": ("fsdp", 0, ""),
     "zero1": ("zero", 1, ""),
     "zero2": ("zero", 2, ""),
     "zero3": ("zero", 3, ""),
@@ -92,6 +95,8 @@ class Setup:
     # pipelines: stages (None = one per rank); world / pp replicas, each stage replicated or FSDP-sharded
     pp: Optional[int] = None
     dp_mode: str = "replicate"
+    # fsdp/hsdp: replicas of the sharded state (strategy.replicate; HSDP's dp_replicate degree), 1 = plain FSDP
+    replicate: int = 1
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -100,6 +105,7 @@ class Setup:
             raise ValueError(f"regime={self.regime!r} unknown; allowed: {', '.join(REGIMES)}")
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size} must be >= 1")
+        self.dims  # noqa: B018 - the degrees must multiply to the world (ConfigError, one line)
 
     @property
     def kind(self) -> str:
@@ -109,12 +115,29 @@ class Setup:
         return self.family
 
     @property
-    def data_parallel_size(self) -> int:
+    def dims(self) -> ParallelDims:
+        """The run's parallel degrees, as its strategy states them (StrategyConfig.parallel_dims; a test checks
+        that the two agree for every strategy and world size)."""
+        w = self.world_size
+        if self.family in ("single", "dp"):
+            return ParallelDims(1)  # one process
+        if self.family == "tp":
+            return ParallelDims(w, tp=w)
         if self.family == "fsdp_tp":
-            return max(self.world_size // self.tp, 1)
+            return ParallelDims(w, dp_shard=max(w // self.tp, 1), tp=self.tp, kept=("dp_shard",))
         if self.family == "pipeline":
-            return max(self.world_size // self.num_stages, 1)  # replicas of the pipeline
-        return 1 if self.family in ("single", "dp", "tp") else self.world_size
+            replicas = max(w // self.num_stages, 1)
+            return ParallelDims(w, pp=self.num_stages,
+                                **{"dp_shard" if self.dp_mode == "fsdp" else "dp_replicate": replicas})
+        if self.family == "fsdp":
+            return ParallelDims(w, dp_replicate=self.replicate, dp_shard=max(w // self.replicate, 1), kept=("dp_shard",))
+        if self.kind == "ddp":
+            return ParallelDims(w, dp_replicate=w)
+        return ParallelDims(w, dp_shard=w)  # ZeRO, Accelerate's FSDP
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dims.dp
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -235,6 +258,16 @@ def _zero3_fields(strategy: Mapping[str, Any]) -> dict[str, int]:
     return {field: int(float(zero[key])) for key, field in _ZERO3_KEYS.items() if key in zero}
 
 
+def _replicas(strategy: Mapping[str, Any], world_size: int) -> int:
+    """strategy.replicate (fsdp: 1, hsdp's default None: one replica per node, as training counts the nodes)."""
+    if "replicate" not in strategy:
+        return 1
+    if strategy["replicate"] is not None:
+        return int(strategy["replicate"])
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    return max(world_size // max(per_node, 1), 1)
+
+
 def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: Any) -> Setup:
     """A Setup from a resolved run config (a dict with strategy/train/precision/optimizer groups)."""
     strategy = dict(cfg.get("strategy") or {})
@@ -263,6 +296,7 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         sequence_parallel=bool(strategy.get("sequence_parallel", False)),
         pp=int(strategy["pp"]) if strategy.get("pp") is not None else None,
         dp_mode=str(strategy.get("dp_mode") or "replicate"),
+        replicate=_replicas(strategy, world_size),
         **_zero3_fields(strategy),
     )
     fields.update(overrides)

@@ -96,6 +96,9 @@ def spans_nodes(c: Collective, setup: Setup, *, gpus_per_node: int) -> bool:
         return False
     if c.dim == "tp" or setup.family == "tp":
         return setup.tensor_parallel_size > gpus_per_node
+    if c.dim in ("dp_shard", "dp_replicate") and setup.family != "pipeline":  # HSDP's, fsdp_tp's: rank 0's group
+        ranks = setup.dims.group_ranks(0, c.dim)
+        return ranks[0] // gpus_per_node != ranks[-1] // gpus_per_node
     if setup.family == "pipeline":
         if c.op in ("send", "recv"):  # a neighbour stage is D ranks away
             return setup.data_parallel_size >= gpus_per_node or gpus_per_node % setup.data_parallel_size != 0

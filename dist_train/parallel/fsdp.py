@@ -1,4 +1,9 @@
-"""FSDP2 sharding shared by the strategies that use it (fsdp, fsdp_tp): imported only by their runs."""
+"""FSDP2 (`fully_shard`) applied to a model: one of the functions dist_train.parallel.apply runs in its fixed order
+(fsdp, hsdp, fsdp_tp, and pp_dp's sharded stages). Imported only by the runs that use it.
+
+Over a 1-D mesh (dp_shard) each rank holds 1/N of every parameter, gradient and optimizer state. Over a 2-D mesh
+(dp_replicate, dp_shard) it is HSDP: each replica shards the state over its dp_shard ranks, and after the
+reduce-scatter within a replica, FSDP2 all-reduces the gradient shards across the replicas."""
 
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ def mixed_precision(precision: PrecisionConfig) -> MixedPrecisionPolicy:
 
 
 def shard(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool, precision: PrecisionConfig) -> nn.Module:
-    """`fully_shard` each transformer block over `mesh` (1-D), then the root; in place."""
+    """`fully_shard` each transformer block over `mesh` (dp_shard, or (dp_replicate, dp_shard) for HSDP), then the
+    root; in place."""
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision(precision))
     # Blocks first, then the root (embeddings, final norm, head): each block is one all-gather unit.
     for block in transformer_blocks(model):

@@ -24,7 +24,7 @@ from dist_train.estimate.step_time import StepTime, predict_step
 
 # What the search enumerates. dp (torch DataParallel: one process drives every GPU) and accelerate (the user's
 # own Accelerate set-up) are left out: neither is a configuration to choose by degrees.
-SEARCHED = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "fsdp_tp", "1f1b", "gpipe", "pp_dp")
+SEARCHED = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "fsdp_tp", "1f1b", "gpipe", "pp_dp")
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,10 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
             continue
         if name in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
             yield name, {}, (f"strategy={name}",), None
+        elif name == "hsdp":  # one replica per node, sharded over its GPUs (strategy=hsdp's default layout)
+            nodes = w // gpus_per_node
+            why = None if nodes >= 2 and gpus_per_node >= 2 else "needs 2 nodes or more (one replica per node)"
+            yield name, {"replicate": max(nodes, 1)}, (f"strategy={name}", f"strategy.replicate={max(nodes, 1)}"), why
         elif name == "tp":
             why = None
             if w > gpus_per_node:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from dist_train.config import PrecisionConfig, RunConfig, TrainConfig, importable, require
+from dist_train.parallel_dims import ParallelDims
 from dist_train.contracts import Batch, ModelState, StepOutput, dtype_name, tensor_bytes
 from dist_train.model import forward_loss
 from dist_train.strategies._zero3_setup import zero3_setup_fixes
@@ -47,8 +48,11 @@ class DeepSpeedSettings:
     offload_params: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(world_size, dp_shard=world_size)  # ZeRO partitions over every rank
+
     def data_parallel_size(self, world_size: int) -> int:
-        return world_size
+        return self.parallel_dims(world_size).dp
 
 
 def check_settings(s: Any, world_size: int) -> None:
@@ -94,10 +98,10 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def deepspeed_config(
-    *, zero: Any, train: TrainConfig, precision: PrecisionConfig, data_parallel_size: int
+    *, zero: Any, train: TrainConfig, precision: PrecisionConfig, dims: ParallelDims
 ) -> dict[str, Any]:
     """The DeepSpeed config that trains like every other strategy under the same run config."""
-    accumulation = train.global_batch_size // (train.micro_batch_size * data_parallel_size)
+    accumulation = dims.microbatches(global_batch_size=train.global_batch_size, micro_batch_size=train.micro_batch_size)
     zero_opt: dict[str, Any] = {"stage": zero.stage}
     if zero.stage == 3:
         # DeepSpeed keeps parameters under 1e5 elements gathered on every rank by default (not worth
@@ -281,7 +285,7 @@ class ZeroStrategy:
             init_deepspeed_comm(rt.backend)
             self._config = deepspeed_config(
                 zero=self.cfg, train=self.ctx.train, precision=self.ctx.precision,
-                data_parallel_size=self.cfg.data_parallel_size(rt.world_size),
+                dims=self.cfg.parallel_dims(rt.world_size),
             )
         return self._config
 

@@ -23,6 +23,7 @@ from dist_train.contracts import Batch, ModelState, Runtime, StepOutput
 from dist_train.faults import overflow_if_injected
 from dist_train.model import forward_loss
 from dist_train.optim import OptimizerFactory
+from dist_train.parallel.plans import block_tp_plan
 from dist_train.telemetry.memory import optimizer_state_tensors
 
 
@@ -39,28 +40,6 @@ class StrategyContext:
     # A model built on meta (strategy trait builds_on_meta): called on the wrapped model to give it storage and
     # weights, before the optimizer is built.
     materialize: Callable[[nn.Module], None] | None = None
-
-
-# Styles of transformers' per-block TP plans (`base_model_tp_plan`) that tensor parallelism here applies.
-TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
-
-
-def block_tp_plan(config: Any) -> dict[str, str]:
-    """{path inside a transformer block: style} from transformers' own plan for this architecture
-    (`base_model_tp_plan`'s `layers.*.` entries); GPT-2 has none and is split by hand (strategies/_tensor_parallel.py).
-    ValueError, saying why, for a model without a plan or with a style not applied here."""
-    if config.model_type == "gpt2":
-        return {}
-    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    block = {key.split(".*.", 1)[1]: style for key, style in plan.items() if ".*." in key}
-    if not block:
-        raise ValueError(f"model.arch={config.model_type} has no tensor-parallel plan in transformers "
-                         "(base_model_tp_plan), so its projections cannot be split")
-    other = sorted({style for style in block.values() if style not in TP_STYLES})
-    if other:
-        raise ValueError(f"model.arch={config.model_type}'s tensor-parallel plan uses {', '.join(other)}, which is not "
-                         f"applied here (only {', '.join(TP_STYLES)})")
-    return block
 
 
 def onto(model: nn.Module, device: torch.device) -> nn.Module:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dist_train.config import StrategyConfig, require
+from dist_train.parallel_dims import ParallelDims
 from dist_train.contracts import StrategyFamily
 from dist_train.strategies.base import StrategyContext
 from dist_train.strategies.torch_strategy import TorchStrategy
@@ -36,8 +37,8 @@ class DPConfig(StrategyConfig):
     def needs_process_group(self) -> bool:
         return False
 
-    def data_parallel_size(self, world_size: int) -> int:
-        return 1  # one process; DataParallel scatters each micro-batch over GPUs itself
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(1)  # one process; nn.DataParallel scatters each micro-batch over GPUs itself
 
     def check(self, world_size: int) -> None:
         require(

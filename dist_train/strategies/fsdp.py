@@ -1,30 +1,37 @@
-"""FSDP2: `fully_shard` on each transformer block, then on the root.
+"""FSDP2: `fully_shard` on each transformer block, then on the root; HSDP when the shards are replicated.
 
 Parameters, gradients and optimizer state are sharded across ranks (DTensors). In forward each block's
 parameters are all-gathered; `reshard_after_forward` frees them again (ZeRO-3-like) or keeps them until
 backward (ZeRO-2-like); the root's are always kept from forward to backward. Gradients are reduce-scattered
 once per step: sync is off for all but the last micro-batch.
+
+strategy=hsdp (hybrid sharding): `strategy.replicate` replicas of the model state, each sharded over
+world / replicate ranks, on a (dp_replicate, dp_shard) mesh (rank = replica x shards + shard: a replica is
+consecutive ranks, one node's GPUs). All-gathers and reduce-scatters stay within a replica (the fast links);
+across replicas only the gradient shards are all-reduced, once a step. Each rank holds 1/(world/replicate) of
+the state instead of 1/world.
+
+Both are presets of degrees over dist_train.parallel.apply (strategies/parallelized.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-
+import os
 from dataclasses import dataclass
-from typing import Any, ClassVar, ContextManager
+from typing import ClassVar, Optional
 
-import torch
-from torch import nn
-
-from dist_train.config import StrategyConfig
+from dist_train.config import StrategyConfig, require
 from dist_train.contracts import StrategyFamily
+from dist_train.parallel.apply import Sharding
+from dist_train.parallel_dims import ParallelDims
 from dist_train.strategies.base import StrategyContext
+from dist_train.strategies.parallelized import MeshWrapper
 from dist_train.strategies.torch_strategy import TorchStrategy
 
 
 @dataclass
 class FSDPConfig(StrategyConfig):
-    """FSDP2 (`fully_shard`) per transformer block, then the root."""
+    """FSDP2 (`fully_shard`) per transformer block, then the root; over replicas of the shards for hsdp."""
 
     name: str = "fsdp"
     # True: free gathered parameters after forward and gather again in backward (ZeRO-3-like).
@@ -35,6 +42,9 @@ class FSDPConfig(StrategyConfig):
     # whatever the world size; one reduce-scatter a step). True reduce-scatters after every micro-batch into the
     # sharded gradients, as torchtitan does: it sends the gradients once per micro-batch and holds 4 B/param / N.
     reduce_every_microbatch: bool = False
+    # Replicas of the sharded state (HSDP's dp_replicate degree): 1 is plain FSDP (strategy=fsdp); None, strategy=hsdp's
+    # default, is one replica per node (WORLD_SIZE / LOCAL_WORLD_SIZE, as torchrun and Slurm set them).
+    replicate: Optional[int] = 1
 
     compiles_blocks: ClassVar[bool] = True  # compiled before fully_shard, as torchtitan does
     loads_own_shard: ClassVar[bool] = True  # fully_shard on meta, then each rank loads its rows
@@ -43,35 +53,40 @@ class FSDPConfig(StrategyConfig):
     def optimizer_sees_whole_tensors(self) -> bool:
         return False  # FSDP2 shards (DTensors)
 
+    def replicas(self, world_size: int) -> int:
+        if self.replicate is not None:
+            return self.replicate
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+        return max(world_size // max(per_node, 1), 1)
 
-class FSDPWrapper:
-    # torch.distributed.fsdp (in _fsdp.py) is imported when a model is wrapped: importing it (with DTensor and
-    # dynamo) at module level would cost every run start-up time, since the registry imports this module.
-    def __init__(self, cfg: FSDPConfig, ctx: StrategyContext) -> None:
-        self.cfg, self.ctx = cfg, ctx
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        replicas = self.replicas(world_size)
+        return ParallelDims(world_size, dp_replicate=replicas, dp_shard=max(world_size // replicas, 1),
+                            kept=("dp_shard",))
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from dist_train.strategies._fsdp import shard
-
-        rt = self.ctx.runtime
-        mesh = init_device_mesh(rt.device.type, (rt.world_size,))
-        return shard(model, mesh, reshard_after_forward=self.cfg.reshard_after_forward, precision=self.ctx.precision)
-
-    def no_sync(self, wrapped: nn.Module) -> ContextManager[Any]:
-        if self.cfg.reduce_every_microbatch:
-            return contextlib.nullcontext()  # every micro-batch's backward reduce-scatters into the shards
-        from dist_train.strategies._fsdp import no_sync
-
-        return no_sync(wrapped)
-
-    def devices(self) -> list[torch.device]:
-        return [self.ctx.runtime.device]
+    def check(self, world_size: int) -> None:
+        replicas = self.replicas(world_size)
+        require(replicas >= 1, f"strategy.replicate={replicas} must be >= 1")
+        require(
+            world_size % replicas == 0,
+            f"strategy.replicate={replicas} must divide the number of processes ({world_size}): HSDP's mesh is "
+            f"(replicas {replicas}) x (shards {world_size}/{replicas})",
+        )
+        if self.name == "hsdp":
+            how = "strategy.replicate" if self.replicate is not None else "one per node"
+            require(
+                replicas >= 2 and world_size // replicas >= 2,
+                f"strategy=hsdp needs at least 2 replicas of at least 2 ranks; {how} gives {replicas} replica(s) of "
+                f"{world_size // replicas} on {world_size} processes: set strategy.replicate (e.g. 2 with 4 "
+                "processes) or use strategy=fsdp",
+            )
 
 
 def build(cfg: FSDPConfig, ctx: StrategyContext) -> TorchStrategy:
-    return TorchStrategy(cfg.name, ctx, FSDPWrapper(cfg, ctx))
+    wrapper = MeshWrapper(cfg, ctx, sharding=Sharding(reshard_after_forward=cfg.reshard_after_forward),
+                          reduce_every_microbatch=cfg.reduce_every_microbatch)
+    return TorchStrategy(cfg.name, ctx, wrapper)
 
 
-FAMILY = StrategyFamily(family="fsdp", schema=FSDPConfig, names={"fsdp": {}}, build=build)
+FAMILY = StrategyFamily(family="fsdp", schema=FSDPConfig, names={"fsdp": {"replicate": 1}, "hsdp": {"replicate": None}},
+                        build=build)

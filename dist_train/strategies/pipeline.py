@@ -52,6 +52,7 @@ from torch import nn
 
 from dist_train.checkpoint.dcp_io import DcpIO
 from dist_train.config import RunConfig, StrategyConfig, TrainConfig, choice, require
+from dist_train.parallel_dims import ParallelDims
 from dist_train.contracts import Batch, ModelState, StepOutput, StrategyFamily, local_tensor
 from dist_train.model import causal_lm_loss, layout_of, model_layout
 from dist_train.strategies.base import (
@@ -122,8 +123,12 @@ class PipelineConfig(StrategyConfig):
     def num_stages(self, world_size: int) -> int:
         return self.pp if self.pp is not None else world_size
 
-    def data_parallel_size(self, world_size: int) -> int:
-        return max(world_size // self.num_stages(world_size), 1)  # replicas of the pipeline
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """K stages, and world / K replicas of the pipeline: whole (replicate) or sharding each stage (fsdp)."""
+        stages = self.num_stages(world_size)
+        replicas = max(world_size // stages, 1)
+        dim = "dp_shard" if self.dp_mode == "fsdp" else "dp_replicate"
+        return ParallelDims(world_size, pp=stages, **{dim: replicas})
 
     def check(self, world_size: int) -> None:
         choice("strategy.schedule", self.schedule, ("gpipe", "1f1b"))
@@ -151,9 +156,9 @@ class PipelineConfig(StrategyConfig):
     def microbatches(self, train: "TrainConfig", world_size: int) -> int:
         """Micro-batches per step and replica: strategy.num_microbatches, else (global_batch_size / replicas)
         // micro_batch_size."""
-        if self.num_microbatches is not None:
-            return self.num_microbatches
-        return train.global_batch_size // self.data_parallel_size(world_size) // train.micro_batch_size
+        return self.parallel_dims(world_size).microbatches(
+            global_batch_size=train.global_batch_size, micro_batch_size=train.micro_batch_size,
+            num_microbatches=self.num_microbatches)
 
     def microbatches_per_step(self, train: "TrainConfig", world_size: int) -> int:
         return self.microbatches(train, world_size)
@@ -300,9 +305,10 @@ class PipelineStrategy:
         self.name, self.cfg, self.ctx = cfg.name, cfg, ctx
         rt = ctx.runtime
         self.device = rt.device
-        self.num_stages = cfg.num_stages(rt.world_size)
-        self.dp_size = cfg.data_parallel_size(rt.world_size)
-        self.stage_index, self.dp_rank = divmod(rt.rank, self.dp_size)  # rank = stage * replicas + replica
+        self.dims = cfg.parallel_dims(rt.world_size)
+        self.num_stages, self.dp_size = self.dims.pp, self.dims.dp
+        where = self.dims.coordinates(rt.rank)  # rank = stage * replicas + replica
+        self.stage_index, self.dp_rank = where["pp"], self.dims.data_parallel_rank(rt.rank)
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.num_stages - 1
         self.num_microbatches = cfg.microbatches(ctx.train, rt.world_size)
         self.micro_batch_size = ctx.train.global_batch_size // self.dp_size // self.num_microbatches
@@ -310,7 +316,8 @@ class PipelineStrategy:
         self.module: Stage | None = None
         self.opt: LocalOptimizer | None = None
         self.schedule: Any = None
-        self.mesh: Any = None  # (pp, dp) when the pipeline is replicated
+        self.mesh: Any = None  # (pp, dp_replicate) or (pp, dp_shard) when the pipeline is replicated
+        self.dp_dim = "dp_shard" if cfg.dp_mode == "fsdp" else "dp_replicate"
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses (last stage), unscaled
         self._tied: nn.Parameter | None = None  # this stage's copy of a tied embedding/head weight
         self._tied_group: Any = None
@@ -357,12 +364,12 @@ class PipelineStrategy:
         )
 
     def _data_parallel(self, stage: Stage) -> Any:
-        """The (pp, dp) mesh; under dp_mode=fsdp this stage FSDP-sharded over its replicas, in place (replicate
-        wraps it once it holds its weights: `_replicated`). Returns this replica's pipeline group."""
-        from torch.distributed.device_mesh import init_device_mesh
+        """The run's (pp, dp_replicate|dp_shard) mesh; under dp_mode=fsdp this stage FSDP-sharded over its replicas,
+        in place (replicate wraps it once it holds its weights: `_replicated`). Returns this replica's pipeline
+        group."""
+        from dist_train.parallel.mesh import build_mesh
 
-        rt = self.ctx.runtime
-        self.mesh = init_device_mesh(rt.device.type, (self.num_stages, self.dp_size), mesh_dim_names=("pp", "dp"))
+        self.mesh = build_mesh(self.dims, self.ctx.runtime.device.type)
         if self.cfg.dp_mode == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
@@ -370,8 +377,8 @@ class PipelineStrategy:
             # No mixed-precision policy: the shards stay fp32 and the stage computes under autocast like every
             # pipeline stage, so what travels between stages keeps the dtype its receiver expects.
             for block in stage.blocks():
-                fully_shard(block, mesh=self.mesh["dp"])
-            fully_shard(stage, mesh=self.mesh["dp"])
+                fully_shard(block, mesh=self.mesh["dp_shard"])
+            fully_shard(stage, mesh=self.mesh["dp_shard"])
         return self.mesh["pp"].get_group()
 
     def _replicated(self, stage: Stage) -> nn.Module:
@@ -386,7 +393,7 @@ class PipelineStrategy:
         the first stage's peak of live tensors 271.5 GiB with `replicate`, 253.7 GiB with this; same losses.
         No broadcast at set-up (init_sync=False) and none of buffers per forward: every replica built or loaded
         the same weights, and the stage's buffers (rotary frequencies) are computed, not learned."""
-        return wrap_ddp(stage, self.ctx, group=self.mesh["dp"].get_group(), gradient_as_bucket_view=True,
+        return wrap_ddp(stage, self.ctx, group=self.mesh["dp_replicate"].get_group(), gradient_as_bucket_view=True,
                         forward_sync_buffers=False, init_sync=False)
 
     def _tied_pair_group(self) -> Any:
@@ -401,10 +408,11 @@ class PipelineStrategy:
         return mine
 
     def mesh_groups(self) -> dict[str, list[int]]:
-        """This rank's pipeline (pp) and the replicas of its stage (dp), when the pipeline is replicated."""
-        if self.mesh is None:
-            return {}
-        return {dim: dist.get_process_group_ranks(self.mesh[dim].get_group()) for dim in ("pp", "dp")}
+        """This rank's pipeline (pp) and the replicas of its stage (dp_replicate or dp_shard), when the pipeline is
+        replicated."""
+        from dist_train.parallel.mesh import mesh_groups
+
+        return mesh_groups(self.mesh)
 
     def _log_split(self, bounds: list[int], *, block_params: list[int], first_extra: int, last_extra: int) -> None:
         ranges = stage_ranges(bounds, num_layers=len(block_params))

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from dist_train.config import StrategyConfig, require
+from dist_train.parallel_dims import ParallelDims
 from dist_train.contracts import StrategyFamily
 from dist_train.strategies.base import StrategyContext
 from dist_train.strategies.torch_strategy import TorchStrategy
@@ -26,8 +27,8 @@ class SingleConfig(StrategyConfig):
     def needs_process_group(self) -> bool:
         return False
 
-    def data_parallel_size(self, world_size: int) -> int:
-        return 1
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(1)  # one process (check() refuses more)
 
     @property
     def updates_in_backward(self) -> bool:

@@ -23,21 +23,21 @@ split by sequence: the norms run on each rank's tokens, attention and the MLP al
 row-parallel projections reduce-scatter their output instead of all-reducing it; the gathered input stays a
 DTensor into the column-parallel projections, whose input gradients are summed locally and reduce-scattered.
 
-The machinery lives in `_tensor_parallel.py`, imported only by a tp run (DTensor is slow to import).
+A preset of degrees (tp = world) over dist_train.parallel.apply; the machinery is parallel/tensor_parallel.py,
+imported only by a run that applies it (DTensor is slow to import).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, ClassVar, ContextManager
+from typing import ClassVar
 
-import torch
-from torch import nn
 
 from dist_train.config import RunConfig, StrategyConfig
+from dist_train.parallel_dims import ParallelDims
 from dist_train.contracts import StrategyFamily
-from dist_train.strategies.base import StrategyContext, check_tensor_parallel, onto
+from dist_train.strategies.base import StrategyContext, check_tensor_parallel
+from dist_train.strategies.parallelized import MeshWrapper
 from dist_train.strategies.torch_strategy import TorchStrategy
 
 
@@ -53,42 +53,18 @@ class TPConfig(StrategyConfig):
     splits_projections: ClassVar[bool] = True  # DTensor-sharded projections (config.StrategyConfig)
     loads_own_shard: ClassVar[bool] = True  # parallelized on meta, then each rank fills its part
 
-    def data_parallel_size(self, world_size: int) -> int:
-        return 1
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(world_size, tp=world_size)
 
     def check_run(self, run: RunConfig, world_size: int) -> None:
         super().check_run(run, world_size)
         check_tensor_parallel(run, world_size, what="strategy=tp")
 
 
-class TPWrapper:
-    def __init__(self, cfg: TPConfig, ctx: StrategyContext) -> None:
-        self.cfg, self.ctx = cfg, ctx
-        self.mesh: Any = None
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from dist_train.strategies._tensor_parallel import parallelize
-
-        rt = self.ctx.runtime
-        self.mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",))
-        return parallelize(onto(model, rt.device), self.mesh, sequence_parallel=self.cfg.sequence_parallel)
-
-    def mesh_groups(self) -> dict[str, list[int]]:
-        return {"tp": list(range(self.ctx.runtime.world_size))}
-
-    def no_sync(self, wrapped: nn.Module) -> ContextManager[Any]:
-        return contextlib.nullcontext()  # no data parallelism: no gradient sync to hold back
-
-    def devices(self) -> list[torch.device]:
-        return [self.ctx.runtime.device]
-
-
 def build(cfg: TPConfig, ctx: StrategyContext) -> TorchStrategy:
     from dist_train.strategies._tensor_parallel import TPStrategy
 
-    return TPStrategy(cfg.name, ctx, TPWrapper(cfg, ctx))
+    return TPStrategy(cfg.name, ctx, MeshWrapper(cfg, ctx, sharding=None, sequence_parallel=cfg.sequence_parallel))
 
 
 FAMILY = StrategyFamily(family="tp", schema=TPConfig, names={"tp": {}}, build=build)

@@ -16,10 +16,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 
 from dist_train.model import forward_loss  # noqa: E402
+from dist_train.parallel.tensor_parallel import parallelize  # noqa: E402
 from dist_train.runtime import exit_now  # noqa: E402
-from dist_train.strategies._tensor_parallel import loss_parallel, parallelize  # noqa: E402
 
 
 def load(path: str) -> torch.nn.Module:

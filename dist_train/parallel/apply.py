@@ -1,0 +1,50 @@
+"""The parallelisms of a run applied to a model, in one fixed order (torchtitan's `parallelize_<model>`):
+
+1. tensor parallelism over the mesh's `tp` dimension (parallel/tensor_parallel.py);
+2. activation checkpointing and torch.compile: model transforms the session applies before any strategy
+   (dist_train.model.apply_activation_checkpointing, compile_blocks), whose wrappers the steps below see through;
+3. FSDP2 over the data-parallel dimensions (parallel/fsdp.py): `dp_shard`, or HSDP over
+   (`dp_replicate`, `dp_shard`).
+
+fsdp, hsdp, tp and fsdp_tp are presets of degrees over this one function (strategies/parallelized.py); a pipeline
+applies the same FSDP step to each of its stages. A new axis is one more step here, in its place in the order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from dist_train.config import PrecisionConfig
+from dist_train.parallel_dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How FSDP2 shards: its reshard_after_forward (ZeRO-3-like True, ZeRO-2-like False)."""
+
+    reshard_after_forward: bool = True
+
+
+def data_parallel_mesh(mesh: Any, dims: ParallelDims) -> Any:
+    """The part of `mesh` FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard."""
+    names = tuple(n for n in ("dp_replicate", "dp_shard") if n in dims.mesh_dim_names)
+    return mesh[names] if len(names) > 1 else mesh[names[0]]
+
+
+def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: PrecisionConfig,
+                sharding: Sharding | None, sequence_parallel: bool = False) -> nn.Module:
+    """`model` (on this rank's device, or on meta) parallelized in place over `mesh` by the degrees of `dims`:
+    tensor parallelism where the mesh has `tp`, then FSDP2 where `sharding` is given."""
+    if "tp" in dims.mesh_dim_names:
+        from dist_train.parallel.tensor_parallel import parallelize as apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+    if sharding is not None:
+        from dist_train.parallel.fsdp import shard
+
+        shard(model, data_parallel_mesh(mesh, dims), reshard_after_forward=sharding.reshard_after_forward,
+              precision=precision)
+    return model

@@ -1,0 +1,30 @@
+"""What a model says about how it splits, read from transformers' own description of it (pure: no torch.distributed).
+
+Tensor parallelism reads `base_model_tp_plan`; the styles it applies are listed here, and a plan that uses another
+is refused by name before any process starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+# Styles of transformers' per-block TP plans (`base_model_tp_plan`) that tensor parallelism here applies.
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+
+
+def block_tp_plan(config: Any) -> dict[str, str]:
+    """{path inside a transformer block: style} from transformers' own plan for this architecture
+    (`base_model_tp_plan`'s `layers.*.` entries); GPT-2 has none and is split by hand (parallel/tensor_parallel.py).
+    ValueError, saying why, for a model without a plan or with a style not applied here."""
+    if config.model_type == "gpt2":
+        return {}
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    block = {key.split(".*.", 1)[1]: style for key, style in plan.items() if ".*." in key}
+    if not block:
+        raise ValueError(f"model.arch={config.model_type} has no tensor-parallel plan in transformers "
+                         "(base_model_tp_plan), so its projections cannot be split")
+    other = sorted({style for style in block.values() if style not in TP_STYLES})
+    if other:
+        raise ValueError(f"model.arch={config.model_type}'s tensor-parallel plan uses {', '.join(other)}, which is not "
+                         f"applied here (only {', '.join(TP_STYLES)})")
+    return block

@@ -1,0 +1,127 @@
+"""The parallel degrees of a run, in one object: how the world's ranks are laid out and how a global batch splits.
+
+torchtitan's and torchtune's `ParallelDims`, for this project. Every strategy states its degrees here
+(`StrategyConfig.parallel_dims(world_size)`), and everything else asks this object: the loop and the data (which
+slice of the batch a rank trains on), the strategies (the one device mesh, built from it), telemetry (collectives
+per mesh dimension), the estimator, the dry run and the advisor.
+
+The dimensions, outermost first (a rank's coordinates are its index in that row-major order, torchtitan's
+layout: a tensor-parallel group is consecutive ranks, one node's GPUs; pipeline stages are the farthest apart):
+
+    pp            pipeline stages
+    dp_replicate  whole replicas of the model state (DDP; HSDP's outer dimension)
+    dp_shard      ranks that shard one replica's state (FSDP, ZeRO; HSDP's inner dimension)
+    cp            context parallelism: ranks that split a sequence (room for it; no strategy sets it yet)
+    tp            tensor parallelism: ranks that split each projection
+
+The data-parallel degree, the number of distinct slices of a global batch, is dp_replicate x dp_shard.
+Expert parallelism (`ep`) borrows its ranks from dp_shard x cp, as in torchtitan; no strategy sets it yet.
+
+This module is pure arithmetic; the mesh itself is built by dist_train.parallel.mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from dist_train.errors import ConfigError, require
+
+ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    # Dimensions that stay in the mesh at degree 1, where the strategy applies its parallelism over them anyway
+    # (fsdp_tp on as many ranks as its tp degree: FSDP over a one-rank dp_shard dimension).
+    kept: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in (*ORDER, "ep"):
+            require(getattr(self, name) >= 1, f"parallel degree {name}={getattr(self, name)} must be >= 1")
+        product = math.prod(getattr(self, name) for name in ORDER)
+        if product != self.world_size:
+            used = " x ".join(f"{name} {getattr(self, name)}" for name in ORDER if getattr(self, name) > 1) or "1"
+            raise ConfigError(f"the parallel degrees ({used} = {product}) must multiply to the number of processes "
+                              f"({self.world_size})")
+        require((self.dp_shard * self.cp) % self.ep == 0,
+                f"expert-parallel degree ep={self.ep} must divide dp_shard x cp = {self.dp_shard * self.cp}")
+        unknown = set(self.kept) - set(ORDER)
+        require(not unknown, f"unknown mesh dimension(s) {sorted(unknown)}; known: {', '.join(ORDER)}")
+
+    # ------------------------------------------------------------------ degrees
+    def degree(self, name: str) -> int:
+        return int(getattr(self, name))
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many distinct slices of each global batch are trained at once."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def model_split(self) -> int:
+        """Ranks that compute one replica's micro-batch together (pipeline stages x context x tensor parallel)."""
+        return self.pp * self.cp * self.tp
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """The named dimensions of this run's device mesh, outermost first: every degree above 1, and `kept`."""
+        return tuple(name for name in ORDER if self.degree(name) > 1 or name in self.kept)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.degree(name) for name in self.mesh_dim_names)
+
+    # ------------------------------------------------------------------ where a rank sits
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """`rank`'s index along every dimension (row-major over ORDER)."""
+        require(0 <= rank < self.world_size, f"rank {rank} is outside the world of {self.world_size}")
+        out: dict[str, int] = {}
+        for name in reversed(ORDER):
+            rank, out[name] = divmod(rank, self.degree(name))
+        return {name: out[name] for name in ORDER}
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """Which slice of the global batch `rank` trains on (the ranks of one replica's model share a slice)."""
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def group_ranks(self, rank: int, name: str) -> list[int]:
+        """The ranks of `rank`'s group along dimension `name` (those that differ from it only there)."""
+        c = self.coordinates(rank)
+        stride = math.prod(self.degree(n) for n in ORDER[ORDER.index(name) + 1:])
+        first = rank - c[name] * stride
+        return [first + i * stride for i in range(self.degree(name))]
+
+    # ------------------------------------------------------------------ the batch
+    def check_batch(self, *, global_batch_size: int, micro_batch_size: int) -> None:
+        """ConfigError unless the global batch splits into whole micro-batches on every data-parallel slice."""
+        per_step = micro_batch_size * self.dp
+        require(
+            global_batch_size % per_step == 0,
+            f"train.global_batch_size={global_batch_size} must be divisible by train.micro_batch_size "
+            f"({micro_batch_size}) x data-parallel size ({self.dp}) = {per_step}",
+        )
+
+    def samples_per_replica(self, global_batch_size: int) -> int:
+        return global_batch_size // self.dp
+
+    def microbatches(self, *, global_batch_size: int, micro_batch_size: int,
+                     num_microbatches: Optional[int] = None) -> int:
+        """Micro-batches a rank runs per optimizer step: gradient accumulation, or a pipeline schedule's micro-batches
+        (`num_microbatches` when it sets them)."""
+        if num_microbatches is not None:
+            return num_microbatches
+        return self.samples_per_replica(global_batch_size) // micro_batch_size
+
+    def describe(self) -> str:
+        """`dp_replicate 2 x dp_shard 2` (the dimensions above 1, or `1`)."""
+        return " x ".join(f"{n} {self.degree(n)}" for n in ORDER if self.degree(n) > 1) or "1"

@@ -1,0 +1,56 @@
+"""The wrapper of every strategy that is a preset of degrees over dist_train.parallel.apply (fsdp, hsdp, tp,
+fsdp_tp): the mesh is built once from the strategy's ParallelDims, then `parallelize` applies tensor parallelism
+and FSDP2 in their fixed order. Only the degrees and options differ between those strategies."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager
+
+import torch
+from torch import nn
+
+from dist_train.config import StrategyConfig
+from dist_train.parallel.apply import Sharding
+from dist_train.strategies.base import StrategyContext, onto
+
+
+class MeshWrapper:
+    """A TorchStrategy's Wrapper (torch_strategy.Wrapper) for a model parallelized over the run's device mesh."""
+
+    def __init__(self, cfg: StrategyConfig, ctx: StrategyContext, *, sharding: Sharding | None,
+                 sequence_parallel: bool = False, reduce_every_microbatch: bool = False) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        self.sharding, self.sequence_parallel = sharding, sequence_parallel
+        self.reduce_every_microbatch = reduce_every_microbatch
+        self.dims = cfg.parallel_dims(ctx.runtime.world_size)
+        self.mesh: Any = None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        # The mesh, DTensor and FSDP2 are imported by the runs that use them only (start-up time).
+        from dist_train.parallel.apply import parallelize
+        from dist_train.parallel.mesh import build_mesh
+
+        rt = self.ctx.runtime
+        self.mesh = build_mesh(self.dims, rt.device.type)
+        if "tp" in self.dims.mesh_dim_names:  # DTensor's styles place each shard where the model is
+            model = onto(model, rt.device)
+        return parallelize(model, mesh=self.mesh, dims=self.dims, precision=self.ctx.precision,
+                           sharding=self.sharding, sequence_parallel=self.sequence_parallel)
+
+    def no_sync(self, wrapped: nn.Module) -> ContextManager[Any]:
+        if self.sharding is None or self.reduce_every_microbatch:
+            # no data parallelism to hold back, or every micro-batch's backward reduce-scatters into the shards
+            return contextlib.nullcontext()
+        from dist_train.parallel.fsdp import no_sync
+
+        return no_sync(wrapped)
+
+    def devices(self) -> list[torch.device]:
+        return [self.ctx.runtime.device]
+
+    def mesh_groups(self) -> dict[str, list[int]]:
+        """This rank's group along each named mesh dimension (telemetry's comm/<dim>/...)."""
+        from dist_train.parallel.mesh import mesh_groups
+
+        return mesh_groups(self.mesh)
