@@ -57,7 +57,7 @@ def note_text(seq_len: int) -> str:
         "quarters of fsdp's time went to FSDP2 cutting every parameter into one view per rank at set-up (1.5 million "
         "fake tensors), and zero3's to DeepSpeed cutting every gradient bucket, every gathered parameter and every "
         "all-gather buffer into one view per rank. The dry run now makes those views and buffers by shape, or when "
-        "read (same sizes, same collectives, same figures; see dist_train/estimate/dryrun.py): fsdp went from 121 to "
+        "read (same sizes, same collectives, same figures; see dist_train/estimate/dryrun/fake.py): fsdp went from 121 to "
         "31 s, zero3 from no result in 13 minutes to under a minute. fsdp_tp spends its time in DTensor's dispatch "
         "and fake-tensor cache keys over the measured step's 8 micro-batches, and a quarter of it went to "
         "MemTracker's bookkeeping of ops that make no tensor (prim.device, half the ops of a tensor-parallel step); "

@@ -168,7 +168,7 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
 def transform_model(run: RunConfig, model: Any, *, compute_dtype: Any) -> None:
     """The model transforms, in place, before any strategy wraps the model: LoRA's adapters, then activation
     checkpointing, then torch.compile of each block (which then compiles the checkpointing too). A training run and
-    the dry run (estimate/dryrun.py) build a rank through this and `attach_neftune`, so they cannot differ."""
+    the dry run (estimate/dryrun/rank.py) build a rank through this and `attach_neftune`, so they cannot differ."""
     from dist_train.model import apply_activation_checkpointing, apply_lora, compile_blocks, count_params
 
     t = run.train

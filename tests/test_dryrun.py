@@ -108,7 +108,7 @@ def test_fsdp_chunks_made_on_demand_are_torch_chunks(shape, num_chunks, dim):
     import torch
     from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
-    from dist_train.estimate.dryrun import _fsdp_chunks_on_demand
+    from dist_train.estimate.dryrun.fake import _fsdp_chunks_on_demand
 
     (_, _, on_demand), = _fsdp_chunks_on_demand()
     t = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float32).reshape(shape)
@@ -125,12 +125,13 @@ import json
 from dist_train.quiet import quiet_deepspeed_on_cpu
 quiet_deepspeed_on_cpu()
 import dist_train.estimate.dryrun as dryrun
+import dist_train.estimate.dryrun.fake as fake
 made = []
-class Counted(dryrun._Chunks):
+class Counted(fake._Chunks):
     def __init__(self, tensor, num_chunks, dim):
         made.append(num_chunks)
         super().__init__(tensor, num_chunks, dim)
-dryrun._Chunks = Counted
+fake._Chunks = Counted
 out = dryrun.run_rank(["strategy=zero3", "model=tiny", "train.seq_len=64"], world_size=8, rank=3)
 print(json.dumps({"made": made, "all_gather": out["comm/all_gather/count"]}))
 """
