@@ -10,6 +10,7 @@ from __future__ import annotations
 from dist_train.checkpoint.layout import resolve_resume
 from dist_train.config import (WHOLE_TENSOR_OPTIMIZERS, ConfigError, RunConfig, importable, require,
                                resolve_global_batch, validate_fields)
+from dist_train.data_checks import validate_data
 from dist_train.strategies.registry import check_strategy, names_with
 
 
@@ -24,6 +25,7 @@ def validate(run: RunConfig, world_size: int) -> None:
     normalize_paths(run)  # `~`, `$HOME` and relative paths, recorded as absolute ones
     resolve_model(run.model)
     validate_fields(run)
+    validate_data(run)
     _check_resume(run.checkpoint.resume)
     require(world_size >= 1, f"WORLD_SIZE={world_size} must be >= 1")
     resolve_global_batch(run, world_size)

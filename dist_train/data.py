@@ -15,7 +15,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from dist_train.config import DataConfig, EvalConfig, token_file_meta
+from dist_train.config import DataConfig, EvalConfig
+from dist_train.data_checks import token_file_meta
 from dist_train.contracts import Batch
 
 

@@ -21,10 +21,12 @@ def compose_training_config(overrides: list[str], *, validated: bool = True) -> 
     from dataclasses import asdict
 
     from dist_train.config import validate_fields
+    from dist_train.data_checks import validate_data
 
     cfg, run = _compose(overrides)
     if validated:
         validate_fields(run)
+        validate_data(run)
     out = OmegaConf.to_container(cfg, resolve=True)
     out["model"] = asdict(run.model)
     return out  # type: ignore[return-value]
