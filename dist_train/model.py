@@ -161,13 +161,41 @@ class Layout:
     last: tuple[str, ...]  # only the last stage runs these (final norm, LM head)
     embedding: str  # the input embedding (tied to the head when tie_word_embeddings)
     head: str
-    generic: bool = True  # a pipeline stage runs the model's own forward (False: GPT-2's, written out by hand)
+    generic: bool = True  # a pipeline stage runs the model's own forward (False: `stage_forward`, written out here)
+    # (model, its blocks of this stage, input, is_first=, is_last=) -> output: a stage's forward where transformers'
+    # own cannot run a slice of the blocks (no pipeline plan); None: the model's own forward
+    stage_forward: Callable[..., torch.Tensor] | None = None
 
 
-# GPT-2 has no pipeline plan in transformers; a pipeline stage mirrors its forward by hand
-# (strategies/pipeline_stages.py, Stage._gpt2).
+def _gpt2_stage_forward(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor, *, is_first: bool,
+                        is_last: bool) -> torch.Tensor:
+    """GPT2Model.forward + GPT2LMHeadModel.forward (transformers 5.x) over one pipeline stage's blocks, no cache, no
+    padding: the first stage embeds the token ids `x` (tokens and learned positions), the others take the hidden
+    states; the last applies the final norm and the head."""
+    from transformers.masking_utils import create_causal_mask
+
+    t = model.transformer
+    positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+    if is_first:
+        hidden = t.wte(x)
+        hidden = t.drop(hidden + t.wpe(positions).to(hidden.device))
+    else:
+        hidden = x
+    # As the full model builds it (with sdpa and no padding mask: None, causal by `is_causal`). The cache (None)
+    # goes by position: transformers 5.24 renamed it `past_key_values` -> `cache` (the old name warns), 5.23
+    # knows only the old one.
+    mask = create_causal_mask(model.config, hidden, None, None, position_ids=positions)
+    for block in blocks:
+        hidden = block(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=positions)
+    if not is_last:
+        return hidden
+    return model.lm_head(t.ln_f(hidden))
+
+
+# GPT-2 has no pipeline plan in transformers; a pipeline stage runs its forward as written above.
 GPT2 = Layout(first=("transformer.wte", "transformer.wpe", "transformer.drop"), blocks="transformer.h",
-              last=("transformer.ln_f", "lm_head"), embedding="transformer.wte", head="lm_head", generic=False)
+              last=("transformer.ln_f", "lm_head"), embedding="transformer.wte", head="lm_head", generic=False,
+              stage_forward=_gpt2_stage_forward)
 
 
 def layout_of(config: Any, *, prefix: str = "model") -> Layout:

@@ -152,3 +152,20 @@ def test_each_strategy_yaml_composes_to_what_its_module_registers(name):
     # the estimator tells the same family from the composed config (what compare's predictions use)
     setup = setup_from_config(OmegaConf.to_container(cfg, resolve=True), world_size=2)
     assert setup.family == family.family
+
+
+def test_no_strategy_and_no_estimator_module_names_an_architecture():
+    """Architectures are described once (dist_train/architectures.py, transformers' own plans, dist_train/model.py's
+    layouts): a module under strategies/ or estimate/ that compared a model's type with a name (`== "gpt2"`) would
+    make every new architecture touch it. Any string in their code that is one of transformers' model types fails."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_types = set(CONFIG_MAPPING_NAMES)
+    named = []
+    for room in ("strategies", "estimate"):
+        for path in sorted((PACKAGE / room).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in model_types:
+                    named.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    assert not named, named
+    assert "gpt2" in model_types and "llama" in model_types  # the check itself sees the names it looks for

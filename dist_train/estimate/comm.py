@@ -225,7 +225,7 @@ def _tensor_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
                        grad, calls=5 * m)
     if setup.sequence_parallel:
         return [*_sequence_parallel(shape, setup, tokens=tokens, compute=compute, wide=grad), vocab]
-    backward = 2 if shape.arch == "gpt2" else 5
+    backward = shape.features.column_projections
     return [
         Collective("all_reduce", m * layers * (2 * tokens * compute + backward * tokens * grad),
                    f"activations: 2 forward + {backward} backward per layer, {m} micro-batch(es)", compute,
@@ -243,7 +243,7 @@ def _sequence_parallel(shape: ModelShape, setup: Setup, *, tokens: int, compute:
     shards) is all-reduced, fp32."""
     m, layers, h = setup.microbatches_per_step, shape.num_layers, shape.hidden_size
     # norm parameter tensors: GPT-2 LayerNorm weight + bias (2 per block, ln_f), Llama RMSNorm weight
-    per_norm = 2 if shape.arch == "gpt2" else 1
+    per_norm = shape.features.norm_params_per_unit
     norm_grads = per_norm * (2 * layers + 1)
     return [
         Collective("all_gather", m * (layers * 2 * tokens * (wide + compute) + 2 * tokens * wide),

@@ -409,10 +409,11 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len:
     # GPT-2: fc output, GELU output, and 3 more ffn-wide tensors that transformers' tanh GELU ("gelu_new",
     # composed of pow/tanh/mul ops, not fused) saves: tanh output, 0.5·x and 1 + tanh.
     # Llama (SwiGLU): gate output, SiLU output, up output, their product.
-    mlp = (2 if fused_gelu else 5) * shape.ffn if shape.arch == "gpt2" else 4 * shape.ffn
+    f = shape.features
+    mlp = 4 * shape.ffn if f.gated_mlp else (2 if fused_gelu else 5) * shape.ffn
     # attention in (the q, k and v projections' inputs), MLP in (gate's and up's): one tensor each, except
-    # that under autocast Llama's separate projections each keep their own 16-bit cast of it
-    attn_in, mlp_in = (3, 2) if autocast and shape.arch != "gpt2" else (1, 1)
+    # that under autocast separate projections each keep their own 16-bit cast of it
+    attn_in, mlp_in = (1 if f.fused_qkv else 3, 1 if (f.fused_gate_up or not f.gated_mlp) else 2) if autocast else (1, 1)
     # attention in, q/k/v, attention out, MLP in, MLP intermediates; and the two norms' saved tensors
     values = attn_in * h + (q_k_v + shape.q_dim + mlp) / tp + mlp_in * h
     norms = 2 * h / (tp if sequence_parallel else 1)
@@ -429,9 +430,9 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len:
 def norm_saved_bytes(shape: ModelShape, residual_elem: int) -> int:
     """Bytes a norm keeps per hidden unit: LayerNorm its input; Llama's RMSNorm (and the other architectures')
     an fp32 copy of its input and its normalized output in the residual stream's dtype (Gemma's in fp32)."""
-    if shape.arch == "gemma":  # Gemma's RMSNorm scales by (1 + weight) in fp32: its normalized output is fp32 too
+    if shape.features.norm_output_fp32:  # Gemma's RMSNorm scales by (1 + weight) in fp32: its output is fp32 too
         return 4 + 4
-    return residual_elem if shape.arch == "gpt2" else 4 + residual_elem
+    return residual_elem if shape.features.layer_norm else 4 + residual_elem
 
 
 def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int) -> float:

@@ -13,13 +13,17 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
+
+from dist_train.architectures import BlockFeatures, block_features
+from dist_train.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class ModelShape:
     name: str
-    arch: str  # gpt2 | llama, or another Llama-like model_type from a model directory (mistral, qwen2, ...)
+    arch: str  # transformers' model_type (the presets', a model directory's); its blocks' features: `features`
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -42,7 +46,7 @@ class ModelShape:
         """From a ModelConfig, a DictConfig or a plain dict of the `model` group."""
         get = model.get if isinstance(model, Mapping) else lambda k, d=None: getattr(model, k, d)
         return cls(
-            name=str(get("name", "model")), arch=str(get("arch", "gpt2")),
+            name=str(get("name", "model")), arch=str(get("arch", ModelConfig.arch)),
             num_layers=int(get("num_layers")), hidden_size=int(get("hidden_size")), num_heads=int(get("num_heads")),
             vocab_size=int(get("vocab_size")), max_seq_len=int(get("max_seq_len", 2048)),
             num_kv_heads=get("num_kv_heads"), ffn_hidden_size=get("ffn_hidden_size"),
@@ -50,6 +54,11 @@ class ModelShape:
             head_size=get("head_dim"), qkv_bias=bool(get("qkv_bias", False)), out_bias=bool(get("out_bias", False)),
             mlp_bias=bool(get("mlp_bias", False)), qk_norm=bool(get("qk_norm", False)),
         )
+
+    @property
+    def features(self) -> BlockFeatures:
+        """What the blocks are made of (dist_train/architectures.py): the counts below read these, not the name."""
+        return block_features(self.arch)
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -78,7 +87,7 @@ class ModelShape:
         """One transformer layer's modules, each as its parameter tensors' shapes, in forward order
         (transformers' GPT-2 Conv1D stores in x out, nn.Linear out x in)."""
         h, f, q, kv = self.hidden_size, self.ffn, self.q_dim, self.kv_dim
-        if self.arch == "gpt2":  # LayerNorms (weight + bias), c_attn, c_proj, c_fc, c_proj, all with biases
+        if self.features.biased_projections:  # GPT-2: LayerNorms (weight + bias), c_attn, c_proj, c_fc, c_proj
             ln = [(h,), (h,)]
             return [ln, [(h, 3 * h), (3 * h,)], [(h, h), (h,)], ln, [(h, f), (f,)], [(f, h), (h,)]]
 
@@ -99,12 +108,12 @@ class ModelShape:
 
     def embedding_params(self) -> int:
         """Input side: token embedding (+ learned positions for GPT-2)."""
-        positions = self.max_seq_len * self.hidden_size if self.arch == "gpt2" else 0
+        positions = self.max_seq_len * self.hidden_size if self.features.learned_positions else 0
         return self.vocab_size * self.hidden_size + positions
 
     def head_params(self) -> int:
         """Output side: final norm and (untied) LM head."""
-        norm = 2 * self.hidden_size if self.arch == "gpt2" else self.hidden_size
+        norm = self.features.norm_params_per_unit * self.hidden_size
         head = 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
         return norm + head
 
@@ -125,7 +134,7 @@ class ModelShape:
         """Elements of one layer that tensor parallelism splits across ranks: the matmul weights and the
         column-parallel biases (GPT-2's c_attn and c_fc; q, k, v, gate and up where they have them); norms
         (per-head q/k norms included) and row-parallel biases stay whole."""
-        if self.arch == "gpt2":
+        if self.features.biased_projections:  # the fused q/k/v's and the MLP's first biases are split too
             return self.layer_matmul_weights() + 3 * self.hidden_size + self.ffn
         biases = (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + 2 * self.ffn * self.mlp_bias
         return self.layer_matmul_weights() + biases
@@ -141,10 +150,8 @@ class ModelShape:
     def module_shapes(self) -> list[list[tuple[int, ...]]]:
         """Every module's parameter tensors' shapes, in forward order: embeddings, the layers, final norm, head."""
         h, v = self.hidden_size, self.vocab_size
-        if self.arch == "gpt2":
-            first, last = [[(v, h)], [(self.max_seq_len, h)]], [[(h,), (h,)]]
-        else:
-            first, last = [[(v, h)]], [[(h,)]]
+        first = [[(v, h)], [(self.max_seq_len, h)]] if self.features.learned_positions else [[(v, h)]]
+        last = [[(h,)] * self.features.norm_params_per_unit]
         head = [] if self.tie_embeddings else [[(v, h)]]
         return [*first, *self.layer_modules() * self.num_layers, *last, *head]
 
@@ -157,15 +164,17 @@ class ModelShape:
         return [tuple(math.prod(dims) for dims in module) for module in self.module_shapes()]
 
 
-# Public shapes far beyond this machine, for "does it fit" questions (Touvron et al. 2023, Llama 2 table).
-PRESETS: dict[str, ModelShape] = {
-    "7b": ModelShape(name="llama2-7b", arch="llama", num_layers=32, hidden_size=4096, num_heads=32,
-                     vocab_size=32000, max_seq_len=4096, ffn_hidden_size=11008),
-    "13b": ModelShape(name="llama2-13b", arch="llama", num_layers=40, hidden_size=5120, num_heads=40,
-                      vocab_size=32000, max_seq_len=4096, ffn_hidden_size=13824),
-    "70b": ModelShape(name="llama2-70b", arch="llama", num_layers=80, hidden_size=8192, num_heads=64,
-                      num_kv_heads=8, vocab_size=32000, max_seq_len=4096, ffn_hidden_size=28672),
-}
+def _conf_model(key: str) -> ModelShape:
+    """A model option's shape, as training reads it: conf/model/<key>.yaml."""
+    import yaml
+
+    path = Path(__file__).resolve().parents[2] / "conf" / "model" / f"{key}.yaml"
+    return ModelShape.from_config(yaml.safe_load(path.read_text()))
+
+
+# Public shapes far beyond this machine, for "does it fit" questions (Touvron et al. 2023, Llama 2 table): the model
+# options model=7b, 13b and 70b themselves, so training, the advisor's commands and the estimator share one shape.
+PRESETS: dict[str, ModelShape] = {key: _conf_model(key) for key in ("7b", "13b", "70b")}
 
 
 def find_preset(name: str) -> Optional[ModelShape]:

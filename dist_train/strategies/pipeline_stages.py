@@ -185,8 +185,9 @@ class Stage(nn.Module):
         return [module_list[i] for i in range(self.start, self.end)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.layout.generic:
-            return self._gpt2(x)
+        if self.layout.stage_forward is not None:  # the model layer's own forward over some blocks (GPT-2's)
+            return self.layout.stage_forward(self.model, self.blocks(), x, is_first=self.is_first,
+                                             is_last=self.is_last)
         base = _get(self.model, self.layout.blocks.rpartition(".")[0])
         if self.is_first:
             inputs: dict[str, Any] = {"input_ids": x}
@@ -199,34 +200,6 @@ class Stage(nn.Module):
             return base(**inputs, use_cache=False).last_hidden_state
         finally:
             self._received = None
-
-    @staticmethod
-    def _positions(x: torch.Tensor) -> torch.Tensor:
-        return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-
-    # Mirrors GPT2Model.forward + GPT2LMHeadModel.forward (transformers 5.x), no cache, no padding.
-    def _gpt2(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        t = self.model.transformer
-        positions = self._positions(x)
-        if self.is_first:
-            hidden = t.wte(x)
-            hidden = hidden + t.wpe(positions).to(hidden.device)
-            hidden = t.drop(hidden)
-        else:
-            hidden = x
-        # As the full model builds it (with sdpa and no padding mask: None, causal by `is_causal`). The cache (None)
-        # goes by position: transformers 5.24 renamed it `past_key_values` -> `cache` (the old name warns), 5.23
-        # knows only the old one.
-        mask = create_causal_mask(self.config, hidden, None, None, position_ids=positions)
-        for block in self.blocks():
-            hidden = block(
-                hidden, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=positions
-            )
-        if not self.is_last:
-            return hidden
-        return self.model.lm_head(t.ln_f(hidden))
 
 
 def build_stage(model: nn.Module, *, bounds: Sequence[int], stage_index: int) -> Stage:
