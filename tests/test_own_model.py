@@ -31,6 +31,9 @@ ARCHS = {
                   num_key_value_heads=2, head_dim=16),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4),
 }
+# Architectures tested under one strategy only (not in every pair of the matrix above)
+PHI3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            pad_token_id=0)
 
 
 def make_model_dir(root: Path, arch: str = "llama", *, weights: str = "safetensors", shard: bool = False,
@@ -39,7 +42,7 @@ def make_model_dir(root: Path, arch: str = "llama", *, weights: str = "safetenso
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(arch, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=tie,
-                               **ARCHS[arch])
+                               **(PHI3 if arch == "phi3" else ARCHS[arch]))
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # weights unlike any fresh init: a loader that ignored the files would show
@@ -233,13 +236,18 @@ def test_tensor_parallelism_follows_each_architectures_own_plan(tmp_path):
     # GPT-2 with its head tied to the embedding, as OpenAI's: both split by vocabulary, one weight; Gemma's
     # embedding scales its rows and keeps a padding row (pad_token_id=0), whose gradient stays zero
     dirs = [str(make_model_dir(tmp_path, arch, tie=arch == "gpt2")) for arch in ARCHS]
+    # Phi-3: fused qkv_proj and gate_up_proj, split as transformers' plan says (colwise_gather_output,
+    # rowwise_split_input); sequence parallelism is refused for it (tp_archs.py reports the refusal's line)
+    dirs.append(str(make_model_dir(tmp_path, "phi3")))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "tests/scripts/tp_archs.py", *dirs], cwd=ROOT, env=env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     diffs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(diffs) == set(ARCHS)
+    assert set(diffs) == {*ARCHS, "phi3"}
+    assert "sequence parallelism cannot split them" in diffs["phi3"].pop("tp_sp"), diffs["phi3"]
     for arch, by_mode in diffs.items():
+        assert set(by_mode) == ({"tp"} if arch == "phi3" else {"tp", "tp_sp"}), (arch, by_mode)
         for mode, (loss, grad) in by_mode.items():
             assert loss < 1e-5 and grad < 1e-6, (arch, mode, loss, grad)
 
@@ -358,3 +366,17 @@ def test_an_architecture_with_its_own_head_width_needs_no_divisible_hidden_size(
         cfg = compose(config_name="config", overrides=["model.hidden_size=96", "model.num_heads=5"])
     with pytest.raises(ConfigError, match="must be divisible by model.num_heads=5"):
         validate(to_run_config(cfg), 1)
+
+
+@pytest.mark.multiproc
+def test_phi3_under_tp_trains_as_one_process(tmp_path):
+    """Phi-3's fused projections under strategy=tp (transformers' colwise_gather_output / rowwise_split_input),
+    loaded from its directory: every step's loss as one process's."""
+    from tests.helpers import assert_same_losses, train_ok
+
+    d = make_model_dir(tmp_path, "phi3")
+    run = ["logger=none", "model=hf", f"model.path={d}", "train.steps=3", "train.seq_len=32",
+           "train.global_batch_size=4", "train.micro_batch_size=2"]
+    single = train_ok(["strategy=single", *run], run_dir=tmp_path / "single")
+    tp = train_ok(["strategy=tp", *run], run_dir=tmp_path / "tp", nproc=2)
+    assert_same_losses(single, tp, steps=3)

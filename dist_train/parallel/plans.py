@@ -9,7 +9,12 @@ from typing import Any
 
 
 # Styles of transformers' per-block TP plans (`base_model_tp_plan`) that tensor parallelism here applies.
-TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+# colwise_gather_output / rowwise_split_input (Phi-3's fused qkv_proj and gate_up_proj, OLMo 2's q/k/v): the
+# projection's weight is split as colwise / rowwise, its output gathered whole / its whole input split on entry,
+# so what lies between runs unsplit on every rank (a fused [q | k | v] cut in contiguous columns is not whole heads).
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
+# The styles that keep what lies between two projections whole: sequence parallelism cannot split it.
+GATHERING_STYLES = ("colwise_gather_output", "rowwise_split_input")
 
 
 def block_tp_plan(config: Any) -> dict[str, str]:

@@ -155,7 +155,7 @@ def tp_plan(config: Any, block: nn.Module, *, sequence_parallel: bool = False) -
     With sequence parallelism the residual stream between the projections is split by sequence: the
     norms run on each rank's tokens (torch's `SequenceParallel`), attention's and the MLP's input is
     all-gathered on entry, and the row-parallel outputs are reduce-scattered instead of all-reduced."""
-    from dist_train.parallel.plans import block_tp_plan
+    from dist_train.parallel.plans import GATHERING_STYLES, block_tp_plan
 
     row = {"output_layouts": Shard(1)} if sequence_parallel else {}
     if config.model_type == "gpt2":
@@ -166,11 +166,21 @@ def tp_plan(config: Any, block: nn.Module, *, sequence_parallel: bool = False) -
         return plan
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     plan = {}
-    for path, style in block_tp_plan(config).items():
+    styles = block_tp_plan(config)
+    gathering = sorted({s for s in styles.values() if s in GATHERING_STYLES})
+    if sequence_parallel and gathering:
+        raise ValueError(f"model.arch={config.model_type}'s tensor-parallel plan uses {', '.join(gathering)}, which "
+                         "keeps attention and the MLP whole on every rank: sequence parallelism cannot split them; "
+                         "use strategy.sequence_parallel=false")
+    for path, style in styles.items():
         if style == "colwise":
             plan[path] = Colwise()
         elif style == "rowwise":
             plan[path] = Rowwise(**row)
+        elif style == "colwise_gather_output":  # the split output all-gathered whole
+            plan[path] = Colwise(output_layouts=Replicate(), use_local_output=True)
+        elif style == "rowwise_split_input":  # a whole input, each rank taking its slice of the last dimension
+            plan[path] = Rowwise(input_layouts=Replicate())
         else:  # replicated_with_grad_allreduce
             weight = block.get_submodule(path).weight
             if weight.shape != (head_dim,):

@@ -44,7 +44,11 @@ def main() -> None:
         arch = whole.config.model_type
         out[arch] = {}
         for name, sp in (("tp", False), ("tp_sp", True)):
-            model = parallelize(load(path), mesh, sequence_parallel=sp)
+            try:
+                model = parallelize(load(path), mesh, sequence_parallel=sp)
+            except ValueError as exc:  # a plan the mode refuses: its one line, for the test to read
+                out[arch][name] = str(exc)
+                continue
             with loss_parallel():  # the head's logits are split by vocabulary (as in TPStrategy's steps)
                 loss = forward_loss(model, ids, labels)
                 loss.backward()
