@@ -49,6 +49,9 @@ class StrategyConfig:
     splits_projections: ClassVar[bool] = False
     # train.compile: blocks compiled before this strategy wraps them train as eager ones (tested).
     compiles_blocks: ClassVar[bool] = False
+    # Activation checkpointing and train.compile are applied by the strategy itself, in dist_train.parallel.apply's
+    # fixed order (tensor parallelism, checkpointing, compile, FSDP2), not as model transforms before it wraps.
+    transforms_in_parallelize: ClassVar[bool] = False
     # peft=qlora: the packed 4-bit weights and their scales stay whole on every rank (nothing shards or splits
     # a parameter), and it is tested.
     keeps_packed_weights: ClassVar[bool] = False

@@ -242,8 +242,9 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each transformer block's activations in backward instead of keeping them.
 
-    Applied before any strategy wraps the model (then FSDP shards, DeepSpeed or a pipeline stage holds the
-    wrapped blocks), as torchtitan does. Non-reentrant checkpointing: works with DDP, FSDP2 and no_sync.
+    Applied before FSDP shards the blocks, as torchtitan does: after tensor parallelism and before FSDP2 by
+    dist_train.parallel.apply (fsdp, hsdp, tp, fsdp_tp), as a model transform before the others wrap the model
+    (DDP, DeepSpeed, a pipeline stage). Non-reentrant checkpointing: works with DDP, FSDP2 and no_sync.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

@@ -167,8 +167,10 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
 
 def transform_model(run: RunConfig, model: Any, *, compute_dtype: Any) -> None:
     """The model transforms, in place, before any strategy wraps the model: LoRA's adapters, then activation
-    checkpointing, then torch.compile of each block (which then compiles the checkpointing too). A training run and
-    the dry run (estimate/dryrun/rank.py) build a rank through this and `attach_neftune`, so they cannot differ."""
+    checkpointing, then torch.compile of each block (which then compiles the checkpointing too). A strategy that
+    applies its parallelisms through dist_train.parallel.apply takes checkpointing and compile into that fixed order
+    instead (tensor parallelism first: `transforms_in_parallelize`). A training run and the dry run
+    (estimate/dryrun/rank.py) build a rank through this and `attach_neftune`, so they cannot differ."""
     from dist_train.model import apply_activation_checkpointing, apply_lora, compile_blocks, count_params
 
     t = run.train
@@ -176,6 +178,8 @@ def transform_model(run: RunConfig, model: Any, *, compute_dtype: Any) -> None:
         apply_lora(model, run.peft, seed=t.seed, compute_dtype=compute_dtype)
         log.info("peft=%s: %s trainable parameters of %s", run.peft.name,
                  f"{count_params(model, trainable_only=True):,}", f"{count_params(model):,}")
+    if run.strategy.transforms_in_parallelize:
+        return
     if t.activation_checkpointing:
         apply_activation_checkpointing(model)
     if t.compile:

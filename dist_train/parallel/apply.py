@@ -1,10 +1,11 @@
 """The parallelisms of a run applied to a model, in one fixed order (torchtitan's `parallelize_<model>`):
 
 1. tensor parallelism over the mesh's `tp` dimension (parallel/tensor_parallel.py);
-2. activation checkpointing and torch.compile: model transforms the session applies before any strategy
-   (dist_train.model.apply_activation_checkpointing, compile_blocks), whose wrappers the steps below see through;
-3. FSDP2 over the data-parallel dimensions (parallel/fsdp.py): `dp_shard`, or HSDP over
-   (`dp_replicate`, `dp_shard`).
+2. activation checkpointing of each block (dist_train.model.apply_activation_checkpointing), around the
+   tensor-parallel block, so that its recomputation re-runs the split projections and their collectives;
+3. torch.compile of each block (train.compile), the checkpointing with it;
+4. FSDP2 over the data-parallel dimensions (parallel/fsdp.py): `dp_shard`, or HSDP over
+   (`dp_replicate`, `dp_shard`); each (checkpointed, compiled) block is one all-gather unit.
 
 fsdp, hsdp, tp and fsdp_tp are presets of degrees over this one function (strategies/parallelized.py); a pipeline
 applies the same FSDP step to each of its stages. A new axis is one more step here, in its place in the order.
@@ -35,13 +36,21 @@ def data_parallel_mesh(mesh: Any, dims: ParallelDims) -> Any:
 
 
 def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: PrecisionConfig,
-                sharding: Sharding | None, sequence_parallel: bool = False) -> nn.Module:
-    """`model` (on this rank's device, or on meta) parallelized in place over `mesh` by the degrees of `dims`:
-    tensor parallelism where the mesh has `tp`, then FSDP2 where `sharding` is given."""
+                sharding: Sharding | None, sequence_parallel: bool = False, checkpointing: bool = False,
+                compile: bool = False) -> nn.Module:
+    """`model` (on this rank's device, or on meta) parallelized in place over `mesh` by the degrees of `dims`, in the
+    order above: tensor parallelism where the mesh has `tp`, checkpointing and compile where asked, then FSDP2 where
+    `sharding` is given."""
+    from dist_train.model import apply_activation_checkpointing, compile_blocks
+
     if "tp" in dims.mesh_dim_names:
         from dist_train.parallel.tensor_parallel import parallelize as apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+    if checkpointing:
+        apply_activation_checkpointing(model)
+    if compile:
+        compile_blocks(model)
     if sharding is not None:
         from dist_train.parallel.fsdp import shard
 

@@ -47,6 +47,7 @@ class FSDPConfig(StrategyConfig):
     replicate: Optional[int] = 1
 
     compiles_blocks: ClassVar[bool] = True  # compiled before fully_shard, as torchtitan does
+    transforms_in_parallelize: ClassVar[bool] = True  # parallel/apply.py: TP, checkpointing, compile, FSDP2
     loads_own_shard: ClassVar[bool] = True  # fully_shard on meta, then each rank loads its rows
 
     @property

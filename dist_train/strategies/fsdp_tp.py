@@ -34,6 +34,7 @@ class FSDPTPConfig(StrategyConfig):
     reshard_after_forward: bool = True
 
     splits_projections: ClassVar[bool] = True  # DTensor-sharded projections (config.StrategyConfig)
+    transforms_in_parallelize: ClassVar[bool] = True  # parallel/apply.py: TP, checkpointing, compile, FSDP2
     loads_own_shard: ClassVar[bool] = True  # parallelized and sharded on meta, then each rank fills its part
 
     def parallel_dims(self, world_size: int) -> ParallelDims:

@@ -36,7 +36,8 @@ class MeshWrapper:
         if "tp" in self.dims.mesh_dim_names:  # DTensor's styles place each shard where the model is
             model = onto(model, rt.device)
         return parallelize(model, mesh=self.mesh, dims=self.dims, precision=self.ctx.precision,
-                           sharding=self.sharding, sequence_parallel=self.sequence_parallel)
+                           sharding=self.sharding, sequence_parallel=self.sequence_parallel,
+                           checkpointing=self.ctx.train.activation_checkpointing, compile=self.ctx.train.compile)
 
     def no_sync(self, wrapped: nn.Module) -> ContextManager[Any]:
         if self.sharding is None or self.reduce_every_microbatch:

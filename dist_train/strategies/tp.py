@@ -51,6 +51,7 @@ class TPConfig(StrategyConfig):
     sequence_parallel: bool = False
 
     splits_projections: ClassVar[bool] = True  # DTensor-sharded projections (config.StrategyConfig)
+    transforms_in_parallelize: ClassVar[bool] = True  # parallel/apply.py: TP, checkpointing, compile, FSDP2
     loads_own_shard: ClassVar[bool] = True  # parallelized on meta, then each rank fills its part
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
