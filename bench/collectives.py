@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from common import end_process, init_group, local_device, synchronize  # noqa: E402
 
-from dist_train.telemetry.comm import busbw_gbps  # noqa: E402
+from dist_train.telemetry.bandwidth import busbw_gbps  # noqa: E402
 
 
 def call(op: str, nbytes: int, world: int, *, device: torch.device):  # noqa: ANN201

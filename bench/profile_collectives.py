@@ -41,7 +41,7 @@ from common import end_process  # noqa: E402
 from interleaved import dist_train_session  # noqa: E402
 from reference import Shape  # noqa: E402
 
-from dist_train.telemetry.comm import peer_wait  # noqa: E402
+from dist_train.telemetry.comm_analysis import peer_wait  # noqa: E402
 
 
 # the backends' event names -> dist_train's op names

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import DOCS, PYTHON, TORCHRUN, md_table, run, write_section  # noqa: E402
 
-from dist_train.telemetry.comm import COMM_OPS, busbw_factor  # noqa: E402
+from dist_train.telemetry.bandwidth import COMM_OPS, busbw_factor  # noqa: E402
 
 HIDDEN = (128, 256, 512)
 PROCS = (1, 2, 4)

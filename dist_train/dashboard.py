@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dist_train.compare.table import MEMORY_FIGURES
-from dist_train.telemetry.comm import COMM_OPS
+from dist_train.telemetry.bandwidth import COMM_OPS
 
 # W&B's run file: a 7-byte header, then LevelDB's log format (32 KiB blocks of checksummed chunks) of protobuf
 # Records. The Go core that writes it has no Python reader, hence these few lines.

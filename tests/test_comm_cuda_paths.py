@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dist_train.telemetry.comm import CommTracker, peer_wait
+from dist_train.telemetry.comm import CommTracker
+from dist_train.telemetry.comm_analysis import peer_wait
 
 RANK_DEVICE = 1  # this rank's GPU: not cuda:0, where a thread that never chose a device records
 

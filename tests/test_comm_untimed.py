@@ -10,7 +10,9 @@ import pytest
 
 from dist_train.compare.report import summary_table
 from dist_train.compare.table import time_columns
-from dist_train.telemetry.comm import COMM_OPS, CommTracker, OpTotals, _Record, comm_keys, total_comm_s
+from dist_train.telemetry.bandwidth import COMM_OPS
+from dist_train.telemetry.comm import CommTracker, OpTotals, _Record
+from dist_train.telemetry.comm_analysis import comm_keys, total_comm_s
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ from dist_train.config import DataConfig, TrainConfig
 from dist_train.data import GlobalBatches, SyntheticDataset, TextFileDataset, build_dataset
 from dist_train.optim import LRSchedule
 from dist_train.telemetry.activations import ActivationMeter
-from dist_train.telemetry.comm import busbw_factor, busbw_gbps, peer_wait
+from dist_train.telemetry.bandwidth import busbw_factor, busbw_gbps
+from dist_train.telemetry.comm_analysis import peer_wait
 from dist_train.telemetry.flops import flops_per_token, peak_flops
 from dist_train.contracts import ModelState, tensor_bytes
 from dist_train.telemetry.wandb_sink import wandb_payload

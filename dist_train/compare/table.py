@@ -29,7 +29,7 @@ TRANSIENT_CATEGORIES = ("weight_copies", "gathered_params", "step_grads")
 # parameters, unsharded gradients, collective buffers, temporaries).
 MEMORY_FIGURES = (*MEMORY_CATEGORIES, *TRANSIENT_CATEGORIES, "peak_live", "peak_rss", "peak_allocated",
                   "load_peak_rss", "setup_peak_anon", "setup_peak_rss", "setup_peak_allocated")
-from dist_train.telemetry.comm import COMM_OPS  # one list of ops for telemetry and the report
+from dist_train.telemetry.bandwidth import COMM_OPS  # one list of ops for telemetry and the report
 
 
 def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -44,7 +44,7 @@ def buckets(size: float, bucket: float) -> int:
 
 
 def bus_factor(op: str, group_size: int) -> float:
-    """Bytes a rank sends per buffer byte: nccl-tests' bus factor (as telemetry.comm.busbw_factor, without
+    """Bytes a rank sends per buffer byte: nccl-tests' bus factor (as telemetry.bandwidth.busbw_factor, without
     importing torch), except that a recv sends nothing (its bytes are the peer's send)."""
     n = group_size
     if op in ("all_reduce", "all_gather", "reduce_scatter"):

@@ -25,7 +25,9 @@ import torch.distributed as dist
 
 from dist_train.contracts import Runtime, StepOutput, Strategy
 from dist_train.telemetry.activations import ActivationMeter
-from dist_train.telemetry.comm import CommTracker, busbw_gbps, comm_keys, peer_wait, total_comm_s
+from dist_train.telemetry.bandwidth import busbw_gbps
+from dist_train.telemetry.comm import CommTracker
+from dist_train.telemetry.comm_analysis import comm_keys, peer_wait, total_comm_s
 from dist_train.telemetry.memory import AnonPeak, HostPeak, LiveMeter, cuda_peaks, reset_cuda_peaks
 from dist_train.telemetry.sinks import Sink
 
