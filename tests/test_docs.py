@@ -258,7 +258,8 @@ def check_estimate(argv: list[str]) -> None:
     (`dryrun.ranks=`) has its options parsed, and the estimate beside it run; the dry run itself, a process per rank
     (a minute for a 70B model), is run through the same command line by tests/test_estimate.py (its --help examples)
     and tests/test_dryrun.py."""
-    from dist_train.estimate.cli import main, parse_args, split_args
+    from dist_train.estimate.args import parse_args, split_args
+    from dist_train.estimate.cli import main
 
     parse_args(split_args(argv)[0])  # every option of the estimator's own, the dry run's included
     argv = [a for a in argv if not a.startswith("dryrun.")]

@@ -479,7 +479,7 @@ def test_cli_help(capsys, flag):
     """--help is read before Hydra's parser (which said `LexerNoViableAltException: --help`)."""
     from dataclasses import fields
 
-    from dist_train.estimate.cli import EXAMPLES, OPTION_HELP, DryRunArgs, EstimateArgs, FitArgs
+    from dist_train.estimate.args import EXAMPLES, OPTION_HELP, DryRunArgs, EstimateArgs, FitArgs
 
     assert estimate_main(["model=7b", flag]) == 0
     out = capsys.readouterr().out
@@ -502,7 +502,7 @@ def test_cli_help(capsys, flag):
 
 def test_cli_help_examples_run(capsys, tmp_path):
     """The examples of --help, as printed (DIR: a small model directory); the dry run's included."""
-    from dist_train.estimate.cli import EXAMPLES
+    from dist_train.estimate.args import EXAMPLES
 
     _model_dir("llama", tmp_path)
     for _, cmd in EXAMPLES:

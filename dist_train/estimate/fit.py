@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Optional
 
 from dist_train.estimate.memory import SHAPED_OPTIMIZERS, RankMemory, model_state_bytes, predict_memory
 from dist_train.estimate.setup import Setup, family_of
-from dist_train.estimate.shapes import ModelShape
+from dist_train.estimate.render import human_count
+from dist_train.estimate.shapes import PRESETS, ModelShape, find_preset
 
 GIB = 2**30
 
@@ -83,3 +84,57 @@ def fit_table(models: list[FitModel], *, base: Setup, strategies: list[str], gpu
             for n in gpus:
                 cells.append(fit_cell(m, base=model_base, strategy=s, world_size=n, gpu_bytes=gpu_gib * GIB))
     return cells
+
+
+def fit_shape(name: str) -> ModelShape:
+    """A fit.models name: a preset (`7b`, `llama2-7b`) or a conf/model group with a shape of its own; a ValueError
+    naming the allowed names otherwise."""
+    from dist_train.estimate.compose import model_config, shaped_model_groups
+
+    preset = find_preset(name)
+    if preset is not None:
+        return preset
+    groups = shaped_model_groups()
+    if name in groups:
+        return ModelShape.from_config(model_config(name))
+    why = "needs a model directory (model=hf model.path=DIR puts it in the table as the run's own model)" \
+        if name == "hf" else "is not a model"
+    raise ValueError(f"fit.models: {name!r} {why}; allowed: {', '.join(PRESETS)}, "
+                     f"{', '.join(s.name for s in PRESETS.values())}, {', '.join(groups)}")
+
+
+def model_refusals(run: Any) -> dict[str, str]:
+    """Strategy families training refuses for the run's own model whatever the world size (a model directory
+    whose architecture has no pipeline or no tensor-parallel plan in transformers), with training's reason: the
+    same checks the strategies run (pipeline.check_splittable, base.check_tensor_parallel)."""
+    from dist_train.config import ConfigError
+    from dist_train.strategies.base import check_tensor_parallel
+    from dist_train.strategies.pipeline import check_splittable
+
+    if run.model.path is None:  # the presets and conf/model shapes: GPT-2 and Llama, which both split
+        return {}
+    out: dict[str, str] = {}
+    for families, check in ((("pipeline",), lambda: check_splittable(run, what="pipelines")),
+                            (("tp", "fsdp_tp"), lambda: check_tensor_parallel(run, 1, what="tensor parallelism"))):
+        try:
+            check()
+        except ConfigError as exc:
+            out.update(dict.fromkeys(families, str(exc)))
+    return out
+
+
+def fit_models(shape: ModelShape, *, names: list[str], params: list[float],
+               refused: Optional[dict[str, str]] = None) -> list[FitModel]:
+    """The fit table's models: the run's own first (with the strategy families training refuses for it), then
+    fit.models (`names`) and fit.params (`params`)."""
+    models = [FitModel(shape.name, shape.num_params, shape, refused=refused or {})]
+    for name in names:
+        other = fit_shape(name)
+        if any(other == m.shape for m in models):
+            continue  # the run's own model, or a name given twice
+        label = other.name
+        if any(label == m.name for m in models):  # e.g. model=70b model.num_layers=2 beside the 70b preset
+            label = f"{other.name} ({human_count(other.num_params)})"
+        models.append(FitModel(label, other.num_params, other))
+    models += [FitModel(f"{human_count(p)} params", p) for p in params]
+    return models
