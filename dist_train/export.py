@@ -201,7 +201,7 @@ def _packed_weights(model: torch.nn.Module) -> list[tuple[str, Any]]:
 def _load_deepspeed(model: torch.nn.Module, path: Path) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from dist_train.strategies._deepspeed import DeepSpeedIO
+    from dist_train.checkpoint.deepspeed_io import DeepSpeedIO
 
     weights = get_fp32_state_dict_from_zero_checkpoint(str(path / DeepSpeedIO.SUBDIR), tag=DeepSpeedIO.TAG)
     missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dist_train.runtime import exit_now  # noqa: E402
-from dist_train.strategies._deepspeed import init_deepspeed_comm, skip_inference_comm_op  # noqa: E402
+from dist_train.strategies._deepspeed_env import init_deepspeed_comm, skip_inference_comm_op  # noqa: E402
 from dist_train.strategies._zero3_setup import zero3_setup_fixes  # noqa: E402
 
 GATHERS = ("all_gather", "all_gather_into_tensor")
