@@ -8,7 +8,7 @@
    (`dp_replicate`, `dp_shard`); each (checkpointed, compiled) block is one all-gather unit.
 
 fsdp, hsdp, tp and fsdp_tp are presets of degrees over this one function (strategies/parallelized.py); a pipeline
-applies the same FSDP step to each of its stages. A new axis is one more step here, in its place in the order.
+applies it to each of its stages (pp_dp with dp_mode=fsdp). A new axis is one more step here, in its place in the order.
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ def data_parallel_mesh(mesh: Any, dims: ParallelDims) -> Any:
     return mesh[names] if len(names) > 1 else mesh[names[0]]
 
 
-def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: PrecisionConfig,
+def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: PrecisionConfig | None,
                 sharding: Sharding | None, sequence_parallel: bool = False, checkpointing: bool = False,
-                compile: bool = False) -> nn.Module:
+                compile: bool = False, blocks: list[nn.Module] | None = None) -> nn.Module:
     """`model` (on this rank's device, or on meta) parallelized in place over `mesh` by the degrees of `dims`, in the
     order above: tensor parallelism where the mesh has `tp`, checkpointing and compile where asked, then FSDP2 where
-    `sharding` is given."""
+    `sharding` is given. A pipeline applies it to each stage (`blocks`: the stage's own; precision None: no mixed
+    precision policy, the stage computes under autocast)."""
     from dist_train.model import apply_activation_checkpointing, compile_blocks
 
     if "tp" in dims.mesh_dim_names:
@@ -55,5 +56,5 @@ def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: P
         from dist_train.parallel.fsdp import shard
 
         shard(model, data_parallel_mesh(mesh, dims), reshard_after_forward=sharding.reshard_after_forward,
-              precision=precision)
+              precision=precision, blocks=blocks)
     return model

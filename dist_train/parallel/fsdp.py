@@ -19,17 +19,21 @@ from dist_train.config import PrecisionConfig
 from dist_train.model import transformer_blocks
 
 
-def mixed_precision(precision: PrecisionConfig) -> MixedPrecisionPolicy:
-    """Compute in the chosen dtype; keep fp32 shards and reduce gradients in fp32."""
+def mixed_precision(precision: PrecisionConfig | None) -> MixedPrecisionPolicy:
+    """Compute in the chosen dtype; keep fp32 shards and reduce gradients in fp32. None: no policy (a pipeline's
+    stages compute under autocast over their fp32 parameters, so what travels between stages keeps its dtype)."""
+    if precision is None:
+        return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=precision.dtype if precision.mixed else None, reduce_dtype=torch.float32)
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool, precision: PrecisionConfig) -> nn.Module:
+def shard(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool, precision: PrecisionConfig | None,
+          blocks: list[nn.Module] | None = None) -> nn.Module:
     """`fully_shard` each transformer block over `mesh` (dp_shard, or (dp_replicate, dp_shard) for HSDP), then the
-    root; in place."""
+    root; in place. `blocks`: the blocks to shard where they are not the model's whole list (a pipeline stage's)."""
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision(precision))
     # Blocks first, then the root (embeddings, final norm, head): each block is one all-gather unit.
-    for block in transformer_blocks(model):
+    for block in transformer_blocks(model) if blocks is None else blocks:
         fully_shard(block, **kwargs)
     # The root's parameters are needed again as soon as backward starts, so FSDP2's default (None) keeps them
     # gathered after forward; passing True would gather them twice per micro-batch for nothing (measured:

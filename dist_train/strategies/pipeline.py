@@ -371,14 +371,14 @@ class PipelineStrategy:
 
         self.mesh = build_mesh(self.dims, self.ctx.runtime.device.type)
         if self.cfg.dp_mode == "fsdp":
-            from torch.distributed.fsdp import fully_shard
+            from dist_train.parallel.apply import Sharding, parallelize
 
-            # Each block is one all-gather unit, then the stage's root (embeddings, norm, head), as strategy=fsdp.
-            # No mixed-precision policy: the shards stay fp32 and the stage computes under autocast like every
-            # pipeline stage, so what travels between stages keeps the dtype its receiver expects.
-            for block in stage.blocks():
-                fully_shard(block, mesh=self.mesh["dp_shard"])
-            fully_shard(stage, mesh=self.mesh["dp_shard"])
+            # The same function as fsdp's, on this stage: each of its blocks one all-gather unit, then the stage's
+            # root (embeddings, norm, head). No mixed-precision policy: the shards stay fp32 and the stage computes
+            # under autocast like every pipeline stage, so what travels between stages keeps the dtype its receiver
+            # expects.
+            parallelize(stage, mesh=self.mesh, dims=self.dims, precision=None, sharding=Sharding(),
+                        blocks=stage.blocks())
         return self.mesh["pp"].get_group()
 
     def _replicated(self, stage: Stage) -> nn.Module:
