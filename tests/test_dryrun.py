@@ -41,8 +41,8 @@ def test_dry_run_equals_a_real_run(strategy, nproc, fast_run):
 
 
 def _assert_dry_run_equals(strategy: str, overrides: list[str], real: dict, *, nproc: int,
-                           predicted: bool = True) -> None:
-    ranks = sorted({0, nproc - 1})
+                           predicted: bool = True, ranks: list[int] | None = None) -> None:
+    ranks = ranks or sorted({0, nproc - 1})
     proc = dry_run(overrides, world_size=nproc, ranks=ranks)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
@@ -78,14 +78,18 @@ def _assert_dry_run_equals(strategy: str, overrides: list[str], real: dict, *, n
             measured["memory/params_bytes"] / got["predicted"]["memory/params_bytes"] - 1)
 
 
-def test_dry_run_builds_a_rank_as_training_does_lora_and_neftune_included(fast_run):
+@pytest.mark.parametrize(("strategy", "extra"), [("fsdp", ["peft=lora"]), ("ddp", ["train.neftune_alpha=5"])])
+def test_dry_run_builds_a_rank_as_training_does_lora_and_neftune_included(strategy, extra, fast_run):
     """The dry run assembles a rank through training's own builder (session.transform_model, attach_neftune): LoRA's
-    adapters, the frozen base, NEFTune's hook. Its figures equal a real run's; the estimator does not model LoRA, so
-    nothing is predicted beside them, and a note says so."""
-    extra = ["peft=lora", "train.neftune_alpha=5"]
-    _, real = fast_run("strategy=ddp", *extra, nproc=2)
-    _assert_dry_run_equals("ddp", ["strategy=ddp", *FAST, *extra], real, nproc=2, predicted=False)
-    assert real["ranks"][0]["memory/grads_bytes"] < real["ranks"][0]["memory/params_bytes"] / 4  # adapters only
+    adapters on the frozen base, NEFTune's hook. Its figures equal the real run's (tests/test_peft.py's and
+    tests/test_neftune.py's); the estimator does not model LoRA, so beside it nothing is predicted, and a note says
+    so. Rank 0 of 2."""
+    _, real = fast_run(f"strategy={strategy}", *extra, nproc=2)
+    lora = "peft=lora" in extra
+    _assert_dry_run_equals(strategy, [f"strategy={strategy}", *FAST, *extra], real, nproc=2, predicted=not lora,
+                           ranks=[0])
+    if lora:
+        assert real["ranks"][0]["memory/grads_bytes"] < real["ranks"][0]["memory/params_bytes"] / 4  # adapters only
 
 
 @pytest.mark.beside

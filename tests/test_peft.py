@@ -18,7 +18,7 @@ ADAPTERS = 4 * 8 * ((64 + 192) + (64 + 64) + (64 + 256) + (256 + 64))
 
 
 @pytest.mark.multiproc
-def test_lora_trains_only_the_adapters_and_every_strategy_agrees(tmp_path):
+def test_lora_trains_only_the_adapters_and_every_strategy_agrees(tmp_path, fast_run):
     single = train_ok(["strategy=single", *LORA], run_dir=tmp_path / "single")
     assert single["num_trainable_params"] == ADAPTERS == 32_768
     total = single["num_params"]
@@ -37,9 +37,9 @@ def test_lora_trains_only_the_adapters_and_every_strategy_agrees(tmp_path):
         # the gradient norm's few bytes
         assert 2 * 4 * ADAPTERS <= r["comm/all_reduce/bytes"] <= 2 * 4 * ADAPTERS + 64
 
-    fsdp = train_ok(["strategy=fsdp", *LORA], run_dir=tmp_path / "fsdp", nproc=2)
+    fsdp_dir, fsdp = fast_run("strategy=fsdp", "peft=lora", nproc=2)  # the run the dry run's LoRA check reads
     assert_same_losses(single, fsdp)
-    for r in last_step(tmp_path / "fsdp"):
+    for r in last_step(fsdp_dir):
         # FSDP shards everything, frozen or not; only the adapters have gradients to reduce-scatter
         assert r["memory/params_bytes"] == 4 * total / 2 and r["memory/grads_bytes"] == 4 * ADAPTERS / 2
         assert r["comm/reduce_scatter/bytes"] == 4 * ADAPTERS
