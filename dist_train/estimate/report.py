@@ -117,10 +117,10 @@ def memory_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> st
 
 def split_over(shards: int, tensor_parallel: int) -> str:
     """The "sharded over" cell: the ranks a category is divided over, by data-parallel sharding (FSDP, ZeRO) and
-    by tensor parallelism (`2 (tp)`, `4 x 2 (dp x tp)`); tensor parallelism leaves some parameters whole."""
+    by tensor parallelism (`2 (tp)`, `4 x 2 (dp_shard x tp)`); tensor parallelism leaves some parameters whole."""
     if tensor_parallel == 1:
         return str(shards)
-    return f"{tensor_parallel} (tp)" if shards == 1 else f"{shards} x {tensor_parallel} (dp x tp)"
+    return f"{tensor_parallel} (tp)" if shards == 1 else f"{shards} x {tensor_parallel} (dp_shard x tp)"
 
 
 _TRANSIENT = (
