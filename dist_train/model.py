@@ -161,10 +161,14 @@ class Layout:
     last: tuple[str, ...]  # only the last stage runs these (final norm, LM head)
     embedding: str  # the input embedding (tied to the head when tie_word_embeddings)
     head: str
-    generic: bool = True  # a pipeline stage runs the model's own forward (False: `stage_forward`, written out here)
     # (model, its blocks of this stage, input, is_first=, is_last=) -> output: a stage's forward where transformers'
     # own cannot run a slice of the blocks (no pipeline plan); None: the model's own forward
     stage_forward: Callable[..., torch.Tensor] | None = None
+
+    @property
+    def generic(self) -> bool:
+        """Whether a pipeline stage runs the model's own forward (else `stage_forward`, written out here)."""
+        return self.stage_forward is None
 
 
 def _gpt2_stage_forward(model: nn.Module, blocks: list[nn.Module], x: torch.Tensor, *, is_first: bool,
@@ -194,7 +198,7 @@ def _gpt2_stage_forward(model: nn.Module, blocks: list[nn.Module], x: torch.Tens
 
 # GPT-2 has no pipeline plan in transformers; a pipeline stage runs its forward as written above.
 GPT2 = Layout(first=("transformer.wte", "transformer.wpe", "transformer.drop"), blocks="transformer.h",
-              last=("transformer.ln_f", "lm_head"), embedding="transformer.wte", head="lm_head", generic=False,
+              last=("transformer.ln_f", "lm_head"), embedding="transformer.wte", head="lm_head",
               stage_forward=_gpt2_stage_forward)
 
 

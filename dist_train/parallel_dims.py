@@ -23,12 +23,20 @@ This module is pure arithmetic; the mesh itself is built by dist_train.parallel.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 from dist_train.errors import ConfigError, require
 
 ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def nodes_of_launch(world_size: int) -> int:
+    """How many nodes a launch of `world_size` processes spans, as torchrun and Slurm's steps say it
+    (WORLD_SIZE / LOCAL_WORLD_SIZE; one node where LOCAL_WORLD_SIZE is unset): hsdp's default replicas."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    return max(world_size // max(per_node, 1), 1)
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,13 @@ not exist yet, by name.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from dist_train.config import PrecisionConfig
-from dist_train.parallel_dims import ParallelDims
+from dist_train.parallel_dims import ParallelDims, nodes_of_launch
 
 FAMILIES = ("single", "dp", "ddp", "fsdp", "zero", "pipeline", "tp", "accelerate", "fsdp_tp")
 
@@ -262,10 +261,7 @@ def _replicas(strategy: Mapping[str, Any], world_size: int) -> int:
     """strategy.replicate (fsdp: 1, hsdp's default None: one replica per node, as training counts the nodes)."""
     if "replicate" not in strategy:
         return 1
-    if strategy["replicate"] is not None:
-        return int(strategy["replicate"])
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
-    return max(world_size // max(per_node, 1), 1)
+    return int(strategy["replicate"]) if strategy["replicate"] is not None else nodes_of_launch(world_size)
 
 
 def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: Any) -> Setup:

@@ -16,14 +16,13 @@ Both are presets of degrees over dist_train.parallel.apply (strategies/paralleli
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 from dist_train.config import StrategyConfig, require
 from dist_train.contracts import StrategyFamily
 from dist_train.parallel.apply import Sharding
-from dist_train.parallel_dims import ParallelDims
+from dist_train.parallel_dims import ParallelDims, nodes_of_launch
 from dist_train.strategies.base import StrategyContext
 from dist_train.strategies.parallelized import MeshWrapper
 from dist_train.strategies.torch_strategy import TorchStrategy
@@ -55,10 +54,7 @@ class FSDPConfig(StrategyConfig):
         return False  # FSDP2 shards (DTensors)
 
     def replicas(self, world_size: int) -> int:
-        if self.replicate is not None:
-            return self.replicate
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
-        return max(world_size // max(per_node, 1), 1)
+        return self.replicate if self.replicate is not None else nodes_of_launch(world_size)
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         replicas = self.replicas(world_size)
