@@ -189,13 +189,25 @@ _OWN_KEYS = ("world_size", "gpu_gib", "regime", "activation_checkpointing", "kv_
              "dryrun")
 
 
-def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(estimator options, training overrides)."""
+def split_options(argv: list[str], own_keys: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(a tool's own `key=value` options, whose first key part is in `own_keys`; the training overrides): how the
+    estimator and the advisor (dist_train/plan/cli.py) split their command lines."""
     own, training = [], []
     for arg in argv:
         key = arg.split("=", 1)[0].lstrip("+~")
-        (own if key.split(".")[0] in _OWN_KEYS else training).append(arg)
+        (own if key.split(".")[0] in own_keys else training).append(arg)
     return own, training
+
+
+def parse_options(schema: type, own: list[str]) -> Any:
+    """`own` (`key=value` dotlist) typed and checked by the dataclass `schema`, over its defaults."""
+    merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(own))
+    return OmegaConf.to_object(merged)
+
+
+def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(estimator options, training overrides)."""
+    return split_options(argv, _OWN_KEYS)
 
 
 def parse_args(own: list[str]) -> EstimateArgs:
@@ -203,5 +215,4 @@ def parse_args(own: list[str]) -> EstimateArgs:
         if arg.split("=", 1)[0].lstrip("+~") == "fit.seq_len":
             raise ValueError(f"{arg}: fit.seq_len is no longer an option; the breakdown and the fit table share one "
                              "sequence length, train.seq_len=N")
-    merged = OmegaConf.merge(OmegaConf.structured(EstimateArgs), OmegaConf.from_dotlist(own))
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    return parse_options(EstimateArgs, own)

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
 
+from dist_train.estimate.args import parse_options, split_options
 from dist_train.estimate.render import human_bytes, human_count, human_seconds, text_table
 from dist_train.estimate.shapes import ModelShape
 from dist_train.estimate.hardware import ClusterArgs, Hardware, apply_overrides, default_profile_dir, resolve, save_profile
@@ -103,16 +103,11 @@ line on stderr, exit code 2; exit code 1 when nothing fits (the reasons are prin
 
 
 def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    own, training = [], []
-    for arg in argv:
-        key = arg.split("=", 1)[0].lstrip("+~")
-        (own if key.split(".")[0] in _OWN else training).append(arg)
-    return own, training
+    return split_options(argv, _OWN)
 
 
 def parse_args(own: list[str]) -> PlanArgs:
-    merged = OmegaConf.merge(OmegaConf.structured(PlanArgs), OmegaConf.from_dotlist(own))
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    return parse_options(PlanArgs, own)
 
 
 def profile(args: PlanArgs, shape: ModelShape, cfg: dict[str, Any]) -> tuple[Hardware, str]:
