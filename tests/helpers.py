@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +62,103 @@ def launch(
     )
 
 
+class ForkServer:
+    """The client of tests/forkserver.py: launches forked from one process that imported torch & co. once.
+
+    Started at the first launch of a pytest session, in the environment `env()` gives (so that what modules read
+    from it at import is what a fresh launch would read); ended with the session. `None` from `get()` where it
+    cannot serve (DIST_TRAIN_TEST_FORK=0, or its imports left a thread running): the caller launches for real."""
+
+    _instance: ForkServer | None = None
+    _unavailable = False
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver"], cwd=ROOT, env=env(),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = json.loads(self._line(timeout=300))
+        atexit.register(self.close)
+
+    @classmethod
+    def get(cls) -> ForkServer | None:
+        if cls._instance is None and not cls._unavailable:
+            if os.environ.get("DIST_TRAIN_TEST_FORK", "1") == "0":
+                cls._unavailable = True
+                return None
+            server = cls()
+            if server.ready.get("threads") != 1:
+                server.close()
+                cls._unavailable = True
+                return None
+            cls._instance = server
+        return cls._instance
+
+    def _line(self, timeout: float) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            raise RuntimeError(f"tests/forkserver.py did not answer within {timeout:.0f} s (exit {self.proc.poll()})")
+        return line
+
+    def run(self, argv: list[str], *, nproc: int, environ: dict[str, str],
+            timeout: float) -> subprocess.CompletedProcess[str]:
+        assert self.proc.stdin is not None
+        with tempfile.TemporaryDirectory(prefix="forkrun-") as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            request = {"argv": argv, "env": environ, "cwd": str(ROOT), "nproc": nproc,
+                       "stdout": str(out), "stderr": str(err)}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            agent = json.loads(self._line(timeout=60))["pid"]
+            try:
+                code = json.loads(self._line(timeout=timeout))["rc"]
+            except RuntimeError:
+                os.killpg(agent, signal.SIGKILL)  # the agent and its workers: one process group
+                self._line(timeout=60)
+                raise subprocess.TimeoutExpired(["forkserver", *argv], timeout,
+                                                output=out.read_text(errors="replace"),
+                                                stderr=err.read_text(errors="replace")) from None
+            cmd = ["forkserver", f"--nproc_per_node={nproc}", *argv]
+            return subprocess.CompletedProcess(cmd, code, out.read_text(errors="replace"),
+                                               err.read_text(errors="replace"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def forked(overrides: list[str], *, run_dir: Path, nproc: int = 0, timeout: float = 600, script: Path = TRAIN,
+           extra_env: dict[str, str] | None = None, cuda: bool = False) -> subprocess.CompletedProcess[str]:
+    """`launch`, with the workers forked from tests/forkserver.py (the imports paid once per session) where it can
+    serve: a run expected to succeed, on the CPU. Otherwise (CUDA, DIST_TRAIN_TEST_FORK=0) `launch` itself."""
+    server = None if cuda else ForkServer.get()
+    if server is None:
+        return launch(overrides, run_dir=run_dir, nproc=nproc, timeout=timeout, script=script, extra_env=extra_env,
+                      cuda=cuda)
+    return server.run([str(script), *overrides, f"hydra.run.dir={run_dir}"], nproc=nproc,
+                      environ=env(**(extra_env or {})), timeout=timeout)
+
+
+def python_ok(argv: list[str], *, timeout: float = 600, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    """`python argv...` (a script, or -m module) from the checkout, forked from tests/forkserver.py where it can serve:
+    for a command whose result the test reads from its output or files (a refusal's exact output, where an
+    import's own message would count, goes through subprocess)."""
+    server = ForkServer.get()
+    if server is None:
+        return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env(**extra_env), capture_output=True, text=True,
+                              timeout=timeout)
+    return server.run(argv, nproc=0, environ=env(**extra_env), timeout=timeout)
+
+
 def train_ok(overrides: list[str], *, run_dir: Path, nproc: int = 0, **kw: Any) -> dict[str, Any]:
-    """Run to completion and return summary.json; fail the test with the run's output otherwise."""
-    proc = launch(overrides, run_dir=run_dir, nproc=nproc, **kw)
+    """Run to completion and return summary.json; fail the test with the run's output otherwise. The run's
+    processes are forked from tests/forkserver.py (`forked`): what is read here is the run's files."""
+    proc = forked(overrides, run_dir=run_dir, nproc=nproc, **kw)
     if proc.returncode != 0:
         raise AssertionError(f"run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return summary(run_dir)

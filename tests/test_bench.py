@@ -163,6 +163,7 @@ def test_collectives_and_reference_on_the_cpu(monkeypatch, capsys):
 
 
 @pytest.mark.multiproc
+@pytest.mark.beside  # a minute of launches that balances the two sessions (tests/suite.sh)
 def test_peers_train_the_same_samples_as_dist_train(tmp_path):
     """bench/peers.py: Accelerate's loop and transformers' Trainer, each under torchrun with DDP on 2 processes,
     give dist_train's losses step by step (fp32, 1e-5), so the step-time ratios compare the same work. (Fabric is

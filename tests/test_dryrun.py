@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import FAST, ROOT, env
+from tests.helpers import FAST, ROOT, env, python_ok
 
 pytestmark = pytest.mark.multiproc
 
@@ -18,9 +18,10 @@ EXACT = ("memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes")
 
 
 def dry_run(overrides: list[str], *, world_size: int, ranks: list[int]) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "dist_train.estimate", *overrides, f"world_size={world_size}",
-           f"dryrun.ranks=[{','.join(map(str, ranks))}]", "format=json"]
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    """The estimator's command line (forked from tests/forkserver.py: its JSON is what is read); each asked rank in a
+    process of its own, as the estimator runs it."""
+    return python_ok(["-m", "dist_train.estimate", *overrides, f"world_size={world_size}",
+                      f"dryrun.ranks=[{','.join(map(str, ranks))}]", "format=json"])
 
 
 @pytest.mark.parametrize(("strategy", "nproc"), [("ddp", 2), ("fsdp", 2), ("hsdp", 4), ("tp", 2), ("fsdp_tp", 4),

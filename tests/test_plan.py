@@ -236,6 +236,7 @@ def test_bad_input_is_one_line(args, says):
 
 
 @pytest.mark.multiproc
+@pytest.mark.beside  # balances the two sessions (tests/suite.sh)
 def test_verify_on_this_machine(tmp_path):
     """Calibrates the cpu profile, runs the best two configurations for real, puts measured beside predicted."""
     profiles, runs = tmp_path / "profiles", tmp_path / "runs"

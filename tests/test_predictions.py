@@ -53,6 +53,7 @@ def test_fp32_runs_are_predicted_within_ten_percent(straight_run, tmp_path):
 BF16 = [s for s in STRATEGIES if s not in ("1f1b", "zero1", "gpipe")]
 
 
+@pytest.mark.beside  # its own comparison, a minute: balances the two sessions (tests/suite.sh)
 def test_bf16_and_fp16_runs_are_predicted_within_ten_percent(tmp_path):
     rows = _compare(tmp_path, f"compare.strategies=[{','.join(BF16 + FP16)}]", "compare.nproc=2",
                     "precision=bf16", "logger=none", "model=tiny", "train.steps=2",
