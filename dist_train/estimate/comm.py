@@ -24,16 +24,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from dist_train.estimate.memory import element_bytes, state_bytes, tp_rank_params
+from dist_train.estimate.memory import element_bytes, state_bytes, tp_rank_params, zero3_keeps_for_backward, zero3_partitioned
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
 
-# DeepSpeed's default `stage3_max_reuse_distance` (elements): a parameter released after forward stays
-# gathered if it is used again within this many fetched elements. A whole model at most this size is
-# never re-gathered in backward.
-DS_STAGE3_MAX_REUSE_DISTANCE = 1e9
-# Buckets that set how many calls carry the bytes: DDP's bucket_cap_mb (25, this project's default), DeepSpeed
-# ZeRO-1/2's allgather_bucket_size (elements, its default). ZeRO's reduce bucket is Setup.zero_reduce_bucket_size.
+# Buckets that set how many calls carry the bytes: DDP's bucket_cap_mb where a strategy does not set it (torch's
+# default, 25 MiB: pp_dp's replicated stages; strategy=ddp's is Setup.bucket_cap_mb), DeepSpeed ZeRO-1/2's
+# allgather_bucket_size (elements, its default). ZeRO's reduce bucket is Setup.zero_reduce_bucket_size, ZeRO-3's
+# reuse distance (whether backward gathers again) Setup.zero3_max_reuse_distance, as the memory model reads them.
 DDP_BUCKET_BYTES = 25 * 2**20
 DS_ALLGATHER_BUCKET_SIZE = 5 * 10**8
 
@@ -99,23 +97,24 @@ def _data_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
     )
     if setup.kind == "ddp":
         return [Collective("all_reduce", num_params * b.grads, "gradients, once per step (no_sync while accumulating)",
-                           int(b.grads), calls=buckets(num_params * b.grads, DDP_BUCKET_BYTES))]
+                           int(b.grads), calls=buckets(num_params * b.grads, setup.bucket_cap_mb * 2**20))]
     if setup.kind == "fsdp":
         fsdp = _fsdp(shape, setup, block_params=shape.num_layers * shape.layer_params(), num_params=num_params)
         return fsdp if setup.dims.dp_replicate == 1 else _hybrid(fsdp, shape, setup, num_params=num_params)
     stage = setup.zero_stage
     if stage >= 3:
         # The paper gathers every parameter in forward and again in backward. DeepSpeed keeps a parameter
-        # gathered when its backward use is within stage3_max_reuse_distance: for a model of at most that
-        # many parameters, one gather per micro-batch (measured: tiny model, 2 gathers per 2 micro-batches).
-        # For a larger model the blocks near the forward/backward turn are reused too; 2x is an upper bound.
-        reused = setup.resolved_regime == "deepspeed" and num_params <= DS_STAGE3_MAX_REUSE_DISTANCE
+        # gathered when its backward use is within stage3_max_reuse_distance: for partitioned parameters of at
+        # most that many elements, one gather per micro-batch (measured: tiny model, 2 gathers per 2
+        # micro-batches). For a larger model the blocks near the forward/backward turn are reused too; 2x is an
+        # upper bound. Parameters under stage3_param_persistence_threshold stay whole on every rank: never gathered.
+        partitioned, modules = zero3_partitioned(shape, setup)
+        reused = setup.resolved_regime == "deepspeed" and zero3_keeps_for_backward(shape, setup)
         gathers = m if reused else 2 * m
         when = "forward only (kept until backward: stage3_max_reuse_distance)" if reused else "forward + backward"
         return [
-            Collective("all_gather", gathers * num_params * b.weights,
-                       f"parameters, {when}, {m} micro-batch(es)", int(b.weights),
-                       calls=gathers * len(shape.module_params())),
+            Collective("all_gather", gathers * partitioned * b.weights,
+                       f"parameters, {when}, {m} micro-batch(es)", int(b.weights), calls=gathers * modules),
             Collective("reduce_scatter", m * num_params * b.grads, f"gradients, every micro-batch ({m})", int(b.grads),
                        calls=m * buckets(num_params, setup.zero_reduce_bucket_size)),
         ]

@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from dist_train.config import PRECISIONS
+from dist_train.parallel_dims import STATE_CATEGORIES, sharded_state
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
 
@@ -167,14 +168,12 @@ class Shards:
 
 
 def shards(setup: Setup) -> Shards:
-    n = setup.data_parallel_size
-    if setup.family == "zero":
-        s = setup.zero_stage
-        return Shards(weights=n if s >= 3 else 1, grads=n if s >= 2 else 1, optimizer=n)
-    if setup.kind in ("fsdp", "fsdp_tp") or (setup.family == "pipeline" and setup.dp_mode == "fsdp"):
-        n = setup.dims.dp_shard  # HSDP: sharded within a replica only
-        return Shards(weights=n, grads=n, optimizer=n)
-    return Shards(weights=1, grads=1, optimizer=1)
+    """Each category over the run's dp_shard ranks where its kind of data parallelism partitions it
+    (parallel_dims.sharded_state; HSDP: within a replica only), else whole."""
+    fsdp = setup.kind in ("fsdp", "fsdp_tp") or (setup.family == "pipeline" and setup.dp_mode == "fsdp")
+    sharded = sharded_state(zero_stage=setup.zero_stage if setup.family == "zero" else 0, fsdp=fsdp)
+    n = setup.dims.dp_shard
+    return Shards(**{c: n if c in sharded else 1 for c in STATE_CATEGORIES})
 
 
 @dataclass(frozen=True)
@@ -341,6 +340,22 @@ def _param_elem(setup: Setup) -> int:
     return element_bytes(setup.precision)
 
 
+def zero3_partitioned(shape: ModelShape, setup: Setup) -> tuple[float, int]:
+    """(elements ZeRO-3 partitions, modules holding any): what it gathers. Parameters under
+    stage3_param_persistence_threshold stay whole on every rank and are never gathered."""
+    threshold = setup.zero3_persistence_threshold
+    modules = shape.module_params()
+    persistent = sum(n for m in modules for n in m if n < threshold)
+    return float(shape.num_params - persistent), sum(1 for m in modules if any(n >= threshold for n in m))
+
+
+def zero3_keeps_for_backward(shape: ModelShape, setup: Setup) -> bool:
+    """Whether ZeRO-3 keeps what forward gathered until backward uses it again (every partitioned parameter
+    within stage3_max_reuse_distance): one gather per micro-batch instead of two, a whole model held at the turn.
+    The memory model and the communication model both ask here."""
+    return setup.zero3_max_reuse_distance >= zero3_partitioned(shape, setup)[0]
+
+
 def zero3_gathered(shape: ModelShape, setup: Setup) -> tuple[float, float]:
     """(bytes of non-persistent parameters ZeRO-3 holds gathered at its peak, elements of persistent parameters).
 
@@ -348,11 +363,10 @@ def zero3_gathered(shape: ModelShape, setup: Setup) -> tuple[float, float]:
     if setup.family != "zero" or setup.zero_stage != 3:
         return 0.0, 0.0
     threshold = setup.zero3_persistence_threshold
-    modules = shape.module_params()
-    persistent = sum(n for m in modules for n in m if n < threshold)
-    partitioned = shape.num_params - persistent
-    largest = max(sum(n for n in m if n >= threshold) for m in modules)
-    kept = partitioned if setup.zero3_max_reuse_distance >= partitioned else largest
+    partitioned = zero3_partitioned(shape, setup)[0]
+    persistent = shape.num_params - partitioned
+    largest = max(sum(n for n in m if n >= threshold) for m in shape.module_params())
+    kept = partitioned if zero3_keeps_for_backward(shape, setup) else largest
     live = min(partitioned, max(largest, min(setup.zero3_max_live_parameters, kept + setup.zero3_prefetch_bucket_size)))
     return float(live * _param_elem(setup)), float(persistent)
 

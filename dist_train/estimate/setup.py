@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dist_train.config import PrecisionConfig
-from dist_train.parallel_dims import ParallelDims, nodes_of_launch
+from dist_train.parallel_dims import ParallelDims, layout_dims, nodes_of_launch
 
 FAMILIES = ("single", "dp", "ddp", "fsdp", "zero", "pipeline", "tp", "accelerate", "fsdp_tp")
 
@@ -82,6 +82,8 @@ class Setup:
     # ZeRO 1 and 2's reduction bucket (zero_optimization.reduce_bucket_size, in elements; DeepSpeed's default),
     # allocated whole in the training dtype at the first reduction
     zero_reduce_bucket_size: int = 5 * 10**8
+    # ddp: the gradient bucket's size (strategy.bucket_cap_mb, MiB): how many all-reduces carry the gradients
+    bucket_cap_mb: float = 25.0
     # strategy=accelerate: what Accelerate wraps the model in (ddp | fsdp)
     plugin: str = "ddp"
     # strategy=fsdp_tp: ranks per tensor-parallel group
@@ -117,22 +119,15 @@ class Setup:
     def dims(self) -> ParallelDims:
         """The run's parallel degrees, as its strategy states them (StrategyConfig.parallel_dims; a test checks
         that the two agree for every strategy and world size)."""
-        w = self.world_size
         if self.family in ("single", "dp"):
-            return ParallelDims(1)  # one process
-        if self.family == "tp":
-            return ParallelDims(w, tp=w)
-        if self.family == "fsdp_tp":
-            return ParallelDims(w, dp_shard=max(w // self.tp, 1), tp=self.tp, kept=("dp_shard",))
-        if self.family == "pipeline":
-            replicas = max(w // self.num_stages, 1)
-            return ParallelDims(w, pp=self.num_stages,
-                                **{"dp_shard" if self.dp_mode == "fsdp" else "dp_replicate": replicas})
-        if self.family == "fsdp":
-            return ParallelDims(w, dp_replicate=self.replicate, dp_shard=max(w // self.replicate, 1), kept=("dp_shard",))
-        if self.kind == "ddp":
-            return ParallelDims(w, dp_replicate=w)
-        return ParallelDims(w, dp_shard=w)  # ZeRO, Accelerate's FSDP
+            layout = "one"
+        elif self.family in ("tp", "fsdp_tp", "pipeline", "fsdp"):
+            layout = self.family
+        else:  # ZeRO; Accelerate's DDP, FSDP or DeepSpeed
+            layout = "replicate" if self.kind == "ddp" else "shard"
+        return layout_dims(layout, self.world_size, replicas=self.replicate, tp=self.tp,
+                           stages=self.num_stages if self.family == "pipeline" else 1,
+                           stage_dp="dp_shard" if self.dp_mode == "fsdp" else "dp_replicate")
 
     @property
     def data_parallel_size(self) -> int:
@@ -293,6 +288,7 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         pp=int(strategy["pp"]) if strategy.get("pp") is not None else None,
         dp_mode=str(strategy.get("dp_mode") or "replicate"),
         replicate=_replicas(strategy, world_size),
+        bucket_cap_mb=float(strategy.get("bucket_cap_mb") or 25.0),
         **_zero3_fields(strategy),
     )
     fields.update(overrides)
