@@ -202,30 +202,73 @@ GPT2 = Layout(first=("transformer.wte", "transformer.wpe", "transformer.drop"), 
               stage_forward=_gpt2_stage_forward)
 
 
-def layout_of(config: Any, *, prefix: str = "model") -> Layout:
+def layout_of(config: Any, *, prefix: str = "model", model: nn.Module | None = None) -> Layout:
     """Where the parts of a model of this config live: GPT-2's, or what transformers' pipeline plan says
     (`base_model_pp_plan`, in order: what runs before the blocks, the block list (the entry that takes the attention
-    mask), what runs after), under the base model's attribute `prefix`, and the head `lm_head`. ValueError, saying
-    why, for a model that has no such plan."""
+    mask), what runs after), under the base model's attribute `prefix`, and the head `lm_head`. A model without a plan
+    whose base model is a plain decoder stack (embeddings, the list of its `_no_split_modules` blocks, a final norm;
+    `model`, or built from the config on the meta device) is laid out from that structure. ValueError, saying why,
+    for a model that is neither."""
     if config.model_type == "gpt2":
         return GPT2
     plan = dict(getattr(config, "base_model_pp_plan", None) or {})
     names = list(plan)
     blocks = [i for i, name in enumerate(names) if "attention_mask" in plan[name][0]]
     if len(blocks) != 1 or blocks[0] == 0 or blocks[0] == len(names) - 1:
-        raise ValueError(f"model.arch={config.model_type} has no pipeline plan of the form embeddings, blocks, final "
-                         f"norm in transformers (base_model_pp_plan: {names or 'none'}), so it cannot be cut into stages")
+        no_plan = (f"model.arch={config.model_type} has no pipeline plan of the form embeddings, blocks, final norm in "
+                   f"transformers (base_model_pp_plan: {names or 'none'})")
+        return _stack_layout(model if model is not None else _meta_model(config, no_plan), no_plan)
     at = blocks[0]
     path = [f"{prefix}.{name}" for name in names]
     return Layout(first=tuple(path[:at]), blocks=path[at], last=(*path[at + 1:], "lm_head"), embedding=path[0],
                   head="lm_head")
 
 
+def _meta_model(config: Any, no_plan: str) -> nn.Module:
+    """The causal LM of `config` on the meta device (no memory, no weights): its structure, for `_stack_layout`."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - an architecture transformers cannot build: the plan's absence is the reason
+        raise ValueError(f"{no_plan}, and it could not be built to look at its structure ({exc}), so it cannot be cut "
+                         "into stages") from None
+
+
+def _stack_layout(model: nn.Module, no_plan: str) -> Layout:
+    """The layout of a model without a pipeline plan whose base model is a plain decoder stack: the input
+    embedding, then the one list of blocks transformers keeps whole (`_no_split_modules`), then one module with
+    parameters (the final norm), the head `lm_head` on the causal LM. Modules without parameters (rotary tables,
+    dropouts) stay where they are and run on every stage, as they do under a plan. Anything else is a ValueError
+    naming what was found: such a model's forward may do more between its blocks than a stage can cut."""
+    prefix = getattr(model, "base_model_prefix", "") or "model"
+    base = getattr(model, prefix, None)
+    whole = set(getattr(model, "_no_split_modules", None) or ())
+    children = list(base.named_children()) if isinstance(base, nn.Module) else []
+    lists = [i for i, (_, m) in enumerate(children)
+             if isinstance(m, nn.ModuleList) and len(m) and all(type(b).__name__ in whole for b in m)]
+    holds = [name for name, m in children if next(m.parameters(), None) is not None]
+    if len(lists) == 1:
+        at = lists[0]
+        before = [n for n in holds if n in dict(children[:at])]
+        after = [n for n in holds if n in dict(children[at + 1:])]
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if (len(before) == 1 and getattr(base, before[0]) is embedding and len(after) == 1
+                and isinstance(getattr(model, "lm_head", None), nn.Module)):
+            return Layout(first=(f"{prefix}.{before[0]}",), blocks=f"{prefix}.{children[at][0]}",
+                          last=(f"{prefix}.{after[0]}", "lm_head"), embedding=f"{prefix}.{before[0]}", head="lm_head")
+    found = ", ".join(holds) or "nothing"
+    raise ValueError(f"{no_plan}, and it is not a plain decoder stack (embeddings, one list of its _no_split_modules "
+                     f"{sorted(whole)}, a final norm, lm_head; its {prefix} holds {found}), so it cannot be cut into "
+                     "stages")
+
+
 def model_layout(model: nn.Module) -> Layout:
     config = getattr(model, "config", None)
     if config is None:
         raise TypeError(f"{type(model).__name__}: not a transformers model (no config), no pipeline layout")
-    return layout_of(config, prefix=getattr(model, "base_model_prefix", "model") or "model")
+    return layout_of(config, prefix=getattr(model, "base_model_prefix", "model") or "model", model=model)
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:

@@ -34,6 +34,10 @@ ARCHS = {
 # Architectures tested under one strategy only (not in every pair of the matrix above)
 PHI3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             pad_token_id=0)
+# StableLM: no pipeline and no tensor-parallel plan in transformers; a plain decoder stack, cut into stages by its
+# structure (dist_train.model._stack_layout)
+ONE_STRATEGY = {"phi3": PHI3, "stablelm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=4)}
 
 
 def make_model_dir(root: Path, arch: str = "llama", *, weights: str = "safetensors", shard: bool = False,
@@ -42,7 +46,7 @@ def make_model_dir(root: Path, arch: str = "llama", *, weights: str = "safetenso
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(arch, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=tie,
-                               **(PHI3 if arch == "phi3" else ARCHS[arch]))
+                               **{**ARCHS, **ONE_STRATEGY}[arch])
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # weights unlike any fresh init: a loader that ignored the files would show
@@ -169,7 +173,8 @@ def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {"llama": make_model_dir(root, "llama", shard=True),  # an index of 9 safetensors shards
             "gpt2": make_model_dir(root, "gpt2", tie=True), "qwen3": make_model_dir(root, "qwen3"),
-            "gemma": make_model_dir(root, "gemma")}  # qwen3: for the refusals below
+            "gemma": make_model_dir(root, "gemma"), "stablelm": make_model_dir(root, "stablelm")}  # qwen3: for the
+    # refusals below; stablelm: no pipeline plan in transformers, cut by its decoder stack
 
 
 @pytest.mark.multiproc
@@ -181,7 +186,7 @@ def model_dirs(tmp_path_factory):
 # in-process test covers; bench/arch_matrix.py runs every pair.
 @pytest.mark.parametrize(("strategy", "arch"), [("fsdp", "llama"), ("zero3", "llama"), ("zero3", "gpt2"),
                                                 ("zero3", "gemma"), ("gpipe", "gpt2"), ("1f1b", "gemma"),
-                                                ("tp", "qwen3"), ("fsdp_tp", "gpt2")])
+                                                ("tp", "qwen3"), ("fsdp_tp", "gpt2"), ("gpipe", "stablelm")])
 def test_every_strategy_starts_from_the_directorys_weights(strategy, arch, model_dirs, tmp_path):
     """2 ranks: the first step's loss is transformers' own on the same batch (fp32, 1e-5); fsdp, tp, fsdp_tp and
     the pipelines build on meta, zero3 under zero.Init, and each rank reads only what it holds from the files."""

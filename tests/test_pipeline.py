@@ -121,18 +121,24 @@ OTHER_ARCHS = {
     "qwen3": dict(layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
                   use_sliding_window=True, sliding_window=5, head_dim=16),
     "gemma": dict(head_dim=16),
+    # no pipeline plan in transformers: plain decoder stacks, cut by their structure (dist_train.model._stack_layout);
+    # Falcon with one key/value head (multi-query) and its parallel attention and MLP
+    "stablelm": dict(num_key_value_heads=4),
+    "falcon": dict(num_kv_heads=1),
 }
 
 
 @pytest.mark.parametrize("arch", list(OTHER_ARCHS))
 def test_stages_of_any_model_with_a_pipeline_plan_equal_the_full_model(arch):
-    """The model's own forward, cut by transformers' base_model_pp_plan: the same logits bit for bit and the same
-    gradients for every parameter, through 3 stages of 4 blocks (placeholder and hook included)."""
+    """The model's own forward, cut by transformers' base_model_pp_plan (or, without one, by its decoder stack): the
+    same logits bit for bit and the same gradients for every parameter, through 3 stages of 4 blocks (placeholder
+    and hook included)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(arch, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                               tie_word_embeddings=False, **OTHER_ARCHS[arch])  # tied: the gpt2-tied case above
+    cfg = AutoConfig.for_model(arch, **{**dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=64, tie_word_embeddings=False),
+                                        **OTHER_ARCHS[arch]})  # tied: the gpt2-tied case above
 
     def build() -> torch.nn.Module:
         torch.manual_seed(7)
