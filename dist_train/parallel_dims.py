@@ -133,3 +133,55 @@ class ParallelDims:
     def describe(self) -> str:
         """`dp_replicate 2 x dp_shard 2` (the dimensions above 1, or `1`)."""
         return " x ".join(f"{n} {self.degree(n)}" for n in ORDER if self.degree(n) > 1) or "1"
+
+
+# ---------------------------------------------------------------------------------------------- the layouts, declared
+# How each kind of strategy lays its ranks out, declared once: the strategies' `parallel_dims` and the estimator's
+# `Setup.dims` (which must not import torch) both return `layout_dims(...)`, so the two cannot drift apart.
+LAYOUTS = ("one", "replicate", "shard", "fsdp", "tp", "fsdp_tp", "pipeline")
+
+
+def layout_dims(layout: str, world_size: int, *, replicas: int = 1, tp: int = 1, stages: int = 1,
+                stage_dp: str = "dp_replicate") -> ParallelDims:
+    """The degrees of a layout on `world_size` ranks:
+
+        one        one process (single; dp, whose nn.DataParallel scatters over GPUs itself)
+        replicate  every rank a whole replica (DDP, Accelerate's DDP)
+        shard      the model state partitioned over every rank (ZeRO, Accelerate's FSDP and DeepSpeed)
+        fsdp       `replicas` replicas, each sharded over world / replicas ranks (fsdp: 1 replica; hsdp)
+        tp         every rank a tensor-parallel slice
+        fsdp_tp    tensor-parallel groups of `tp`, FSDP over the world / tp groups (kept at degree 1)
+        pipeline   `stages` stages, world / stages replicas of the pipeline over `stage_dp` (dp_replicate: whole
+                   stages, DDP; dp_shard: FSDP-sharded stages)
+    """
+    w = world_size
+    if layout == "one":
+        return ParallelDims(1)
+    if layout == "replicate":
+        return ParallelDims(w, dp_replicate=w)
+    if layout == "shard":
+        return ParallelDims(w, dp_shard=w)
+    if layout == "fsdp":
+        return ParallelDims(w, dp_replicate=replicas, dp_shard=max(w // replicas, 1), kept=("dp_shard",))
+    if layout == "tp":
+        return ParallelDims(w, tp=w)
+    if layout == "fsdp_tp":
+        return ParallelDims(w, dp_shard=max(w // tp, 1), tp=tp, kept=("dp_shard",))
+    if layout == "pipeline":
+        require(stage_dp in ("dp_replicate", "dp_shard"), f"a pipeline's replicas run over dp_replicate or dp_shard, "
+                                                          f"not {stage_dp!r}")
+        return ParallelDims(w, pp=stages, **{stage_dp: max(w // stages, 1)})
+    raise ValueError(f"layout {layout!r} unknown; known: {', '.join(LAYOUTS)}")
+
+
+# Which categories of model state each kind of data parallelism partitions over its dp_shard ranks (the ZeRO
+# paper's P_os, P_os+g, P_os+g+p); a category not named is whole on every rank of that dimension.
+STATE_CATEGORIES = ("weights", "grads", "optimizer")
+
+
+def sharded_state(*, zero_stage: int = 0, fsdp: bool = False) -> tuple[str, ...]:
+    """The categories partitioned over dp_shard: ZeRO stage 1 the optimizer's state (and its master weights),
+    stage 2 the gradients too, stage 3 and FSDP2 everything; nothing for the others."""
+    if fsdp:
+        return STATE_CATEGORIES
+    return tuple(c for c, stage in zip(STATE_CATEGORIES, (3, 2, 1)) if zero_stage >= stage)

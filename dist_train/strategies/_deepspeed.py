@@ -26,7 +26,7 @@ from torch import nn
 from dist_train.config import PrecisionConfig, RunConfig, TrainConfig, importable, require
 from dist_train.contracts import Batch, ModelState, StepOutput, dtype_name, tensor_bytes
 from dist_train.model import forward_loss
-from dist_train.parallel_dims import ParallelDims
+from dist_train.parallel_dims import ParallelDims, layout_dims
 from dist_train.checkpoint.deepspeed_io import DeepSpeedIO
 from dist_train.strategies._deepspeed_env import (
     init_deepspeed_comm,
@@ -52,7 +52,7 @@ class DeepSpeedSettings:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        return ParallelDims(world_size, dp_shard=world_size)  # ZeRO partitions over every rank
+        return layout_dims("shard", world_size)  # ZeRO partitions over every rank
 
     def data_parallel_size(self, world_size: int) -> int:
         return self.parallel_dims(world_size).dp

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dist_train.config import StrategyConfig, require
-from dist_train.parallel_dims import ParallelDims
+from dist_train.parallel_dims import ParallelDims, layout_dims
 from dist_train.contracts import StrategyFamily
 from dist_train.strategies.base import StrategyContext
 from dist_train.strategies.torch_strategy import TorchStrategy
@@ -38,7 +38,7 @@ class DPConfig(StrategyConfig):
         return False
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        return ParallelDims(1)  # one process; nn.DataParallel scatters each micro-batch over GPUs itself
+        return layout_dims("one", world_size)  # one process; nn.DataParallel scatters each micro-batch over GPUs itself
 
     def check(self, world_size: int) -> None:
         require(

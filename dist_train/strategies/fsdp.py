@@ -22,7 +22,7 @@ from typing import ClassVar, Optional
 from dist_train.config import StrategyConfig, require
 from dist_train.contracts import StrategyFamily
 from dist_train.parallel.apply import Sharding
-from dist_train.parallel_dims import ParallelDims, nodes_of_launch
+from dist_train.parallel_dims import ParallelDims, layout_dims, nodes_of_launch
 from dist_train.strategies.base import StrategyContext
 from dist_train.strategies.parallelized import MeshWrapper
 from dist_train.strategies.torch_strategy import TorchStrategy
@@ -57,9 +57,7 @@ class FSDPConfig(StrategyConfig):
         return self.replicate if self.replicate is not None else nodes_of_launch(world_size)
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        replicas = self.replicas(world_size)
-        return ParallelDims(world_size, dp_replicate=replicas, dp_shard=max(world_size // replicas, 1),
-                            kept=("dp_shard",))
+        return layout_dims("fsdp", world_size, replicas=self.replicas(world_size))
 
     def check(self, world_size: int) -> None:
         replicas = self.replicas(world_size)

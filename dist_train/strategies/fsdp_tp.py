@@ -16,7 +16,7 @@ from typing import ClassVar
 
 
 from dist_train.config import RunConfig, StrategyConfig, require
-from dist_train.parallel_dims import ParallelDims
+from dist_train.parallel_dims import ParallelDims, layout_dims
 from dist_train.contracts import StrategyFamily
 from dist_train.parallel.apply import Sharding
 from dist_train.strategies.base import StrategyContext, check_tensor_parallel
@@ -39,7 +39,7 @@ class FSDPTPConfig(StrategyConfig):
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         # FSDP over dp_shard even where it is one rank (world = tp): the same wrapping at every size
-        return ParallelDims(world_size, dp_shard=max(world_size // self.tp, 1), tp=self.tp, kept=("dp_shard",))
+        return layout_dims("fsdp_tp", world_size, tp=self.tp)
 
     def check(self, world_size: int) -> None:
         require(self.tp >= 1, f"strategy.tp={self.tp} must be >= 1")

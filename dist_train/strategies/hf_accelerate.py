@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dist_train.config import RunConfig, StrategyConfig, choice, importable, require
-from dist_train.parallel_dims import ParallelDims
+from dist_train.parallel_dims import ParallelDims, layout_dims
 from dist_train.contracts import StrategyFamily
 from dist_train.model import transformer_blocks
 from dist_train.strategies.base import LocalOptimizer, StrategyContext
@@ -70,9 +70,7 @@ class AccelerateConfig(StrategyConfig):
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         """DDP's replicas, or FSDP's and DeepSpeed's shards over every rank."""
-        if self.requested_plugin() == "ddp":
-            return ParallelDims(world_size, dp_replicate=world_size)
-        return ParallelDims(world_size, dp_shard=world_size)
+        return layout_dims("replicate" if self.requested_plugin() == "ddp" else "shard", world_size)
 
     def check(self, world_size: int) -> None:
         require(importable("accelerate"), "strategy=accelerate needs the accelerate package (pip install accelerate)")

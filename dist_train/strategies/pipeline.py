@@ -52,7 +52,7 @@ from torch import nn
 
 from dist_train.checkpoint.dcp_io import DcpIO
 from dist_train.config import RunConfig, StrategyConfig, TrainConfig, choice, require
-from dist_train.parallel_dims import ParallelDims
+from dist_train.parallel_dims import ParallelDims, layout_dims
 from dist_train.contracts import Batch, ModelState, StepOutput, StrategyFamily, local_tensor
 from dist_train.model import causal_lm_loss, layout_of, model_layout
 from dist_train.strategies.base import (
@@ -125,10 +125,8 @@ class PipelineConfig(StrategyConfig):
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         """K stages, and world / K replicas of the pipeline: whole (replicate) or sharding each stage (fsdp)."""
-        stages = self.num_stages(world_size)
-        replicas = max(world_size // stages, 1)
-        dim = "dp_shard" if self.dp_mode == "fsdp" else "dp_replicate"
-        return ParallelDims(world_size, pp=stages, **{dim: replicas})
+        return layout_dims("pipeline", world_size, stages=self.num_stages(world_size),
+                           stage_dp="dp_shard" if self.dp_mode == "fsdp" else "dp_replicate")
 
     def check(self, world_size: int) -> None:
         choice("strategy.schedule", self.schedule, ("gpipe", "1f1b"))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dist_train.config import StrategyConfig, require
-from dist_train.parallel_dims import ParallelDims
+from dist_train.parallel_dims import ParallelDims, layout_dims
 from dist_train.contracts import StrategyFamily
 from dist_train.strategies.base import StrategyContext
 from dist_train.strategies.torch_strategy import TorchStrategy
@@ -28,7 +28,7 @@ class SingleConfig(StrategyConfig):
         return False
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        return ParallelDims(1)  # one process (check() refuses more)
+        return layout_dims("one", world_size)  # one process (check() refuses more)
 
     @property
     def updates_in_backward(self) -> bool:

@@ -34,7 +34,7 @@ from typing import ClassVar
 
 
 from dist_train.config import RunConfig, StrategyConfig
-from dist_train.parallel_dims import ParallelDims
+from dist_train.parallel_dims import ParallelDims, layout_dims
 from dist_train.contracts import StrategyFamily
 from dist_train.strategies.base import StrategyContext, check_tensor_parallel
 from dist_train.strategies.parallelized import MeshWrapper
@@ -55,7 +55,7 @@ class TPConfig(StrategyConfig):
     loads_own_shard: ClassVar[bool] = True  # parallelized on meta, then each rank fills its part
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        return ParallelDims(world_size, tp=world_size)
+        return layout_dims("tp", world_size)
 
     def check_run(self, run: RunConfig, world_size: int) -> None:
         super().check_run(run, world_size)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dist_train.config import RunConfig, StrategyConfig
-from dist_train.parallel_dims import ParallelDims
+from dist_train.parallel_dims import ParallelDims, layout_dims
 from dist_train.contracts import StrategyFamily
 from dist_train.strategies._deepspeed import ZeroStrategy, check_run_settings, check_settings
 from dist_train.strategies.base import StrategyContext
@@ -50,7 +50,7 @@ class ZeroConfig(StrategyConfig):
         return False  # DeepSpeed's flat partitions
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        return ParallelDims(world_size, dp_shard=world_size)  # ZeRO partitions over every rank
+        return layout_dims("shard", world_size)  # ZeRO partitions over every rank
 
     def check(self, world_size: int) -> None:
         check_settings(self, world_size)
