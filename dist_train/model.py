@@ -231,7 +231,7 @@ def _meta_model(config: Any, no_plan: str) -> nn.Module:
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
-    except Exception as exc:  # noqa: BLE001 - an architecture transformers cannot build: the plan's absence is the reason
+    except Exception as exc:  # noqa: BLE001 - one transformers cannot build: the plan's absence is the reason
         raise ValueError(f"{no_plan}, and it could not be built to look at its structure ({exc}), so it cannot be cut "
                          "into stages") from None
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,7 @@ class ForkServer:
     def __init__(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver"], cwd=ROOT, env=env(),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._pending = b""  # what was read from its answers past the last full line
         self.ready = json.loads(self._line(timeout=300))
         atexit.register(self.close)
 
@@ -93,12 +95,19 @@ class ForkServer:
         return cls._instance
 
     def _line(self, timeout: float) -> str:
+        """The server's next answer, read from the pipe's descriptor itself (a buffered reader could hold the next
+        answer already, which select would not see)."""
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            raise RuntimeError(f"tests/forkserver.py did not answer within {timeout:.0f} s (exit {self.proc.poll()})")
-        return line
+        fd, deadline = self.proc.stdout.fileno(), time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            chunk = os.read(fd, 65536) if ready else b""
+            if not chunk:
+                raise RuntimeError(f"tests/forkserver.py did not answer within {timeout:.0f} s "
+                                   f"(exit {self.proc.poll()})")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode()
 
     def run(self, argv: list[str], *, nproc: int, environ: dict[str, str],
             timeout: float) -> subprocess.CompletedProcess[str]:

@@ -29,8 +29,8 @@ _BESIDE = pytest.mark.beside
 
 
 @pytest.mark.parametrize(("strategy", "nproc"), [
-    ("ddp", 2), ("fsdp", 2), pytest.param("hsdp", 4, marks=_BESIDE), ("tp", 2), pytest.param("fsdp_tp", 4, marks=_BESIDE),
-    pytest.param("pp_dp", 4, marks=_BESIDE), pytest.param("1f1b", 2, marks=_BESIDE), ("zero2", 2),
+    ("ddp", 2), ("fsdp", 2), pytest.param("hsdp", 4, marks=_BESIDE), ("tp", 2),
+    pytest.param("fsdp_tp", 4, marks=_BESIDE), pytest.param("pp_dp", 4, marks=_BESIDE), pytest.param("1f1b", 2, marks=_BESIDE), ("zero2", 2),
     pytest.param("zero3", 2, marks=_BESIDE)])
 def test_dry_run_equals_a_real_run(strategy, nproc, fast_run):
     # ddp with 0.2 MB buckets: tiny's 0.96 MB of gradients go in several all-reduces, not one. DeepSpeed with a

@@ -31,3 +31,11 @@ def test_a_failing_forked_worker_stops_its_peer_and_the_launch_exits_1(tmp_path)
                   extra_env={"DIST_TRAIN_FAULT": "raise@2:rank1"})
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "DIST_TRAIN_FAULT" in proc.stderr or "raise" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_forked_launch_that_ends_at_once_is_answered_at_once(tmp_path):
+    """A bad override ends the process before any training: the server's two answers (the agent, its exit code)
+    arrive together, and the client must not wait for a third (it would raise TimeoutExpired here)."""
+    proc = forked(["strategy=fsdpp", "logger=none"], run_dir=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("config error:")], proc.stderr[-3000:]
