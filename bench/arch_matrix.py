@@ -33,8 +33,9 @@ NPROC = {"single": 0, "dp": 0, "pp_dp": 4, "fsdp_tp": 4, "hsdp": 4}
 STRATEGIES = ["single", "dp", "ddp", "accelerate", "fsdp", "hsdp", "zero1", "zero2", "zero3", "gpipe", "1f1b", "pp_dp",
               "tp", "fsdp_tp"]
 TOLERANCE = 1e-5
-# hsdp's default is one replica per node: on one machine, 2 replicas x 2 shards asked for
-EXTRA = {"hsdp": ["strategy.replicate=2"]}
+# hsdp's default is one replica per node: on one machine, 2 replicas x 2 shards asked for; its 4 data-parallel ranks
+# take the global batch of 4 one sequence each
+EXTRA = {"hsdp": ["strategy.replicate=2", "train.micro_batch_size=1"]}
 
 
 def first_loss(strategy: str, model_dir: Path, run_dir: Path, seq: int) -> tuple[float | None, str]:
@@ -46,7 +47,8 @@ def first_loss(strategy: str, model_dir: Path, run_dir: Path, seq: int) -> tuple
            f"hydra.run.dir={run_dir}", *EXTRA.get(strategy, [])]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] or proc.stderr.splitlines() or ["?"]
+        lines = ([ln for ln in proc.stderr.splitlines() if ln.startswith("config error:")]
+                 or [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] or proc.stderr.splitlines() or ["?"])
         return None, lines[-1][:160]
     return json.loads((run_dir / "summary.json").read_text())["losses"][0], ""
 
@@ -81,7 +83,7 @@ def main() -> None:
     note = ("Each cell: the relative difference between the strategy's first logged loss and transformers' "
             f"(`from_pretrained`, fp32, the same first global batch of 4 sequences of {SEQ} tokens), 'ok' within "
             f"{TOLERANCE:g}. 2 processes per strategy (gloo, CPU); single and dp 1; pp_dp, fsdp_tp and hsdp 4 (a 2 x 2 "
-            "mesh; hsdp with strategy.replicate=2). "
+            "mesh; hsdp with strategy.replicate=2 and micro-batches of 1). "
             f"{failures} of {len(rows) * len(strategies)} pairs off or refused.")
     cmd = f"python bench/arch_matrix.py --archs {args.archs} --strategies {args.strategies}"
     if args.section != "arch-matrix":
