@@ -24,14 +24,8 @@ def dry_run(overrides: list[str], *, world_size: int, ranks: list[int]) -> subpr
                       f"dryrun.ranks=[{','.join(map(str, ranks))}]", "format=json"])
 
 
-# Half of them run beside the launched session (tests/suite.sh), which balances the two sessions' times.
-_BESIDE = pytest.mark.beside
-
-
-@pytest.mark.parametrize(("strategy", "nproc"), [
-    ("ddp", 2), ("fsdp", 2), pytest.param("hsdp", 4, marks=_BESIDE), ("tp", 2),
-    pytest.param("fsdp_tp", 4, marks=_BESIDE), pytest.param("pp_dp", 4, marks=_BESIDE), pytest.param("1f1b", 2, marks=_BESIDE), ("zero2", 2),
-    pytest.param("zero3", 2, marks=_BESIDE)])
+@pytest.mark.parametrize(("strategy", "nproc"), [("ddp", 2), ("fsdp", 2), ("hsdp", 4), ("tp", 2), ("fsdp_tp", 4),
+                                                  ("pp_dp", 4), ("1f1b", 2), ("zero2", 2), ("zero3", 2)])
 def test_dry_run_equals_a_real_run(strategy, nproc, fast_run):
     # ddp with 0.2 MB buckets: tiny's 0.96 MB of gradients go in several all-reduces, not one. DeepSpeed with a
     # reduction bucket of 100,000 elements: several reductions too, and a bucket that does not hide the rest of the
