@@ -248,11 +248,12 @@ def _stack_layout(model: nn.Module, no_plan: str) -> Layout:
     children = list(base.named_children()) if isinstance(base, nn.Module) else []
     lists = [i for i, (_, m) in enumerate(children)
              if isinstance(m, nn.ModuleList) and len(m) and all(type(b).__name__ in whole for b in m)]
-    holds = [name for name, m in children if next(m.parameters(), None) is not None]
+    holding = [i for i, (_, m) in enumerate(children) if next(m.parameters(), None) is not None]
+    holds = [children[i][0] for i in holding]
     if len(lists) == 1:
         at = lists[0]
-        before = [n for n in holds if n in dict(children[:at])]
-        after = [n for n in holds if n in dict(children[at + 1:])]
+        before = [children[i][0] for i in holding if i < at]
+        after = [children[i][0] for i in holding if i > at]
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if (len(before) == 1 and getattr(base, before[0]) is embedding and len(after) == 1
                 and isinstance(getattr(model, "lm_head", None), nn.Module)):

@@ -153,7 +153,7 @@ def forked(overrides: list[str], *, run_dir: Path, nproc: int = 0, timeout: floa
                       environ=env(**(extra_env or {})), timeout=timeout)
 
 
-def python_ok(argv: list[str], *, timeout: float = 600, **extra_env: str) -> subprocess.CompletedProcess[str]:
+def forked_python(argv: list[str], *, timeout: float = 600, **extra_env: str) -> subprocess.CompletedProcess[str]:
     """`python argv...` (a script, or -m module) from the checkout, forked from tests/forkserver.py where it can serve:
     for a command whose result the test reads from its output or files (a refusal's exact output, where an
     import's own message would count, goes through subprocess)."""

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import FAST, ROOT, env, python_ok
+from tests.helpers import FAST, ROOT, env, forked_python
 
 pytestmark = pytest.mark.multiproc
 
@@ -20,7 +20,7 @@ EXACT = ("memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes")
 def dry_run(overrides: list[str], *, world_size: int, ranks: list[int]) -> subprocess.CompletedProcess[str]:
     """The estimator's command line (forked from tests/forkserver.py: its JSON is what is read); each asked rank in a
     process of its own, as the estimator runs it."""
-    return python_ok(["-m", "dist_train.estimate", *overrides, f"world_size={world_size}",
+    return forked_python(["-m", "dist_train.estimate", *overrides, f"world_size={world_size}",
                       f"dryrun.ranks=[{','.join(map(str, ranks))}]", "format=json"])
 
 

@@ -331,7 +331,8 @@ def test_the_traffic_follows_the_same_zero_and_ddp_knobs_as_the_memory_and_the_r
     psi = shape.num_params
     base = _setup("zero3", "zero", zero_stage=3, world_size=2, global_batch_size=8, micro_batch_size=2)
     short = Setup(**{**base.__dict__, "zero3_max_reuse_distance": 1000})
-    assert zero3_keeps_for_backward(shape, base) and not zero3_keeps_for_backward(shape, short)
+    psi_partitioned = zero3_partitioned(shape, base)[0]
+    assert zero3_keeps_for_backward(base, psi_partitioned) and not zero3_keeps_for_backward(short, psi_partitioned)
     gathered = {c.op: c.bytes for c in predict_comm(shape, short)[0]}
     assert gathered["all_gather"] == 2 * 2 * 4 * psi  # 2 micro-batches x forward and backward
     keep = Setup(**{**base.__dict__, "zero3_persistence_threshold": 1000})

@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from dist_train.estimate.memory import element_bytes, state_bytes, tp_rank_params, zero3_keeps_for_backward, zero3_partitioned
+from dist_train.estimate.memory import (element_bytes, state_bytes, tp_rank_params, zero3_keeps_for_backward,
+                                        zero3_partitioned)
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
 
@@ -109,7 +110,7 @@ def _data_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
         # micro-batches). For a larger model the blocks near the forward/backward turn are reused too; 2x is an
         # upper bound. Parameters under stage3_param_persistence_threshold stay whole on every rank: never gathered.
         partitioned, modules = zero3_partitioned(shape, setup)
-        reused = setup.resolved_regime == "deepspeed" and zero3_keeps_for_backward(shape, setup)
+        reused = setup.resolved_regime == "deepspeed" and zero3_keeps_for_backward(setup, partitioned)
         gathers = m if reused else 2 * m
         when = "forward only (kept until backward: stage3_max_reuse_distance)" if reused else "forward + backward"
         return [

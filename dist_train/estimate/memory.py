@@ -349,11 +349,11 @@ def zero3_partitioned(shape: ModelShape, setup: Setup) -> tuple[float, int]:
     return float(shape.num_params - persistent), sum(1 for m in modules if any(n >= threshold for n in m))
 
 
-def zero3_keeps_for_backward(shape: ModelShape, setup: Setup) -> bool:
-    """Whether ZeRO-3 keeps what forward gathered until backward uses it again (every partitioned parameter
-    within stage3_max_reuse_distance): one gather per micro-batch instead of two, a whole model held at the turn.
-    The memory model and the communication model both ask here."""
-    return setup.zero3_max_reuse_distance >= zero3_partitioned(shape, setup)[0]
+def zero3_keeps_for_backward(setup: Setup, partitioned: float) -> bool:
+    """Whether ZeRO-3 keeps what forward gathered until backward uses it again: all `partitioned` elements (from
+    zero3_partitioned) within stage3_max_reuse_distance. One gather per micro-batch instead of two, a whole model
+    held at the turn. The memory model and the communication model both ask here."""
+    return setup.zero3_max_reuse_distance >= partitioned
 
 
 def zero3_gathered(shape: ModelShape, setup: Setup) -> tuple[float, float]:
@@ -366,7 +366,7 @@ def zero3_gathered(shape: ModelShape, setup: Setup) -> tuple[float, float]:
     partitioned = zero3_partitioned(shape, setup)[0]
     persistent = shape.num_params - partitioned
     largest = max(sum(n for n in m if n >= threshold) for m in shape.module_params())
-    kept = partitioned if zero3_keeps_for_backward(shape, setup) else largest
+    kept = partitioned if zero3_keeps_for_backward(setup, partitioned) else largest
     live = min(partitioned, max(largest, min(setup.zero3_max_live_parameters, kept + setup.zero3_prefetch_bucket_size)))
     return float(live * _param_elem(setup)), float(persistent)
 
