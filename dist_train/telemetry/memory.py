@@ -121,7 +121,9 @@ def _step_tracker() -> Any:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             res = func(*args, **kwargs or {})
             if isinstance(res, torch.Tensor) or (isinstance(res, (tuple, list)) and res):
-                if active_fake_mode() is self._fake_mode_on_entry:  # not DTensor's propagation under its own mode
+                # not DTensor's propagation under its own mode (torch 2.11's MemTracker keeps no entry mode: the
+                # CUDA images of lent GPUs carry 2.11, and a real run has no fake mode)
+                if active_fake_mode() is getattr(self, "_fake_mode_on_entry", None):
                     if self._in_opt:
                         reftype = _MemRefType.OPT
                     elif self._mod_tracker.is_bw and not self._in_ac:
