@@ -289,6 +289,9 @@ PEAK_LIVE_FAMILIES = ("single", "dp", "ddp", "tp", "fsdp", "fsdp_tp", "zero")
 def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Optional[float]:
     """The peak of all live tensors on a rank (memory/peak_live_bytes), or None where it is not modelled.
 
+    Every family below: plus, at the start of backward, the loss's two fp32 vocabulary-wide gradients
+    (backward_start_extra), which decide the peak of a model with a large vocabulary. The measurements quoted
+    below were made with model=tiny, whose vocabulary makes them small.
     ZeRO 1 and 2: the categories at their peak plus DeepSpeed's reduction bucket, reduce_bucket_size elements of
     the training dtype allocated whole (2 GB in fp32 by default; measured on 2 CPU ranks, model=tiny, with a
     100,000-element bucket so that the rest shows: zero1 -3.6%, zero2 -2.3%; dry runs in bf16 -6.9%, -3.3%).
@@ -312,17 +315,26 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     with tp=2; tests/test_peak_live.py, tests/test_dryrun.py)."""
     if setup.family not in PEAK_LIVE_FAMILIES or (setup.family == "zero" and setup.zero_stage == 3):
         return None
-    if setup.family == "zero":
-        return rank.total + setup.zero_reduce_bucket_size * element_bytes(setup.precision)
+    loss = backward_start_extra(shape, setup)
+    if setup.family == "zero":  # DeepSpeed's gradient buffers outlive the step
+        return rank.total + loss + setup.zero_reduce_bucket_size * element_bytes(setup.precision)
+    # With one micro-batch a step the start of backward holds no gradient yet: the optimizer drops them between
+    # steps (set_to_none), except DDP's, which are views into its buckets. Later in backward the gradients exist
+    # and the loss's temporaries are gone: the peak is the larger of the two moments.
+    fresh = setup.microbatches_per_step == 1 and setup.kind != "ddp"
+
+    def with_loss(base: float, grads: float) -> float:
+        return max(base, base - grads + loss) if fresh else base + loss
+
     if setup.family not in ("fsdp", "fsdp_tp"):
-        return rank.total
+        return with_loss(rank.total, rank.grads)
     slice_params = tp_rank_params(shape, setup)  # all of them without tensor parallelism
     block = shape.layer_params_tp(setup.tensor_parallel_size)
     gathered = slice_params - (shape.num_layers - 1) * block if setup.reshard_after_forward else slice_params
     accumulates_unsharded = setup.microbatches_per_step > 1 and not setup.reduce_every_microbatch
     grads = 4.0 * slice_params if accumulates_unsharded else rank.grads
-    return (rank.params + grads + rank.master + rank.optimizer + rank.working_set
-            + gathered * element_bytes(setup.precision))
+    return with_loss(rank.params + grads + rank.master + rank.optimizer + rank.working_set
+                     + gathered * element_bytes(setup.precision), grads)
 
 
 def tp_rank_params(shape: ModelShape, setup: Setup) -> float:
@@ -449,8 +461,8 @@ def norm_saved_bytes(shape: ModelShape, residual_elem: int) -> int:
     return residual_elem if shape.features.layer_norm else 4 + residual_elem
 
 
-def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int) -> float:
-    """Activations a rank holds at its peak: `in_flight` micro-batches through `num_layers` layers."""
+def _layer_and_head_bytes(shape: ModelShape, setup: Setup, *, with_head: bool) -> tuple[float, float]:
+    """What one micro-batch saves for backward in one layer, and at the head (0 without it)."""
     elem = element_bytes(setup.precision)
     norm_elem = 4 if setup.autocast_16bit else elem
     s, b = setup.seq_len, setup.micro_batch_size
@@ -461,6 +473,34 @@ def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_h
     # fp32 log-softmax of the logits (split by vocabulary under tensor parallelism)
     final_norm = shape.hidden_size * norm_saved_bytes(shape, norm_elem) / (tp if sp else 1)
     head = s * b * (final_norm + shape.hidden_size * elem + shape.vocab_size * 4 / tp) if with_head else 0.0
+    return layer, head
+
+
+def loss_backward_bytes(shape: ModelShape, setup: Setup) -> float:
+    """The loss's backward at the start of backward, beside every saved activation: the gradient of the fp32
+    log-probabilities (nll_loss's) and that of the fp32 logits (log_softmax's), s·b·V·4 bytes each, split by
+    vocabulary under tensor parallelism. With a 128K vocabulary this is the step's peak: measured on an H200
+    (llama_1b, seq 2048, micro-batch 4 and 2) the CUDA allocator's peak was 7.9 and 4.0 GiB above the categories,
+    these two tensors' 7.8 and 3.9 (docs/BENCHMARKS.md 'gpu')."""
+    return 2.0 * setup.seq_len * setup.micro_batch_size * shape.vocab_size * 4 / setup.tensor_parallel_size
+
+
+def backward_start_extra(shape: ModelShape, setup: Setup) -> float:
+    """What the start of backward holds above the activation category (whose peak is the end of forward, or
+    under checkpointing the first recomputed layer): the loss's backward temporaries, with the head's tensors."""
+    extra = loss_backward_bytes(shape, setup)
+    if not setup.activation_checkpointing:
+        return extra
+    layer, head = _layer_and_head_bytes(shape, setup, with_head=True)
+    return max(0.0, head + extra - max(head, layer))
+
+
+def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int) -> float:
+    """Activations a rank holds at its peak: `in_flight` micro-batches through `num_layers` layers."""
+    norm_elem = 4 if setup.autocast_16bit else element_bytes(setup.precision)
+    s, b = setup.seq_len, setup.micro_batch_size
+    tp, sp = setup.tensor_parallel_size, setup.sequence_parallel and setup.tensor_parallel_size > 1
+    layer, head = _layer_and_head_bytes(shape, setup, with_head=with_head)
     if setup.activation_checkpointing:
         # Each micro-batch in flight keeps its layers' inputs (the residual stream: fp32 under autocast). The
         # peak is either the end of the last forward (its head's tensors alive) or the first recomputation in
