@@ -144,6 +144,7 @@ DOCS_RUN_BY = {
     "pip install -c constraints.txt torch==2.13.0 -e .[dev]": "tests/test_install.py",
     "python3 -m pip install --no-index --no-deps --target /tmp/site .whl/": "a lent GPU machine (docs/bench.md)",
     "python bench/gpu_check.py": "a GPU machine (docs/GPU.md)",
+    "python bench/gpu_calibrate.py": "a GPU machine (docs/GPU.md); its kept output: tests/test_gpu_calibrate.py",
     "pytest -q tests/test_cuda.py": "a GPU machine (docs/GPU.md)",
     "python launch/train.py --help": "tests/test_help.py::test_every_entry_point_has_help",
     "python launch/train.py --cfg job": "Hydra's own (prints the composed config)",

@@ -2,9 +2,10 @@
 
 A profile is a handful of numbers. Peaks come from datasheets (the same table MFU uses, telemetry/flops.py);
 the interconnect's bus bandwidths are typical nccl-tests figures for the named fabric; `efficiency`,
-`overlap` and `overhead_s` are what a real step loses against those peaks. On a GPU they are assumptions,
-never checked here (no GPU was lent to this project yet); `plan.calibrate=true` measures the machine it runs
-on (calibrate.py) and `plan.verify=K` refits them from real steps (verify.py). `cluster.gpu=cpu` is the
+`overlap` and `overhead_s` are what a real step loses against those peaks. In the datasheet profiles below they
+are assumptions; `bench/gpu_calibrate.py` measures a GPU's memory bandwidth and efficiency (one whole step; one
+H200 so far, docs/BENCHMARKS.md) and stores the profile where `resolve` finds it; `plan.calibrate=true` measures
+the machine it runs on (calibrate.py) and `plan.verify=K` refits them from real steps (verify.py). `cluster.gpu=cpu` is the
 profile this machine's tests verify: it has no datasheet, so it is always measured.
 """
 

@@ -1,0 +1,409 @@
+"""What one GPU can do for a training step, measured in a few minutes: a calibration for the time model.
+
+    python bench/gpu_calibrate.py                       # on a CUDA machine: measure, store the profile, write docs
+    python bench/gpu_calibrate.py --out calib.json      # also keep every measurement
+    python bench/gpu_calibrate.py --from calib.json     # anywhere: rewrite the docs section from a kept file
+
+It measures, in bf16 on the visible GPU (each figure the median of timed repetitions, CUDA events):
+- the device's memory bandwidth (a device-to-device copy, bytes read and written);
+- the matrix products of Llama 8B's and 70B's layers and LM head at 4,096 and 8,192 tokens: forward, the
+  input's gradient and the weight's gradient, and the tensor-parallel slices (degree 8) of each;
+- SDPA (flash, causal) forward and forward + backward at those shapes;
+- one transformers `LlamaDecoderLayer` forward + backward at 8B and 70B sizes, seq 4,096 and 8,192, batch 1,
+  with and without activation checkpointing;
+- fused AdamW over 256M fp32 parameters; the loss over a 128,256-token vocabulary;
+- a whole eager training step of model=llama_1b (2 micro-batches of 4 x 2048 tokens).
+
+From them it writes a hardware profile (dist_train/estimate/hardware.py) where `cluster.gpu=<kind>` finds it on
+this host (plan.profile_dir, default ~/.cache/dist_train/profiles): the datasheet's peaks, the measured memory
+bandwidth, and as `efficiency` the fraction of the peak at which the time model's compute term gives the whole
+step's measured time (its FLOPs counted as the time model counts them). Each figure's `source` says it was measured, where and when. The 'gpu-calibrate'
+section of docs/BENCHMARKS.md gets every figure. Without a CUDA device it measures nothing and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ROOT, md_table, write_section  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+
+# Llama 3 shapes: hidden, heads, kv heads, MLP, vocabulary (the published configs).
+MODELS = {
+    "llama-8b": dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256),
+    "llama-70b": dict(hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256),
+}
+SEQS = (4096, 8192)
+TP = 8
+HEAD_DIM = 128
+
+
+def timed(fn: Callable[[], Any], *, reps: int, warmup: int = 2) -> float:
+    """Median seconds of one call of fn, each timed by CUDA events on the current stream."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def memory_bandwidth() -> dict[str, float]:
+    import torch
+
+    n = 2**30  # 2 GiB of bf16 each way
+    src, dst = torch.empty(n, dtype=torch.bfloat16, device="cuda"), torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    s = timed(lambda: dst.copy_(src), reps=10)
+    return {"bytes": 4 * n, "s": s, "bytes_per_s": 4 * n / s}
+
+
+def matmuls() -> list[dict[str, Any]]:
+    """Each GEMM of a layer and the head as (M tokens, K in, N out); forward Y = X W, dgrad dX = dY W^T,
+    wgrad dW = X^T dY, in the layouts autograd hands to cuBLAS (nn.Linear's weight is (N, K))."""
+    import torch
+
+    rows = []
+    for model, s in MODELS.items():
+        h, q, kv, ffn, vocab = s["hidden"], s["heads"] * HEAD_DIM, s["kv_heads"] * HEAD_DIM, s["ffn"], s["vocab"]
+        gemms = {"q": (h, q), "kv": (h, kv), "o": (q, h), "gate_up": (h, ffn), "down": (ffn, h), "head": (h, vocab)}
+        for m in SEQS:
+            for name, (k, n) in gemms.items():
+                for tp in (1, TP):
+                    if tp > 1 and name == "head":
+                        continue
+                    # column-parallel layers split N, row-parallel ones (o, down) split K
+                    kk, nn = (k // tp, n) if name in ("o", "down") else (k, n // tp) if tp > 1 else (k, n)
+                    x = torch.randn(m, kk, dtype=torch.bfloat16, device="cuda")
+                    w = torch.randn(nn, kk, dtype=torch.bfloat16, device="cuda")
+                    dy = torch.randn(m, nn, dtype=torch.bfloat16, device="cuda")
+                    flops = 2.0 * m * kk * nn
+                    for kind, fn in (("fwd", lambda: x @ w.t()), ("dgrad", lambda: dy @ w),
+                                     ("wgrad", lambda: dy.t() @ x)):
+                        sec = timed(fn, reps=8)
+                        rows.append({"model": model, "gemm": name, "tp": tp, "kind": kind, "m": m, "k": kk, "n": nn,
+                                     "s": sec, "flops_per_s": flops / sec})
+    return rows
+
+
+def attention() -> list[dict[str, Any]]:
+    import torch
+    import torch.nn.functional as F
+
+    rows = []
+    for model, s in MODELS.items():
+        for t in SEQS:
+            q = torch.randn(1, s["heads"], t, HEAD_DIM, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            k = torch.randn(1, s["kv_heads"], t, HEAD_DIM, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            v = torch.randn_like(k, requires_grad=True)
+
+            def fwd():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+            def fwd_bwd():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+
+            causal_fwd_flops = 4.0 * t * t * HEAD_DIM * s["heads"] / 2  # QK^T and PV, half of them masked
+            f, fb = timed(fwd, reps=8), timed(fwd_bwd, reps=8)
+            rows.append({"model": model, "seq": t, "fwd_s": f, "fwd_bwd_s": fb,
+                         "fwd_flops_per_s": causal_fwd_flops / f, "fwd_bwd_flops_per_s": 3.5 * causal_fwd_flops / fb})
+    return rows
+
+
+def layer_flops(s: dict[str, int], seq: int, *, recompute: bool) -> float:
+    """Forward + backward FLOPs of one layer and sequence as dist_train's time model counts them
+    (estimate/step_time.py): 2 per weight and token forward, twice that backward, attention 4 q_dim T a token
+    (not halved for the mask), one more forward where checkpointing recomputes it."""
+    q, kv = s["heads"] * HEAD_DIM, s["kv_heads"] * HEAD_DIM
+    weights = s["hidden"] * (2 * q + 2 * kv) + 3 * s["hidden"] * s["ffn"]
+    per_pass = seq * (2.0 * weights + 4.0 * q * seq)
+    return per_pass * (4 if recompute else 3)
+
+
+def layers() -> list[dict[str, Any]]:
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    rows = []
+    for model, s in MODELS.items():
+        config = LlamaConfig(hidden_size=s["hidden"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                             intermediate_size=s["ffn"], vocab_size=s["vocab"], num_hidden_layers=1,
+                             max_position_embeddings=max(SEQS), attn_implementation="sdpa")
+        with torch.device("cuda"):
+            layer = LlamaDecoderLayer(config, layer_idx=0).to(torch.bfloat16)
+            rotary = LlamaRotaryEmbedding(config)
+        for seq in SEQS:
+            x = torch.randn(1, seq, s["hidden"], dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            pos = torch.arange(seq, device="cuda")[None]
+            cos_sin = rotary(x, pos)
+            for recompute in (False, True):
+                def step():
+                    if recompute:
+                        y = checkpoint(layer, x, position_embeddings=cos_sin, position_ids=pos, use_reentrant=False)
+                    else:
+                        y = layer(x, position_embeddings=cos_sin, position_ids=pos)
+                    y = y[0] if isinstance(y, tuple) else y
+                    y.backward(torch.ones_like(y))
+
+                torch.cuda.reset_peak_memory_stats()
+                sec = timed(step, reps=5)
+                flops = layer_flops(s, seq, recompute=recompute)
+                rows.append({"model": model, "seq": seq, "checkpointing": recompute, "s": sec,
+                             "model_flops_per_s": flops / sec, "peak_allocated_bytes": torch.cuda.max_memory_allocated()})
+                layer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def optimizer_step() -> dict[str, float]:
+    import torch
+
+    n = 256 * 2**20
+    p = torch.nn.Parameter(torch.zeros(n, device="cuda"))
+    p.grad = torch.randn(n, device="cuda")
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    sec = timed(opt.step, reps=10)
+    # fp32 parameter, gradient and two moments: read 4 tensors, write 3 (28 bytes a parameter); the time model
+    # charges 2 x the 16 bytes of state at the memory bandwidth
+    return {"params": n, "s": sec, "bytes_per_s_28B": 28 * n / sec, "model_bytes_per_s_32B": 32 * n / sec}
+
+
+def loss_over_vocab() -> list[dict[str, float]]:
+    import torch
+    import torch.nn.functional as F
+
+    rows = []
+    vocab = MODELS["llama-8b"]["vocab"]
+    for tokens in SEQS:
+        logits = torch.randn(tokens, vocab, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        labels = torch.randint(vocab, (tokens,), device="cuda")
+        sec = timed(lambda: F.cross_entropy(logits.float(), labels).backward(), reps=8)
+        rows.append({"tokens": tokens, "vocab": vocab, "s": sec, "logit_bytes": 2 * tokens * vocab,
+                     "logit_bytes_per_s": 2 * tokens * vocab / sec})
+    return rows
+
+
+STEP_MODEL, STEP_SEQ, STEP_MICRO, STEP_ACCUM = "llama_1b", 2048, 4, 2
+
+
+def whole_step() -> dict[str, Any]:
+    """A whole training step of model=llama_1b on this GPU, in a plain loop: fp32 weights under bf16 autocast,
+    2 micro-batches of 4 x 2048 tokens, fused AdamW, eager (what dist_train's strategies run without
+    train.compile). The profile's `efficiency` is the one that makes the time model's compute term reproduce
+    this step: model FLOPs (counted as estimate/step_time.py counts them) / (peak x (step - its optimizer term))."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dist_train.estimate.shapes import _conf_model
+    from dist_train.estimate.step_time import _matmul_flops_per_token
+
+    shape = _conf_model(STEP_MODEL)
+    config = LlamaConfig(hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
+                         num_key_value_heads=shape.kv_heads, intermediate_size=shape.ffn, vocab_size=shape.vocab_size,
+                         num_hidden_layers=shape.num_layers, max_position_embeddings=STEP_SEQ,
+                         tie_word_embeddings=shape.tie_embeddings, attn_implementation="sdpa")
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(shape.vocab_size, (STEP_ACCUM, STEP_MICRO, STEP_SEQ), device="cuda")
+
+    def step():
+        for micro in ids:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=micro, labels=micro).loss
+            (loss / STEP_ACCUM).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    sec = timed(step, reps=5, warmup=3)
+    tokens = STEP_ACCUM * STEP_MICRO * STEP_SEQ
+    flops = tokens * _matmul_flops_per_token(shape, layers=shape.num_layers, head=True, seq_len=STEP_SEQ,
+                                             recompute=False)
+    state = 16 * sum(p.numel() for p in model.parameters())  # fp32 weights, gradients, two moments
+    return {"model": STEP_MODEL, "seq": STEP_SEQ, "micro_batch": STEP_MICRO, "accumulation": STEP_ACCUM,
+            "s": sec, "tokens_per_s": tokens / sec, "model_flops": flops, "state_bytes": state,
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated()}
+
+
+def measure(budget_s: float) -> dict[str, Any]:
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
+                           "memory_bytes": props.total_memory, "torch": torch.__version__,
+                           "date": time.strftime("%Y-%m-%d"), "skipped": []}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        out["transformers"] = None
+    start = time.monotonic()
+    for name, fn in (("memory_bandwidth", memory_bandwidth), ("layers", layers), ("matmuls", matmuls),
+                     ("attention", attention), ("optimizer", optimizer_step), ("loss", loss_over_vocab),
+                     ("step", whole_step)):
+        if time.monotonic() - start > budget_s:
+            out["skipped"].append(f"{name}: over the {budget_s:.0f} s budget")
+            continue
+        t0 = time.monotonic()
+        try:
+            out[name] = fn()
+        except Exception as exc:  # one failed measurement leaves the others
+            out["skipped"].append(f"{name}: {type(exc).__name__}: {exc}"[:300])
+        print(f"gpu_calibrate: {name} {time.monotonic() - t0:.1f} s", flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
+def profile_from(calib: dict[str, Any]):
+    """The hardware profile these measurements make: the datasheet one with the measured bandwidth and layer
+    efficiency, each figure's source naming this calibration."""
+    from dataclasses import replace
+
+    from dist_train.estimate.hardware import PROFILES, profile_for_device
+
+    kind = profile_for_device(calib["device"])
+    if kind not in PROFILES:
+        return None
+    base = PROFILES[kind]
+    where = f"measured by bench/gpu_calibrate.py on {calib['device']}, torch {calib['torch']}, {calib['date']}"
+    source = dict(base.source)
+    changes: dict[str, Any] = {}
+    if "memory_bandwidth" in calib:
+        changes["memory_bw"] = calib["memory_bandwidth"]["bytes_per_s"]
+        source["memory_bw"] = f"{where} (device-to-device copy)"
+    if calib.get("step"):
+        changes["efficiency"] = round(step_efficiency(calib, base, changes.get("memory_bw", base.memory_bw)), 4)
+        source["efficiency"] = (f"{where}: a whole eager training step of {STEP_MODEL} (bf16 autocast, "
+                                f"{STEP_ACCUM} x {STEP_MICRO} x {STEP_SEQ} tokens, fused AdamW), model FLOPs / "
+                                "(datasheet bf16 peak x (step - the optimizer term))")
+    return replace(base, **changes, source=source)
+
+
+def step_efficiency(calib: dict[str, Any], base, memory_bw: float) -> float:
+    """The efficiency at which the time model's compute term plus its optimizer term give the measured step.
+    (A single decoder layer reaches more, 56-66% of the peak: the step also has the loss over the vocabulary,
+    the embedding, the casts of autocast and the optimizer, which that efficiency has to carry for now.)"""
+    step = calib["step"]
+    optimizer_s = 2 * step["state_bytes"] / memory_bw
+    return step["model_flops"] / (base.flops["bf16"] * (step["s"] - optimizer_s))
+
+
+def render(calib: dict[str, Any]) -> str:
+    from dist_train.estimate.hardware import PROFILES, profile_for_device
+
+    kind = profile_for_device(calib["device"])
+    peak = PROFILES[kind].flops["bf16"] if kind in PROFILES else None
+    tf = 1e12
+
+    def pct(flops_per_s: float) -> str:
+        return f"{flops_per_s / peak:.0%}" if peak else ""
+
+    parts = [f"{calib['device']}, {calib['sms']} SMs, torch {calib['torch']}, transformers {calib['transformers']}, "
+             f"{calib['date']}. Percentages are of the datasheet's dense bf16 peak "
+             f"({peak / tf:.0f} TFLOP/s)." if peak else f"{calib['device']}: no datasheet peak known."]
+    if "memory_bandwidth" in calib:
+        bw = calib["memory_bandwidth"]
+        parts.append(f"Memory bandwidth (device-to-device copy of 2 GiB, read + written): {bw['bytes_per_s'] / 1e12:.2f} TB/s.")
+    if calib.get("layers"):
+        parts.append("One decoder layer, forward + backward, batch 1, bf16 (model FLOPs as the time model counts them):\n\n"
+                     + md_table(["model", "seq", "checkpointing", "ms", "TFLOP/s", "of peak", "peak allocated (GiB)"],
+                                [[r["model"], r["seq"], "yes" if r["checkpointing"] else "no", f"{r['s'] * 1e3:.2f}",
+                                  f"{r['model_flops_per_s'] / tf:.0f}", pct(r["model_flops_per_s"]),
+                                  f"{r['peak_allocated_bytes'] / 2**30:.2f}"] for r in calib["layers"]]))
+    if calib.get("attention"):
+        parts.append("SDPA (causal, GQA, head dim 128, batch 1); FLOPs counted for the unmasked half:\n\n"
+                     + md_table(["model", "seq", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s"],
+                                [[r["model"], r["seq"], f"{r['fwd_s'] * 1e3:.2f}", f"{r['fwd_flops_per_s'] / tf:.0f}",
+                                  f"{r['fwd_bwd_s'] * 1e3:.2f}", f"{r['fwd_bwd_flops_per_s'] / tf:.0f}"]
+                                 for r in calib["attention"]]))
+    if calib.get("matmuls"):
+        parts.append("Matrix products (M tokens x K in -> N out; TFLOP/s of forward / input gradient / weight gradient):\n\n"
+                     + md_table(["model", "gemm", "tp", "M", "K", "N", "fwd", "dgrad", "wgrad"], _matmul_rows(calib)))
+    if calib.get("step"):
+        st = calib["step"]
+        parts.append(f"A whole eager training step of {st['model']} ({st['accumulation']} x {st['micro_batch']} x {st['seq']} "
+                     f"tokens, bf16 autocast, fused AdamW, a plain loop): {st['s'] * 1e3:.1f} ms, "
+                     f"{st['tokens_per_s']:,.0f} tokens/s, model FLOPs at {pct(st['model_flops'] / st['s'])} of the peak, "
+                     f"peak allocated {st['peak_allocated_bytes'] / 2**30:.2f} GiB.")
+    if calib.get("optimizer"):
+        o = calib["optimizer"]
+        parts.append(f"Fused AdamW over {o['params'] / 2**20:.0f}M fp32 parameters: {o['s'] * 1e3:.2f} ms, "
+                     f"{o['bytes_per_s_28B'] / 1e12:.2f} TB/s of the 28 bytes a parameter it reads and writes "
+                     f"(the time model charges 32 bytes at the memory bandwidth: {o['model_bytes_per_s_32B'] / 1e12:.2f} TB/s).")
+    if calib.get("loss"):
+        parts.append("Cross-entropy forward + backward over the vocabulary (bf16 logits upcast to fp32): "
+                     + "; ".join(f"{r['tokens']} tokens x {r['vocab']}: {r['s'] * 1e3:.2f} ms "
+                                 f"({r['logit_bytes_per_s'] / 1e12:.2f} TB/s of bf16 logits)" for r in calib["loss"]) + ".")
+    prof = profile_from(calib)
+    if prof is not None:
+        layer_eff = (f"; one decoder layer alone reaches a median {statistics.median(r['model_flops_per_s'] for r in calib['layers']) / peak:.3f}"
+                     if calib.get("layers") and peak else "")
+        parts.append(f"Profile written for `cluster.gpu={prof.name}` on that host: memory_bw {prof.memory_bw / 1e12:.2f} TB/s, "
+                     f"efficiency {prof.efficiency:.3f}, from the whole step{layer_eff} (the datasheet profile assumes "
+                     f"0.5 and {PROFILES[prof.name].memory_bw / 1e12:.2f} TB/s).")
+    if calib.get("skipped"):
+        parts.append("Not measured: " + "; ".join(calib["skipped"]) + ".")
+    return "\n\n".join(parts)
+
+
+def _matmul_rows(calib: dict[str, Any]) -> list[list[Any]]:
+    by_shape: dict[tuple, dict[str, float]] = {}
+    for r in calib["matmuls"]:
+        by_shape.setdefault((r["model"], r["gemm"], r["tp"], r["m"], r["k"], r["n"]), {})[r["kind"]] = r["flops_per_s"]
+    return [[*key, *(f"{kinds.get(k, 0) / 1e12:.0f}" for k in ("fwd", "dgrad", "wgrad"))]
+            for key, kinds in by_shape.items()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="also keep every measurement in this JSON file")
+    parser.add_argument("--from", dest="from_file", type=Path, help="rewrite the docs section from a kept file")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="skip the measurements that would start later")
+    parser.add_argument("--profile-dir", type=Path, help="where cluster.gpu= finds it (default: plan.profile_dir's)")
+    parser.add_argument("--no-docs", action="store_true")
+    args = parser.parse_args()
+    if args.from_file:
+        calib = json.loads(args.from_file.read_text())
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu_calibrate: no CUDA device is visible; nothing was measured", file=sys.stderr)
+            return 0
+        calib = measure(args.budget_s)
+        if args.out:
+            args.out.write_text(json.dumps(calib, indent=1))
+        prof = profile_from(calib)
+        if prof is not None:
+            from dist_train.estimate.hardware import default_profile_dir, save_profile
+
+            print(f"gpu_calibrate: profile {save_profile(prof, args.profile_dir or default_profile_dir())}")
+    text = render(calib)
+    print(text)
+    if not args.no_docs:
+        write_section("gpu-calibrate", "One GPU's calibration for the time model", text,
+                      command="python bench/gpu_calibrate.py --out calib.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
