@@ -2,7 +2,7 @@
 
     python bench/gpu_calibrate.py                       # on a CUDA machine: measure, store the profile, write docs
     python bench/gpu_calibrate.py --out calib.json      # also keep every measurement
-    python bench/gpu_calibrate.py --from calib.json     # anywhere: rewrite the docs section from a kept file
+    python bench/gpu_calibrate.py --from calib.json     # anywhere: print a kept file's tables (docs untouched)
 
 It measures, in bf16 on the visible GPU (each figure the median of timed repetitions, CUDA events):
 - the device's memory bandwidth (a device-to-device copy, bytes read and written);
@@ -17,8 +17,9 @@ It measures, in bf16 on the visible GPU (each figure the median of timed repetit
 From them it writes a hardware profile (dist_train/estimate/hardware.py) where `cluster.gpu=<kind>` finds it on
 this host (plan.profile_dir, default ~/.cache/dist_train/profiles): the datasheet's peaks, the measured memory
 bandwidth, and as `efficiency` the fraction of the peak at which the time model's compute term gives the whole
-step's measured time (its FLOPs counted as the time model counts them). Each figure's `source` says it was measured, where and when. The 'gpu-calibrate'
-section of docs/BENCHMARKS.md gets every figure. Without a CUDA device it measures nothing and exits 0.
+step's measured time (its FLOPs counted as the time model counts them). Each figure's `source` says it was
+measured, where and when. The 'gpu-calibrate' section of docs/BENCHMARKS.md gets every figure. Without a CUDA
+device it measures nothing and exits 0.
 """
 
 from __future__ import annotations
@@ -93,11 +94,25 @@ def matmuls() -> list[dict[str, Any]]:
                     w = torch.randn(nn, kk, dtype=torch.bfloat16, device="cuda")
                     dy = torch.randn(m, nn, dtype=torch.bfloat16, device="cuda")
                     flops = 2.0 * m * kk * nn
-                    for kind, fn in (("fwd", lambda: x @ w.t()), ("dgrad", lambda: dy @ w),
-                                     ("wgrad", lambda: dy.t() @ x)):
+                    for kind, fn in (
+                        ("fwd", lambda: x @ w.t()),
+                        ("dgrad", lambda: dy @ w),
+                        ("wgrad", lambda: dy.t() @ x),
+                    ):
                         sec = timed(fn, reps=8)
-                        rows.append({"model": model, "gemm": name, "tp": tp, "kind": kind, "m": m, "k": kk, "n": nn,
-                                     "s": sec, "flops_per_s": flops / sec})
+                        rows.append(
+                            {
+                                "model": model,
+                                "gemm": name,
+                                "tp": tp,
+                                "kind": kind,
+                                "m": m,
+                                "k": kk,
+                                "n": nn,
+                                "s": sec,
+                                "flops_per_s": flops / sec,
+                            }
+                        )
     return rows
 
 
@@ -120,8 +135,16 @@ def attention() -> list[dict[str, Any]]:
 
             causal_fwd_flops = 4.0 * t * t * HEAD_DIM * s["heads"] / 2  # QK^T and PV, half of them masked
             f, fb = timed(fwd, reps=8), timed(fwd_bwd, reps=8)
-            rows.append({"model": model, "seq": t, "fwd_s": f, "fwd_bwd_s": fb,
-                         "fwd_flops_per_s": causal_fwd_flops / f, "fwd_bwd_flops_per_s": 3.5 * causal_fwd_flops / fb})
+            rows.append(
+                {
+                    "model": model,
+                    "seq": t,
+                    "fwd_s": f,
+                    "fwd_bwd_s": fb,
+                    "fwd_flops_per_s": causal_fwd_flops / f,
+                    "fwd_bwd_flops_per_s": 3.5 * causal_fwd_flops / fb,
+                }
+            )
     return rows
 
 
@@ -143,9 +166,16 @@ def layers() -> list[dict[str, Any]]:
 
     rows = []
     for model, s in MODELS.items():
-        config = LlamaConfig(hidden_size=s["hidden"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                             intermediate_size=s["ffn"], vocab_size=s["vocab"], num_hidden_layers=1,
-                             max_position_embeddings=max(SEQS), attn_implementation="sdpa")
+        config = LlamaConfig(
+            hidden_size=s["hidden"],
+            num_attention_heads=s["heads"],
+            num_key_value_heads=s["kv_heads"],
+            intermediate_size=s["ffn"],
+            vocab_size=s["vocab"],
+            num_hidden_layers=1,
+            max_position_embeddings=max(SEQS),
+            attn_implementation="sdpa",
+        )
         with torch.device("cuda"):
             layer = LlamaDecoderLayer(config, layer_idx=0).to(torch.bfloat16)
             rotary = LlamaRotaryEmbedding(config)
@@ -154,6 +184,7 @@ def layers() -> list[dict[str, Any]]:
             pos = torch.arange(seq, device="cuda")[None]
             cos_sin = rotary(x, pos)
             for recompute in (False, True):
+
                 def step():
                     if recompute:
                         y = checkpoint(layer, x, position_embeddings=cos_sin, position_ids=pos, use_reentrant=False)
@@ -165,8 +196,16 @@ def layers() -> list[dict[str, Any]]:
                 torch.cuda.reset_peak_memory_stats()
                 sec = timed(step, reps=5)
                 flops = layer_flops(s, seq, recompute=recompute)
-                rows.append({"model": model, "seq": seq, "checkpointing": recompute, "s": sec,
-                             "model_flops_per_s": flops / sec, "peak_allocated_bytes": torch.cuda.max_memory_allocated()})
+                rows.append(
+                    {
+                        "model": model,
+                        "seq": seq,
+                        "checkpointing": recompute,
+                        "s": sec,
+                        "model_flops_per_s": flops / sec,
+                        "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+                    }
+                )
                 layer.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
     return rows
@@ -195,8 +234,15 @@ def loss_over_vocab() -> list[dict[str, float]]:
         logits = torch.randn(tokens, vocab, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         labels = torch.randint(vocab, (tokens,), device="cuda")
         sec = timed(lambda: F.cross_entropy(logits.float(), labels).backward(), reps=8)
-        rows.append({"tokens": tokens, "vocab": vocab, "s": sec, "logit_bytes": 2 * tokens * vocab,
-                     "logit_bytes_per_s": 2 * tokens * vocab / sec})
+        rows.append(
+            {
+                "tokens": tokens,
+                "vocab": vocab,
+                "s": sec,
+                "logit_bytes": 2 * tokens * vocab,
+                "logit_bytes_per_s": 2 * tokens * vocab / sec,
+            }
+        )
     return rows
 
 
@@ -215,10 +261,17 @@ def whole_step() -> dict[str, Any]:
     from dist_train.estimate.step_time import _matmul_flops_per_token
 
     shape = _conf_model(STEP_MODEL)
-    config = LlamaConfig(hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
-                         num_key_value_heads=shape.kv_heads, intermediate_size=shape.ffn, vocab_size=shape.vocab_size,
-                         num_hidden_layers=shape.num_layers, max_position_embeddings=STEP_SEQ,
-                         tie_word_embeddings=shape.tie_embeddings, attn_implementation="sdpa")
+    config = LlamaConfig(
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.ffn,
+        vocab_size=shape.vocab_size,
+        num_hidden_layers=shape.num_layers,
+        max_position_embeddings=STEP_SEQ,
+        tie_word_embeddings=shape.tie_embeddings,
+        attn_implementation="sdpa",
+    )
     with torch.device("cuda"):
         model = LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -235,21 +288,35 @@ def whole_step() -> dict[str, Any]:
     torch.cuda.reset_peak_memory_stats()
     sec = timed(step, reps=5, warmup=3)
     tokens = STEP_ACCUM * STEP_MICRO * STEP_SEQ
-    flops = tokens * _matmul_flops_per_token(shape, layers=shape.num_layers, head=True, seq_len=STEP_SEQ,
-                                             recompute=False)
+    flops = tokens * _matmul_flops_per_token(
+        shape, layers=shape.num_layers, head=True, seq_len=STEP_SEQ, recompute=False
+    )
     state = 16 * sum(p.numel() for p in model.parameters())  # fp32 weights, gradients, two moments
-    return {"model": STEP_MODEL, "seq": STEP_SEQ, "micro_batch": STEP_MICRO, "accumulation": STEP_ACCUM,
-            "s": sec, "tokens_per_s": tokens / sec, "model_flops": flops, "state_bytes": state,
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated()}
+    return {
+        "model": STEP_MODEL,
+        "seq": STEP_SEQ,
+        "micro_batch": STEP_MICRO,
+        "accumulation": STEP_ACCUM,
+        "s": sec,
+        "tokens_per_s": tokens / sec,
+        "model_flops": flops,
+        "state_bytes": state,
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+    }
 
 
 def measure(budget_s: float) -> dict[str, Any]:
     import torch
 
     props = torch.cuda.get_device_properties(0)
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
-                           "memory_bytes": props.total_memory, "torch": torch.__version__,
-                           "date": time.strftime("%Y-%m-%d"), "skipped": []}
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "sms": props.multi_processor_count,
+        "memory_bytes": props.total_memory,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "skipped": [],
+    }
     try:
         import transformers
 
@@ -257,9 +324,15 @@ def measure(budget_s: float) -> dict[str, Any]:
     except ImportError:
         out["transformers"] = None
     start = time.monotonic()
-    for name, fn in (("memory_bandwidth", memory_bandwidth), ("layers", layers), ("matmuls", matmuls),
-                     ("attention", attention), ("optimizer", optimizer_step), ("loss", loss_over_vocab),
-                     ("step", whole_step)):
+    for name, fn in (
+        ("memory_bandwidth", memory_bandwidth),
+        ("layers", layers),
+        ("matmuls", matmuls),
+        ("attention", attention),
+        ("optimizer", optimizer_step),
+        ("loss", loss_over_vocab),
+        ("step", whole_step),
+    ):
         if time.monotonic() - start > budget_s:
             out["skipped"].append(f"{name}: over the {budget_s:.0f} s budget")
             continue
@@ -292,9 +365,11 @@ def profile_from(calib: dict[str, Any]):
         source["memory_bw"] = f"{where} (device-to-device copy)"
     if calib.get("step"):
         changes["efficiency"] = round(step_efficiency(calib, base, changes.get("memory_bw", base.memory_bw)), 4)
-        source["efficiency"] = (f"{where}: a whole eager training step of {STEP_MODEL} (bf16 autocast, "
-                                f"{STEP_ACCUM} x {STEP_MICRO} x {STEP_SEQ} tokens, fused AdamW), model FLOPs / "
-                                "(datasheet bf16 peak x (step - the optimizer term))")
+        source["efficiency"] = (
+            f"{where}: a whole eager training step of {STEP_MODEL} (bf16 autocast, "
+            f"{STEP_ACCUM} x {STEP_MICRO} x {STEP_SEQ} tokens, fused AdamW), model FLOPs / "
+            "(datasheet bf16 peak x (step - the optimizer term))"
+        )
     return replace(base, **changes, source=source)
 
 
@@ -317,49 +392,96 @@ def render(calib: dict[str, Any]) -> str:
     def pct(flops_per_s: float) -> str:
         return f"{flops_per_s / peak:.0%}" if peak else ""
 
-    parts = [f"{calib['device']}, {calib['sms']} SMs, torch {calib['torch']}, transformers {calib['transformers']}, "
-             f"{calib['date']}. Percentages are of the datasheet's dense bf16 peak "
-             f"({peak / tf:.0f} TFLOP/s)." if peak else f"{calib['device']}: no datasheet peak known."]
+    parts = [
+        f"{calib['device']}, {calib['sms']} SMs, torch {calib['torch']}, transformers {calib['transformers']}, "
+        f"{calib['date']}. Percentages are of the datasheet's dense bf16 peak "
+        f"({peak / tf:.0f} TFLOP/s)."
+        if peak
+        else f"{calib['device']}: no datasheet peak known."
+    ]
     if "memory_bandwidth" in calib:
         bw = calib["memory_bandwidth"]
-        parts.append(f"Memory bandwidth (device-to-device copy of 2 GiB, read + written): {bw['bytes_per_s'] / 1e12:.2f} TB/s.")
+        parts.append(
+            f"Memory bandwidth (device-to-device copy of 2 GiB, read + written): {bw['bytes_per_s'] / 1e12:.2f} TB/s."
+        )
     if calib.get("layers"):
-        parts.append("One decoder layer, forward + backward, batch 1, bf16 (model FLOPs as the time model counts them):\n\n"
-                     + md_table(["model", "seq", "checkpointing", "ms", "TFLOP/s", "of peak", "peak allocated (GiB)"],
-                                [[r["model"], r["seq"], "yes" if r["checkpointing"] else "no", f"{r['s'] * 1e3:.2f}",
-                                  f"{r['model_flops_per_s'] / tf:.0f}", pct(r["model_flops_per_s"]),
-                                  f"{r['peak_allocated_bytes'] / 2**30:.2f}"] for r in calib["layers"]]))
+        parts.append(
+            "One decoder layer, forward + backward, batch 1, bf16 (model FLOPs as the time model counts them):\n\n"
+            + md_table(
+                ["model", "seq", "checkpointing", "ms", "TFLOP/s", "of peak", "peak allocated (GiB)"],
+                [
+                    [
+                        r["model"],
+                        r["seq"],
+                        "yes" if r["checkpointing"] else "no",
+                        f"{r['s'] * 1e3:.2f}",
+                        f"{r['model_flops_per_s'] / tf:.0f}",
+                        pct(r["model_flops_per_s"]),
+                        f"{r['peak_allocated_bytes'] / 2**30:.2f}",
+                    ]
+                    for r in calib["layers"]
+                ],
+            )
+        )
     if calib.get("attention"):
-        parts.append("SDPA (causal, GQA, head dim 128, batch 1); FLOPs counted for the unmasked half:\n\n"
-                     + md_table(["model", "seq", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s"],
-                                [[r["model"], r["seq"], f"{r['fwd_s'] * 1e3:.2f}", f"{r['fwd_flops_per_s'] / tf:.0f}",
-                                  f"{r['fwd_bwd_s'] * 1e3:.2f}", f"{r['fwd_bwd_flops_per_s'] / tf:.0f}"]
-                                 for r in calib["attention"]]))
+        parts.append(
+            "SDPA (causal, GQA, head dim 128, batch 1); FLOPs counted for the unmasked half:\n\n"
+            + md_table(
+                ["model", "seq", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s"],
+                [
+                    [
+                        r["model"],
+                        r["seq"],
+                        f"{r['fwd_s'] * 1e3:.2f}",
+                        f"{r['fwd_flops_per_s'] / tf:.0f}",
+                        f"{r['fwd_bwd_s'] * 1e3:.2f}",
+                        f"{r['fwd_bwd_flops_per_s'] / tf:.0f}",
+                    ]
+                    for r in calib["attention"]
+                ],
+            )
+        )
     if calib.get("matmuls"):
-        parts.append("Matrix products (M tokens x K in -> N out; TFLOP/s of forward / input gradient / weight gradient):\n\n"
-                     + md_table(["model", "gemm", "tp", "M", "K", "N", "fwd", "dgrad", "wgrad"], _matmul_rows(calib)))
+        parts.append(
+            "Matrix products (M tokens x K in -> N out; TFLOP/s of forward / input gradient / weight gradient):\n\n"
+            + md_table(["model", "gemm", "tp", "M", "K", "N", "fwd", "dgrad", "wgrad"], _matmul_rows(calib))
+        )
     if calib.get("step"):
         st = calib["step"]
-        parts.append(f"A whole eager training step of {st['model']} ({st['accumulation']} x {st['micro_batch']} x {st['seq']} "
-                     f"tokens, bf16 autocast, fused AdamW, a plain loop): {st['s'] * 1e3:.1f} ms, "
-                     f"{st['tokens_per_s']:,.0f} tokens/s, model FLOPs at {pct(st['model_flops'] / st['s'])} of the peak, "
-                     f"peak allocated {st['peak_allocated_bytes'] / 2**30:.2f} GiB.")
+        parts.append(
+            f"A whole eager training step of {st['model']} ({st['accumulation']} x {st['micro_batch']} x {st['seq']} "
+            f"tokens, bf16 autocast, fused AdamW, a plain loop): {st['s'] * 1e3:.1f} ms, "
+            f"{st['tokens_per_s']:,.0f} tokens/s, model FLOPs at {pct(st['model_flops'] / st['s'])} of the peak, "
+            f"peak allocated {st['peak_allocated_bytes'] / 2**30:.2f} GiB."
+        )
     if calib.get("optimizer"):
         o = calib["optimizer"]
-        parts.append(f"Fused AdamW over {o['params'] / 2**20:.0f}M fp32 parameters: {o['s'] * 1e3:.2f} ms, "
-                     f"{o['bytes_per_s_28B'] / 1e12:.2f} TB/s of the 28 bytes a parameter it reads and writes "
-                     f"(the time model charges 32 bytes at the memory bandwidth: {o['model_bytes_per_s_32B'] / 1e12:.2f} TB/s).")
+        parts.append(
+            f"Fused AdamW over {o['params'] / 2**20:.0f}M fp32 parameters: {o['s'] * 1e3:.2f} ms, "
+            f"{o['bytes_per_s_28B'] / 1e12:.2f} TB/s of the 28 bytes a parameter it reads and writes "
+            f"(the time model charges 32 bytes at the memory bandwidth: {o['model_bytes_per_s_32B'] / 1e12:.2f} TB/s)."
+        )
     if calib.get("loss"):
-        parts.append("Cross-entropy forward + backward over the vocabulary (bf16 logits upcast to fp32): "
-                     + "; ".join(f"{r['tokens']} tokens x {r['vocab']}: {r['s'] * 1e3:.2f} ms "
-                                 f"({r['logit_bytes_per_s'] / 1e12:.2f} TB/s of bf16 logits)" for r in calib["loss"]) + ".")
+        parts.append(
+            "Cross-entropy forward + backward over the vocabulary (bf16 logits upcast to fp32): "
+            + "; ".join(
+                f"{r['tokens']} tokens x {r['vocab']}: {r['s'] * 1e3:.2f} ms "
+                f"({r['logit_bytes_per_s'] / 1e12:.2f} TB/s of bf16 logits)"
+                for r in calib["loss"]
+            )
+            + "."
+        )
     prof = profile_from(calib)
     if prof is not None:
-        layer_eff = (f"; one decoder layer alone reaches a median {statistics.median(r['model_flops_per_s'] for r in calib['layers']) / peak:.3f}"
-                     if calib.get("layers") and peak else "")
-        parts.append(f"Profile written for `cluster.gpu={prof.name}` on that host: memory_bw {prof.memory_bw / 1e12:.2f} TB/s, "
-                     f"efficiency {prof.efficiency:.3f}, from the whole step{layer_eff} (the datasheet profile assumes "
-                     f"0.5 and {PROFILES[prof.name].memory_bw / 1e12:.2f} TB/s).")
+        layer_eff = ""
+        if calib.get("layers") and peak:
+            layer_median = statistics.median(r["model_flops_per_s"] for r in calib["layers"]) / peak
+            layer_eff = f"; one decoder layer alone reaches a median {layer_median:.3f}"
+        parts.append(
+            f"Profile written for `cluster.gpu={prof.name}` on that host: memory_bw {prof.memory_bw / 1e12:.2f} TB/s, "
+            f"efficiency {prof.efficiency:.3f}, from the whole step{layer_eff} (the datasheet profile assumes "
+            f"0.5 and {PROFILES[prof.name].memory_bw / 1e12:.2f} TB/s)."
+        )
     if calib.get("skipped"):
         parts.append("Not measured: " + "; ".join(calib["skipped"]) + ".")
     return "\n\n".join(parts)
@@ -369,14 +491,16 @@ def _matmul_rows(calib: dict[str, Any]) -> list[list[Any]]:
     by_shape: dict[tuple, dict[str, float]] = {}
     for r in calib["matmuls"]:
         by_shape.setdefault((r["model"], r["gemm"], r["tp"], r["m"], r["k"], r["n"]), {})[r["kind"]] = r["flops_per_s"]
-    return [[*key, *(f"{kinds.get(k, 0) / 1e12:.0f}" for k in ("fwd", "dgrad", "wgrad"))]
-            for key, kinds in by_shape.items()]
+    return [
+        [*key, *(f"{kinds.get(k, 0) / 1e12:.0f}" for k in ("fwd", "dgrad", "wgrad"))] for key, kinds in by_shape.items()
+    ]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also keep every measurement in this JSON file")
-    parser.add_argument("--from", dest="from_file", type=Path, help="rewrite the docs section from a kept file")
+    parser.add_argument("--from", dest="from_file", type=Path,
+                        help="print a kept file's tables; the docs section is written only where it was measured")
     parser.add_argument("--budget-s", type=float, default=300.0, help="skip the measurements that would start later")
     parser.add_argument("--profile-dir", type=Path, help="where cluster.gpu= finds it (default: plan.profile_dir's)")
     parser.add_argument("--no-docs", action="store_true")
@@ -399,9 +523,13 @@ def main() -> int:
             print(f"gpu_calibrate: profile {save_profile(prof, args.profile_dir or default_profile_dir())}")
     text = render(calib)
     print(text)
-    if not args.no_docs:
-        write_section("gpu-calibrate", "One GPU's calibration for the time model", text,
-                      command="python bench/gpu_calibrate.py --out calib.json")
+    if not args.no_docs and not args.from_file:  # the section names the machine it is written on
+        write_section(
+            "gpu-calibrate",
+            "One GPU's calibration for the time model",
+            text,
+            command="python bench/gpu_calibrate.py --out calib.json",
+        )
     return 0
 
 

@@ -24,8 +24,17 @@ KEPT = ROOT / "bench" / "data" / "gpu_calibrate-h200-2026-11-26.json"
 @pytest.mark.parametrize("recompute", [False, True])
 def test_a_layers_flops_are_counted_as_the_time_model_counts_them(model, recompute):
     s = gpu_calibrate.MODELS[model]
-    shape = ModelShape(name=model, arch="llama", num_layers=1, hidden_size=s["hidden"], num_heads=s["heads"],
-                       num_kv_heads=s["kv_heads"], ffn_hidden_size=s["ffn"], vocab_size=s["vocab"], max_seq_len=8192)
+    shape = ModelShape(
+        name=model,
+        arch="llama",
+        num_layers=1,
+        hidden_size=s["hidden"],
+        num_heads=s["heads"],
+        num_kv_heads=s["kv_heads"],
+        ffn_hidden_size=s["ffn"],
+        vocab_size=s["vocab"],
+        max_seq_len=8192,
+    )
     for seq in gpu_calibrate.SEQS:
         want = seq * _matmul_flops_per_token(shape, layers=1, head=False, seq_len=seq, recompute=recompute)
         assert gpu_calibrate.layer_flops(s, seq, recompute=recompute) == pytest.approx(want, rel=1e-12)
@@ -44,8 +53,15 @@ def test_the_kept_calibration_makes_the_profile_cluster_gpu_h200_uses(tmp_path):
     # The time model with that profile gives back the whole step it was calibrated on (llama_1b, one GPU,
     # 2 micro-batches of 4 x 2048, bf16 autocast): compute at the efficiency plus the optimizer's term.
     step = calib["step"]
-    setup = Setup(strategy="single", family="single", world_size=1, precision="bf16", seq_len=step["seq"],
-                  micro_batch_size=step["micro_batch"], global_batch_size=step["micro_batch"] * step["accumulation"])
+    setup = Setup(
+        strategy="single",
+        family="single",
+        world_size=1,
+        precision="bf16",
+        seq_len=step["seq"],
+        micro_batch_size=step["micro_batch"],
+        global_batch_size=step["micro_batch"] * step["accumulation"],
+    )
     predicted = predict_step(_conf_model(step["model"]), setup, stored)
     assert predicted.step_s == pytest.approx(step["s"], rel=0.01)
     assert predicted.framework_s == predicted.exposed_comm_s == 0
@@ -53,7 +69,15 @@ def test_the_kept_calibration_makes_the_profile_cluster_gpu_h200_uses(tmp_path):
 
 def test_the_kept_calibration_renders_every_measurement():
     text = gpu_calibrate.render(json.loads(KEPT.read_text()))
-    for heading in ("Memory bandwidth", "One decoder layer", "SDPA", "Matrix products", "A whole eager training step",
-                    "Fused AdamW", "Cross-entropy", "Profile written for `cluster.gpu=h200`"):
+    for heading in (
+        "Memory bandwidth",
+        "One decoder layer",
+        "SDPA",
+        "Matrix products",
+        "A whole eager training step",
+        "Fused AdamW",
+        "Cross-entropy",
+        "Profile written for `cluster.gpu=h200`",
+    ):
         assert heading in text, heading
     assert text.count("| llama-70b | 8192 |") == 3  # the layer with and without checkpointing, and SDPA

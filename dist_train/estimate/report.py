@@ -193,7 +193,8 @@ def fit_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
     return "\n".join([
         f"fits in {args.gpu_gib:g} GiB per GPU? worst rank's GiB: model state + activations of one micro-batch of "
         f"{base.micro_batch_size} x {setup.seq_len} tokens ({mb} x train.seq_len, every model), plus what the peak "
-        "of live tensors adds where it is predicted (gathered parameters, DeepSpeed's reduction bucket), "
+        "of live tensors adds where it is predicted (gathered parameters, DeepSpeed's reduction bucket, "
+        "the loss's backward), "
         f"{'with' if setup.activation_checkpointing else 'no'} activation checkpointing; "
         "pipeline: one stage per GPU, M = K micro-batches; * = model state only",
         text_table(["model", "strategy", *(f"N={n}" for n in f.gpus)], rows),
