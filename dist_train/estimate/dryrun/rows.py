@@ -14,21 +14,115 @@ if TYPE_CHECKING:
     from dist_train.estimate.shapes import ModelShape
 
 
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+
+
 def run_ranks(overrides: list[str], *, world_size: int, ranks: list[int], timeout_s: float) -> list[dict[str, Any]]:
-    """Each rank in its own process (a process joins one process group), one after the other."""
+    """Each rank in a process of its own (a process joins one process group), one after the other.
+
+    Forked from this process once it has imported the training stack, where it can be forked safely (Linux, no
+    thread but this one: torch starts an OpenMP thread at import unless OMP_NUM_THREADS=1): each rank then skips
+    the interpreter's start and the imports, about 1.5 s a rank here. Otherwise, or with DIST_TRAIN_DRYRUN_FORK=0,
+    a fresh interpreter per rank."""
+    fork = os.environ.get("DIST_TRAIN_DRYRUN_FORK", "1") != "0" and hasattr(os, "fork")
+    if fork:
+        _preload()
     out = []
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "LOCAL_WORLD_SIZE")}
     for rank in ranks:
-        proc = subprocess.run([sys.executable, "-m", "dist_train.estimate.dryrun", "--world-size", str(world_size),
-                               "--rank", str(rank)], input=json.dumps(overrides), capture_output=True, text=True,
-                              timeout=timeout_s, env=env)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"rank"')]
-        if proc.returncode != 0 or not lines:
-            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise RuntimeError(f"dry run of rank {rank} of {world_size} failed: {tail}")
-        out.append(json.loads(lines[-1]))
+        if fork and _single_threaded():
+            out.append(_forked_rank(overrides, world_size=world_size, rank=rank, timeout_s=timeout_s))
+        else:
+            out.append(_process_rank(overrides, world_size=world_size, rank=rank, timeout_s=timeout_s))
     return out
+
+
+def _process_rank(overrides: list[str], *, world_size: int, rank: int, timeout_s: float) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    proc = subprocess.run([sys.executable, "-m", "dist_train.estimate.dryrun", "--world-size", str(world_size),
+                           "--rank", str(rank)], input=json.dumps(overrides), capture_output=True, text=True,
+                          timeout=timeout_s, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"rank"')]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"dry run of rank {rank} of {world_size} failed: {_last_line(proc.stderr)}")
+    return json.loads(lines[-1])
+
+
+def _preload() -> None:
+    """What every rank imports, imported once here, before the forks. Not DeepSpeed, whose import starts a thread:
+    its ranks import it themselves."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+    import dist_train.estimate.dryrun.rank  # noqa: F401
+    import dist_train.session  # noqa: F401
+    import dist_train.strategies.registry  # noqa: F401
+
+
+def _single_threaded() -> bool:
+    """Whether this process has one thread (native ones counted): a fork copies only the calling thread, and a lock
+    held by another one (an OpenMP pool, a logger's) would stay held in the child."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+def _forked_rank(overrides: list[str], *, world_size: int, rank: int, timeout_s: float) -> dict[str, Any]:
+    import select
+    import signal
+    import tempfile
+    import time
+
+    err = tempfile.TemporaryFile()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the rank: its output apart from this process's (whose stdout may be the estimator's JSON)
+        code = 1
+        try:
+            os.close(read_end)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            os.dup2(err.fileno(), 2)
+            sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # whatever they were
+            for key in _LAUNCH_VARS:
+                os.environ.pop(key, None)
+            from dist_train.estimate.dryrun.rank import run_rank
+            from dist_train.quiet import quiet_deepspeed_on_cpu
+
+            quiet_deepspeed_on_cpu()
+            result = json.dumps(run_rank(overrides, world_size=world_size, rank=rank)).encode()
+            with os.fdopen(write_end, "wb") as pipe:
+                pipe.write(result)
+            code = 0
+        except BaseException:  # noqa: B036 - whatever it is, the parent reads its last line
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)  # no interpreter teardown under the fake group's threads
+    os.close(write_end)
+    chunks, deadline = [], time.monotonic() + timeout_s
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(f"dry run of rank {rank} of {world_size}", timeout_s)
+            chunk = os.read(read_end, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_end)
+        _, status = os.waitpid(pid, 0)
+    err.seek(0)
+    if os.waitstatus_to_exitcode(status) != 0 or not chunks:
+        raise RuntimeError(f"dry run of rank {rank} of {world_size} failed: "
+                           f"{_last_line(err.read().decode(errors='replace'))}")
+    return json.loads(b"".join(chunks))
+
+
+def _last_line(text: str) -> str:
+    return (text.strip().splitlines() or ["(no output)"])[-1]
 
 
 def dryrun_rows(overrides: list[str], shape: ModelShape, setup: Setup, *, ranks: list[int],
