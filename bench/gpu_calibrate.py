@@ -148,14 +148,23 @@ def attention() -> list[dict[str, Any]]:
     return rows
 
 
-def layer_flops(s: dict[str, int], seq: int, *, recompute: bool) -> float:
-    """Forward + backward FLOPs of one layer and sequence as dist_train's time model counts them
+def layer_shape(model: str) -> Any:
+    """One layer of MODELS[model] as the estimator's ModelShape."""
+    from dist_train.estimate.shapes import ModelShape
+
+    s = MODELS[model]
+    return ModelShape(name=model, arch="llama", num_layers=1, hidden_size=s["hidden"], num_heads=s["heads"],
+                      num_kv_heads=s["kv_heads"], ffn_hidden_size=s["ffn"], vocab_size=s["vocab"],
+                      max_seq_len=max(SEQS))
+
+
+def layer_flops(model: str, seq: int, *, recompute: bool) -> float:
+    """Forward + backward FLOPs of one layer and sequence, counted by dist_train's time model itself
     (estimate/step_time.py): 2 per weight and token forward, twice that backward, attention 4 q_dim T a token
     (not halved for the mask), one more forward where checkpointing recomputes it."""
-    q, kv = s["heads"] * HEAD_DIM, s["kv_heads"] * HEAD_DIM
-    weights = s["hidden"] * (2 * q + 2 * kv) + 3 * s["hidden"] * s["ffn"]
-    per_pass = seq * (2.0 * weights + 4.0 * q * seq)
-    return per_pass * (4 if recompute else 3)
+    from dist_train.estimate.step_time import _matmul_flops_per_token
+
+    return seq * _matmul_flops_per_token(layer_shape(model), layers=1, head=False, seq_len=seq, recompute=recompute)
 
 
 def layers() -> list[dict[str, Any]]:
@@ -195,7 +204,7 @@ def layers() -> list[dict[str, Any]]:
 
                 torch.cuda.reset_peak_memory_stats()
                 sec = timed(step, reps=5)
-                flops = layer_flops(s, seq, recompute=recompute)
+                flops = layer_flops(model, seq, recompute=recompute)
                 rows.append(
                     {
                         "model": model,
@@ -255,32 +264,23 @@ def whole_step() -> dict[str, Any]:
     train.compile). The profile's `efficiency` is the one that makes the time model's compute term reproduce
     this step: model FLOPs (counted as estimate/step_time.py counts them) / (peak x (step - its optimizer term))."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dist_train.estimate.shapes import _conf_model
+    from dist_train.estimate.compose import compose_run
+    from dist_train.estimate.shapes import ModelShape
     from dist_train.estimate.step_time import _matmul_flops_per_token
+    from dist_train.model import _constructor, forward_loss
 
-    shape = _conf_model(STEP_MODEL)
-    config = LlamaConfig(
-        hidden_size=shape.hidden_size,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.kv_heads,
-        intermediate_size=shape.ffn,
-        vocab_size=shape.vocab_size,
-        num_hidden_layers=shape.num_layers,
-        max_position_embeddings=STEP_SEQ,
-        tie_word_embeddings=shape.tie_embeddings,
-        attn_implementation="sdpa",
-    )
+    cfg = compose_run([f"model={STEP_MODEL}"]).model  # the model training builds, from conf/model
+    shape = ModelShape.from_config(cfg)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config)
+        model = _constructor(cfg)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(shape.vocab_size, (STEP_ACCUM, STEP_MICRO, STEP_SEQ), device="cuda")
 
     def step():
         for micro in ids:
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=micro, labels=micro).loss
+                loss = forward_loss(model, micro, micro)  # training's loss: the fp32 cross-entropy
             (loss / STEP_ACCUM).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
