@@ -72,8 +72,8 @@ def test_fsdp_accumulation_holds_unsharded_gradients_unless_reduced_every_microb
 
 # A model whose vocabulary outweighs its layers, as a 128K vocabulary does a 1B Llama's at seq 2048.
 WIDE_VOCAB = ["model=llama_1b", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=2",
-              "model.num_kv_heads=1", "model.ffn_hidden_size=128", "model.vocab_size=32768", "train.seq_len=256", "train.micro_batch_size=2",
-              "train.steps=2", "train.log_every=1", "logger=none", "precision=bf16"]
+              "model.num_kv_heads=1", "model.ffn_hidden_size=128", "model.vocab_size=32768", "train.seq_len=256",
+              "train.micro_batch_size=2", "train.steps=2", "train.log_every=1", "logger=none", "precision=bf16"]
 
 
 @pytest.mark.multiproc

@@ -5,8 +5,8 @@ the interconnect's bus bandwidths are typical nccl-tests figures for the named f
 `overlap` and `overhead_s` are what a real step loses against those peaks. In the datasheet profiles below they
 are assumptions; `bench/gpu_calibrate.py` measures a GPU's memory bandwidth and efficiency (one whole step; one
 H200 so far, docs/BENCHMARKS.md) and stores the profile where `resolve` finds it; `plan.calibrate=true` measures
-the machine it runs on (calibrate.py) and `plan.verify=K` refits them from real steps (verify.py). `cluster.gpu=cpu` is the
-profile this machine's tests verify: it has no datasheet, so it is always measured.
+the machine it runs on (calibrate.py) and `plan.verify=K` refits them from real steps (verify.py).
+`cluster.gpu=cpu` is the profile this machine's tests verify: it has no datasheet, so it is always measured.
 """
 
 from __future__ import annotations
