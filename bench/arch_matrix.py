@@ -54,7 +54,7 @@ def first_loss(strategy: str, model_dir: Path, run_dir: Path, seq: int) -> tuple
 
 
 def main() -> None:
-    from tests.test_own_model import ARCHS, SEQ, make_model_dir, reference_loss
+    from tests.unit.test_own_model import ARCHS, SEQ, make_model_dir, reference_loss
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--archs", default=",".join(ARCHS))

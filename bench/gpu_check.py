@@ -97,7 +97,7 @@ def main() -> int:
     ])
     tests = "not run (--skip-tests)"
     if not args.skip_tests:
-        proc = subprocess.run([PYTHON, "-m", "pytest", "-q", "tests/test_cuda.py"], cwd=ROOT, env=env(),
+        proc = subprocess.run([PYTHON, "-m", "pytest", "-q", "tests/launched/test_cuda.py"], cwd=ROOT, env=env(),
                               capture_output=True, text=True)
         tests = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
         print(proc.stdout[-3000:])

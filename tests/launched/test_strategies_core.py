@@ -68,7 +68,7 @@ def test_compiled_blocks_train_as_eager_under_fsdp(single_run, tmp_path):
 def test_compile_is_refused_where_it_is_not_wired():
     from dist_train.checks import validate
     from dist_train.config import ConfigError
-    from tests.test_config import run_config
+    from tests.unit.test_config import run_config
 
     _, run = run_config("strategy=zero2", "train.compile=true")
     with pytest.raises(ConfigError, match=re.escape("train.compile=true runs with strategy=single | ddp | fsdp")):

@@ -29,9 +29,9 @@ README = ROOT / "README.md"
 RUN_BY = {
     "make test": ".ci/run",  # CI runs exactly this on a fresh clone
     "python launch/plan.py model=70b precision=bf16 train.seq_len=4096 train.global_batch_size=512 cluster.gpu=h100 "
-    "cluster.nodes=16": "tests/test_plan.py::test_json_answer_for_70b_on_16_nodes",
+    "cluster.nodes=16": "tests/unit/test_plan.py::test_json_answer_for_70b_on_16_nodes",
     "python launch/prepare_tokens.py corpus.txt data/corpus.bin --model ":
-        "tests/test_own_model.py::test_prepare_tokens_uses_the_model_directorys_tokenizer",
+        "tests/unit/test_own_model.py::test_prepare_tokens_uses_the_model_directorys_tokenizer",
 }
 # Paths the README's examples name, which the checks make here (a model directory, a token file).
 MODEL_DIR, TOKENS = "~/models/my-llama", "data/corpus.bin"
@@ -141,24 +141,24 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 DOCS_RUN_BY = {
     **RUN_BY,
     ". .venv/bin/activate": "the shell's own",
-    "pip install -c constraints.txt torch==2.13.0 -e .[dev]": "tests/test_install.py",
+    "pip install -c constraints.txt torch==2.13.0 -e .[dev]": "tests/unit/test_install.py",
     "python3 -m pip install --no-index --no-deps --target /tmp/site .whl/": "a lent GPU machine (docs/bench.md)",
     "python bench/gpu_check.py": "a GPU machine (docs/GPU.md)",
-    "python bench/gpu_calibrate.py": "a GPU machine (docs/GPU.md); its kept output: tests/test_gpu_calibrate.py",
-    "pytest -q tests/test_cuda.py": "a GPU machine (docs/GPU.md)",
-    "python launch/train.py --help": "tests/test_help.py::test_every_entry_point_has_help",
+    "python bench/gpu_calibrate.py": "a GPU machine (docs/GPU.md); its kept output: tests/unit/test_gpu_calibrate.py",
+    "pytest -q tests/launched/test_cuda.py": "a GPU machine (docs/GPU.md)",
+    "python launch/train.py --help": "tests/launched/test_help.py::test_every_entry_point_has_help",
     "python launch/train.py --cfg job": "Hydra's own (prints the composed config)",
     "python launch/train.py strategy=single checkpoint.resume=outputs/fsdp-long/":
-        "tests/test_checkpoint.py::test_fsdp_checkpoint_reshards_into_other_strategies_and_world_sizes",
-    "python launch/export.py outputs/fsdp-long/": "tests/test_checkpoint.py::test_export_loads_in_transformers_and_reproduces_the_next_loss",
-    "python launch/export.py outputs/lora-run/": "tests/test_export_lora.py::test_lora_export_merges_reproduces_the_next_loss_and_trains_on",
+        "tests/launched/test_checkpoint.py::test_fsdp_checkpoint_reshards_into_other_strategies_and_world_sizes",
+    "python launch/export.py outputs/fsdp-long/": "tests/launched/test_checkpoint.py::test_export_loads_in_transformers_and_reproduces_the_next_loss",
+    "python launch/export.py outputs/lora-run/": "tests/launched/test_export_lora.py::test_lora_export_merges_reproduces_the_next_loss_and_trains_on",
     "python launch/plan.py model=tiny train.global_batch_size=8 cluster.gpu=cpu plan.verify=4":
-        "tests/test_plan.py::test_verify_on_this_machine",
-    "python launch/train.py -m hydra/launcher=submitit_slurm": "tests/test_slurm.py::test_a_sweep_of_jobs_is_collected_into_one_report",
-    "python launch/compare.py compare.from=[sweeps/demo/": "tests/test_slurm.py::test_a_sweep_of_jobs_is_collected_into_one_report",
-    "sbatch --nodes=2 --gpus-per-node=8 launch/slurm.sbatch compare ": "tests/test_slurm.py::test_compare_runs_every_strategy_as_a_job_step",
-    "python launch/dashboard.py outputs/compare-": "tests/test_compare.py::test_the_dashboard_names_only_keys_the_runs_logged",
-    "accelerate launch ": "tests/test_accelerate.py::test_accelerate_launch_runs_the_same_training",  # your my_fsdp.yaml
+        "tests/unit/test_plan.py::test_verify_on_this_machine",
+    "python launch/train.py -m hydra/launcher=submitit_slurm": "tests/launched/test_slurm.py::test_a_sweep_of_jobs_is_collected_into_one_report",
+    "python launch/compare.py compare.from=[sweeps/demo/": "tests/launched/test_slurm.py::test_a_sweep_of_jobs_is_collected_into_one_report",
+    "sbatch --nodes=2 --gpus-per-node=8 launch/slurm.sbatch compare ": "tests/launched/test_slurm.py::test_compare_runs_every_strategy_as_a_job_step",
+    "python launch/dashboard.py outputs/compare-": "tests/launched/test_compare.py::test_the_dashboard_names_only_keys_the_runs_logged",
+    "accelerate launch ": "tests/launched/test_accelerate.py::test_accelerate_launch_runs_the_same_training",  # your my_fsdp.yaml
 }
 
 
@@ -257,8 +257,8 @@ def check_comparison(argv: list[str]) -> None:
 def check_estimate(argv: list[str]) -> None:
     """The estimator runs nothing but arithmetic: run it, as `python -m dist_train.estimate` would. A dry run
     (`dryrun.ranks=`) has its options parsed, and the estimate beside it run; the dry run itself, a process per rank
-    (a minute for a 70B model), is run through the same command line by tests/test_estimate.py (its --help examples)
-    and tests/test_dryrun.py."""
+    (a minute for a 70B model), is run through the same command line by tests/unit/test_estimate.py (its --help examples)
+    and tests/launched/test_dryrun.py."""
     from dist_train.estimate.args import parse_args, split_args
     from dist_train.estimate.cli import main
 

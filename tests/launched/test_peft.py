@@ -9,7 +9,7 @@ import pytest
 from dist_train.checks import validate
 from dist_train.config import ConfigError
 from tests.helpers import FAST, assert_same_losses, last_step, train_ok
-from tests.test_config import run_config
+from tests.unit.test_config import run_config
 
 LORA = ["peft=lora", "logger=none", *FAST]
 # model=tiny (GPT-2, hidden 64, MLP 256, 4 blocks), rank 8 on c_attn (64 -> 192), attention's c_proj (64 -> 64),

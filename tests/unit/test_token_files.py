@@ -22,7 +22,7 @@ from dist_train.checks import validate
 from dist_train.config import ConfigError
 from dist_train.token_files import looks_like_text, max_token_id, scan_max_id
 from tests.helpers import ROOT, TRAIN, env
-from tests.test_config import run_config
+from tests.unit.test_config import run_config
 
 NOTES = "Meeting notes, Tuesday: we agreed to train the small model first. Café at 10 €.\n" * 60
 

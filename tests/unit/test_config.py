@@ -197,7 +197,7 @@ def test_a_pipelines_batch_line_gives_the_micro_batch_its_schedule_feeds():
 @pytest.mark.parametrize("gpus", range(1, 9))
 def test_the_cuda_tests_are_valid_at_every_gpu_count(gpus, monkeypatch):
     """tests/test_cuda.py runs only on a GPU machine; its overrides are checked here, for 1 to 8 GPUs."""
-    from tests.test_cuda import RUNS
+    from tests.launched.test_cuda import RUNS
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the offload configs need a GPU
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)

@@ -265,8 +265,8 @@ def test_prepare_tokens_uses_the_model_directorys_tokenizer(tmp_path):
 
     from dist_train.checks import validate
     from tests.helpers import ROOT, env
-    from tests.test_config import run_config
-    from tests.test_data import TEXT, _local_tokenizer
+    from tests.unit.test_config import run_config
+    from tests.unit.test_data import TEXT, _local_tokenizer
 
     d = tmp_path / "model"
     AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=320, **ARCHS["llama"])).save_pretrained(d)

@@ -11,7 +11,7 @@ import torch
 from dist_train.config import ConfigError, DataConfig, EvalConfig
 from dist_train.data import build_datasets
 from tests.conftest import RESUMABLE
-from tests.test_config import run_config
+from tests.unit.test_config import run_config
 
 
 @pytest.mark.multiproc
