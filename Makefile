@@ -45,12 +45,12 @@ test: install
 	$(VENV)/bin/ruff check dist_train launch tests bench
 	PY=$(PY) tests/suite.sh
 
-# The unit tests only (no multi-process runs): for iterating.
+# The unit tests only (tests/unit: no training process started): for iterating.
 test-fast: install
 	$(VENV)/bin/ruff check dist_train launch tests bench
-	$(PY) -m pytest -q -m "not multiproc"
+	$(PY) -m pytest -q tests/unit
 
-# The documentation site (mkdocs.yml, docs/): built as tests/test_docs.py builds it, or served while editing.
+# The documentation site (mkdocs.yml, docs/): built as tests/unit/test_docs.py builds it, or served while editing.
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 

@@ -6,7 +6,7 @@
 
 For each architecture the tests use (Llama with its weights in 9 safetensors shards, Mistral, Qwen2, Qwen3, Gemma,
 GPT-2 with tied embeddings; and, asked by name, Phi-3 with its fused projections and StableLM, which has neither a
-pipeline nor a tensor-parallel plan in transformers; tests/test_own_model.py makes the directories with
+pipeline nor a tensor-parallel plan in transformers; tests/own_model_support.py makes the directories with
 `save_pretrained`), trains one step
 of `model=hf model.path=DIR` under each strategy and compares its first loss with
 `AutoModelForCausalLM.from_pretrained` on the same batch (fp32, relative 1e-5: the target of issue 22), the global batch pinned at 4 sequences for every world size. The suite
@@ -54,7 +54,7 @@ def first_loss(strategy: str, model_dir: Path, run_dir: Path, seq: int) -> tuple
 
 
 def main() -> None:
-    from tests.unit.test_own_model import ARCHS, SEQ, make_model_dir, reference_loss
+    from tests.own_model_support import ARCHS, SEQ, make_model_dir, reference_loss
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--archs", default=",".join(ARCHS))

@@ -7,7 +7,7 @@
    blocks compiled (`train.compile`; `--no-compile` for eager) and AdamW fused:
    tokens/s, MFU against the GPU's bf16 peak (dist_train's datasheet table), CUDA allocator peaks, and memory
    by category, predicted (python -m dist_train.estimate) beside measured.
-2. The test-suite subset that needs CUDA (`pytest tests/test_cuda.py`): NCCL collectives timed with CUDA
+2. The test-suite subset that needs CUDA (`pytest tests/launched/test_cuda.py`): NCCL collectives timed with CUDA
    events, allocator peaks reported, `dp` across GPUs where there are several, the ZeRO offload configs.
 
 Without a CUDA device it runs nothing, says what it could not run, and exits 0 without touching the docs.
@@ -31,7 +31,8 @@ from dist_train.estimate.memory import EAGER_ONLY, predicted_categories  # noqa:
 
 NOT_RUN = [
     "single-GPU bf16 training of model=llama_1b: tokens/s, MFU, CUDA allocator peaks, predicted vs measured memory",
-    "tests/test_cuda.py: NCCL collectives timed by CUDA events, allocator peaks, dp across GPUs, offload configs",
+    "tests/launched/test_cuda.py: NCCL collectives timed by CUDA events, allocator peaks, dp across GPUs, "
+    "offload configs",
 ]
 
 

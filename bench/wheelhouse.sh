@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels for an offline CUDA machine whose Python already has torch, transformers, accelerate, peft, rich,
 # psutil, matplotlib, pytest and numpy (a cluster's image, a lent GPU box with no internet): what dist_train,
-# bench/gpu_check.py and tests/test_cuda.py need beside them. W&B is left out (gpu_check logs with
+# bench/gpu_check.py and tests/launched/test_cuda.py need beside them. W&B is left out (gpu_check logs with
 # logger=none); add it with its dependencies if the machine should log.
 #
 #   bash bench/wheelhouse.sh [DIR] [PYTHON_VERSION]        # default: .whl 3.12

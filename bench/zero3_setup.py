@@ -138,7 +138,7 @@ def main() -> None:
     note = (f"A Llama-shaped directory of {params / 1e6:.0f}M parameters, {weights / MIB:,.0f} MiB of fp32 weights, "
             f"{args.nproc} ranks, so a partition is {1 / args.nproc:.2f} of the weights. 'released': DeepSpeed's engine "
             "as DeepSpeed builds it; 'fixed': as strategy=zero3 builds it, with the two fixes of "
-            "dist_train/strategies/_zero3_setup.py (the same losses and parameters, bit for bit: tests/test_zero.py). "
+            "dist_train/strategies/_zero3_setup.py (the same losses and parameters, bit for bit: tests/launched/test_zero.py). "
             "Peaks are above the baseline (what the rank held before it built the model); fractions are of the "
             "weights. A nested step resets the mark its container began with, so a container's peak covers only what "
             f"follows its last child. The set-up peak went from {peaks[True] / weights:.2f} to "

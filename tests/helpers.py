@@ -1,8 +1,10 @@
-"""Launch real training runs the way users do (python or torchrun) and read what they leave behind."""
+"""Launch real training runs the way users do (python or torchrun) and read what they leave behind; compose a run's
+config in this process (`run_config`), for the tests that check one without launching it."""
 
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import select
@@ -19,6 +21,28 @@ TRAIN = ROOT / "launch" / "train.py"
 
 # Small and fast: the tiny model, 5 steps, every step logged, 4 micro-batches of 2 on one process.
 FAST = ["model=tiny", "train.steps=5", "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=2"]
+
+
+@functools.cache
+def _hydra_ready() -> None:
+    from dist_train.rundir import register_resolvers
+    from dist_train.strategies.registry import register_configs
+
+    register_configs()
+    register_resolvers()
+
+
+def run_config(*overrides: str) -> tuple[Any, Any]:
+    """conf/config.yaml composed with `overrides` as launch/train.py composes it, in this process: the Hydra config
+    and the RunConfig it becomes (nothing is checked or launched)."""
+    from hydra import compose, initialize_config_dir
+
+    from dist_train.train import to_run_config
+
+    _hydra_ready()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return cfg, to_run_config(cfg)
 
 
 def env(*, cuda: bool = False, **extra: str) -> dict[str, str]:

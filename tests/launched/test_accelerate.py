@@ -5,12 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 from tests.conftest import CHECKPOINTED
 from tests.helpers import FAST, ROOT, TRAIN, assert_same_losses, env, last_step, summary, train_ok
-
-pytestmark = pytest.mark.multiproc
 
 
 def test_accelerate_ddp_under_torchrun_matches_single_with_ddps_figures(single_run, tmp_path):

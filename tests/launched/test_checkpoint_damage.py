@@ -3,7 +3,8 @@
 checkpoint, bit-exact; a damaged checkpoint named explicitly is one line and exit 2; nothing is deleted.
 
 The damaged checkpoints are copies of the `straight_run` fixture's (steps 4 and 8, every strategy's 8-step run,
-shared with tests/test_checkpoint.py); its resume from step 4 of ddp, fsdp and zero2 is this file's launched run.
+shared with tests/launched/test_checkpoint.py); its resume from step 4 of ddp, fsdp and zero2 is this file's
+launched run.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from dist_train.checkpoint.verify import problem
 from tests.conftest import CHECKPOINTED
 from tests.helpers import ROOT, TRAIN, env, summary
 
-pytestmark = pytest.mark.multiproc
 
 STEP4, STEP8 = step_dir_name(4), step_dir_name(8)
 

@@ -16,7 +16,6 @@ from dist_train.compare.runner import failure_reason
 from dist_train.compare.settings import StrategySpec, split_argv
 from tests.helpers import ROOT, env
 
-pytestmark = pytest.mark.multiproc
 
 COMPARE = ROOT / "launch" / "compare.py"
 STRATEGIES = "[single,ddp,fsdp]"

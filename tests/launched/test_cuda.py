@@ -8,10 +8,7 @@ import torch
 from tests.conftest import GPUS_SEEN
 from tests.helpers import FAST, last_step, train_ok
 
-pytestmark = [
-    pytest.mark.multiproc,
-    pytest.mark.skipif(not GPUS_SEEN, reason="needs a CUDA GPU (bench/gpu_check.py runs these)"),
-]
+pytestmark = pytest.mark.skipif(not GPUS_SEEN, reason="needs a CUDA GPU (bench/gpu_check.py runs these)")
 
 GPUS = GPUS_SEEN  # counted before the suite hid the GPUs from its other launches
 # No batch keys: the global batch follows the GPU count (micro-batch x processes), so these run on 1 to 8 GPUs.
@@ -30,7 +27,7 @@ def offload_overrides(strategy: str) -> list[str]:
     return [f"strategy={strategy}", "logger=none", *FAST]  # one process, single_run's batch: the same samples
 
 
-# What tests/test_config.py validates at 1 to 8 GPUs on a CPU (the overrides, and the process count they run with).
+# What tests/unit/test_config.py validates at 1 to 8 GPUs on a CPU (the overrides, and the process count they run with).
 RUNS = {"ddp": (ddp_overrides, "gpus"), "dp": (dp_overrides, 1),
         "zero2_offload": (lambda gpus: offload_overrides("zero2_offload"), 1),
         "zero3_offload": (lambda gpus: offload_overrides("zero3_offload"), 1)}

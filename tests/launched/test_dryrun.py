@@ -11,7 +11,6 @@ import pytest
 
 from tests.helpers import FAST, ROOT, env, forked_python
 
-pytestmark = pytest.mark.multiproc
 
 # The figures a rank reports in summary.json's ranks[] that the dry run must reproduce exactly.
 EXACT = ("memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes")
@@ -35,7 +34,8 @@ def test_dry_run_equals_a_real_run(strategy, nproc, fast_run):
              "zero3": ["+strategy.extra.zero_optimization.reduce_bucket_size=100000"],
              "hsdp": ["strategy.replicate=2"]}.get(strategy, [])
     overrides = [f"strategy={strategy}", *FAST, *extra]
-    _, real = fast_run(f"strategy={strategy}", *extra, nproc=nproc)  # the same run tests/test_zero.py and others read
+    # the same run tests/launched/test_zero.py and others read
+    _, real = fast_run(f"strategy={strategy}", *extra, nproc=nproc)
     # The first and the last rank, as the comparison's dry-run rows take them: on 4 ranks a pipeline's first and last
     # stage, and the corners of a 2 x 2 mesh (ranks 1 and 2 repeat their roles); a process of its own each.
     _assert_dry_run_equals(strategy, overrides, real, nproc=nproc)
@@ -82,9 +82,9 @@ def _assert_dry_run_equals(strategy: str, overrides: list[str], real: dict, *, n
 @pytest.mark.parametrize(("strategy", "extra"), [("fsdp", ["peft=lora"]), ("ddp", ["train.neftune_alpha=5"])])
 def test_dry_run_builds_a_rank_as_training_does_lora_and_neftune_included(strategy, extra, fast_run):
     """The dry run assembles a rank through training's own builder (session.transform_model, attach_neftune): LoRA's
-    adapters on the frozen base, NEFTune's hook. Its figures equal the real run's (tests/test_peft.py's and
-    tests/test_neftune.py's); the estimator does not model LoRA, so beside it nothing is predicted, and a note says
-    so. Rank 0 of 2."""
+    adapters on the frozen base, NEFTune's hook. Its figures equal the real run's (tests/launched/test_peft.py's and
+    tests/launched/test_neftune.py's); the estimator does not model LoRA, so beside it nothing is predicted, and a
+    note says so. Rank 0 of 2."""
     _, real = fast_run(f"strategy={strategy}", *extra, nproc=2)
     lora = "peft=lora" in extra
     _assert_dry_run_equals(strategy, [f"strategy={strategy}", *FAST, *extra], real, nproc=2, predicted=not lora,

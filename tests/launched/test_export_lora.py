@@ -3,7 +3,8 @@ next step's logged loss; the merged directory trains on in dist_train (model=hf 
 merged over its 4-bit base dequantized to fp32.
 
 One training run per kind (model=tiny, one process, 5 steps, a checkpoint after step 4): the exported weights are
-those after step 4, so on step 5's batch they must give step 5's logged loss."""
+those after step 4, so on step 5's batch they must give step 5's logged loss. A --merge refused without adapters:
+tests/unit/test_export_lora.py."""
 
 from __future__ import annotations
 
@@ -66,7 +67,6 @@ def peft_loss(base: torch.nn.Module, adapter_dir: Path) -> float:
     return loss_on(PeftModel.from_pretrained(base, str(adapter_dir)), 4)
 
 
-@pytest.mark.multiproc
 @pytest.mark.beside
 def test_lora_export_merges_reproduces_the_next_loss_and_trains_on(lora_run, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -99,7 +99,6 @@ def test_lora_export_merges_reproduces_the_next_loss_and_trains_on(lora_run, tmp
     assert rel_diff(on["losses"][0], loss_on(merged, 0)) < 1e-5, (on["losses"][0], loss_on(merged, 0))
 
 
-@pytest.mark.multiproc
 @pytest.mark.beside
 def test_qlora_export_writes_the_adapter_and_merges_over_the_dequantized_base(tmp_path_factory, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -133,19 +132,3 @@ def test_qlora_export_writes_the_adapter_and_merges_over_the_dequantized_base(tm
     # model (that same dequantized weight + the adapters' product) needs no looser tolerance than LoRA's.
     loss = loss_on(merged, 4)
     assert rel_diff(loss, losses[4]) < 1e-5, (loss, losses[4])
-
-
-def test_merge_of_a_run_without_adapters_is_refused_in_one_line(tmp_path):
-    """Refused from the checkpoint's stored config (peft=none), before any weight is read or anything written."""
-    from dist_train.checkpoint.layout import MARKER, TRAINER_STATE
-    from dist_train.export import export_pretrained
-
-    checkpoint = tmp_path / STEP4
-    checkpoint.mkdir()
-    (checkpoint / MARKER).write_text(json.dumps({"step": 4, "format": "dcp", "world_size": 1}))
-    (checkpoint / TRAINER_STATE).write_text(json.dumps({"step": 4, "config": {"peft": {"name": "none"}}}))
-    out = tmp_path / "out"
-    with pytest.raises(ValueError) as err:
-        export_pretrained(checkpoint, out, merge=True)
-    assert "--merge folds LoRA adapters" in str(err.value) and "peft=none" in str(err.value)
-    assert "\n" not in str(err.value) and not out.exists()

@@ -21,8 +21,6 @@ from dist_train.checkpoint.layout import complete_checkpoints, partial_checkpoin
 from tests.helpers import FAST, ROOT, TRAIN, env, metrics
 from tests.wandb_log import read_run
 
-pytestmark = pytest.mark.multiproc
-
 
 def _torchrun(overrides: list[str], *, run_dir: Path, fault: str, restarts: int = 0) -> tuple[int, str, float, set[int]]:
     """(exit code, stderr, seconds, pids of every process the launch started)."""
@@ -79,7 +77,7 @@ def test_a_raising_rank_ends_the_job_with_its_exception(tmp_path):
 @pytest.mark.beside
 def test_a_hung_rank_ends_the_job_after_runtime_timeout(tmp_path):
     # The hung rank ignores torchrun's SIGTERM until runtime.stop_grace_s (a rank may need it to reach the step every
-    # rank stops after, tests/test_interrupt.py); here it has no step to reach.
+    # rank stops after, tests/launched/test_interrupt.py); here it has no step to reach.
     code, stderr, seconds, pids = _torchrun([*LONG, "runtime.timeout_s=5", "runtime.stop_grace_s=1"], run_dir=tmp_path,
                                             fault="hang@3:rank1")
     assert code != 0 and seconds < 60, (code, seconds)

@@ -6,8 +6,6 @@ import pytest
 
 from tests.helpers import FAST, ForkServer, forked, launch, summary
 
-pytestmark = pytest.mark.multiproc
-
 
 def test_a_forked_launch_trains_bit_for_bit_as_a_torchrun_launch(fast_run, tmp_path):
     if ForkServer.get() is None:

@@ -3,13 +3,10 @@ state per rank, each collective on its mesh dimension, the estimator's predictio
 
 from __future__ import annotations
 
-import pytest
-
 from dist_train.checkpoint.layout import step_dir_name
 from tests.conftest import CHECKPOINTED
 from tests.helpers import FAST, assert_same_losses, compare_from, last_step, train_ok
 
-pytestmark = pytest.mark.multiproc
 
 HSDP = ["strategy=hsdp", "strategy.replicate=2"]
 

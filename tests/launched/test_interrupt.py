@@ -9,13 +9,9 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 from dist_train.interrupt import resume_command
 from tests.conftest import CHECKPOINTED
 from tests.helpers import ROOT, TRAIN, env, train_ok
-
-pytestmark = pytest.mark.multiproc
 
 
 def test_ctrl_c_stops_every_rank_cleanly_and_the_printed_command_resumes_bit_exact(straight_run, tmp_path):

@@ -12,8 +12,6 @@ from dist_train.versions import installed_versions
 from tests.helpers import FAST, launch, metrics, rel_diff, train_ok
 from tests.wandb_log import read_run
 
-pytestmark = pytest.mark.multiproc
-
 
 def test_ddp_with_wandb_offline_leaves_every_output_and_right_figures(single_run, tmp_path):
     proc = launch(["strategy=ddp", "logger=wandb", *FAST], run_dir=tmp_path, nproc=2, extra_env={"WANDB_MODE": ""})

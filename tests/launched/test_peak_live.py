@@ -1,5 +1,6 @@
-"""memory/peak_live_bytes: the peak of all live tensors, what decides out-of-memory, against torch's own tracker
-and the estimator; and fsdp's strategy.reduce_every_microbatch, which trades gradient memory for traffic."""
+"""memory/peak_live_bytes on real runs: the peak of all live tensors, what decides out-of-memory, against torch's own
+tracker and the estimator; and fsdp's strategy.reduce_every_microbatch, which trades gradient memory for traffic.
+The estimator's side and the followed step: tests/unit/test_peak_live.py."""
 
 from __future__ import annotations
 
@@ -7,14 +8,11 @@ import json
 
 import pytest
 
-from dist_train.estimate import ModelShape, predict_comm, predict_memory
-from dist_train.estimate.setup import Setup
 from tests.helpers import ROOT, launch, summary, train_ok
 
 SCRIPT = ROOT / "tests" / "scripts" / "peak_live_vs_tracker.py"
 
 
-@pytest.mark.multiproc
 def test_fsdp_peak_live_is_torch_fsdp_mem_trackers_from_a_step_with_the_optimizers_state(tmp_path):
     """One launch (tests/scripts/peak_live_vs_tracker.py): FSDPMemTracker over step 2 of a fresh fsdp strategy, a
     real 2-step run and a real 1-step run. AdamW makes its state at the first step, so the 2-step run measures
@@ -44,7 +42,6 @@ def test_fsdp_peak_live_is_torch_fsdp_mem_trackers_from_a_step_with_the_optimize
     assert len(said) == 1 and " INFO " in said[0], said
 
 
-@pytest.mark.multiproc
 def test_fsdp_accumulation_holds_unsharded_gradients_unless_reduced_every_microbatch(fast_run):
     # FAST: two micro-batches per rank and step. By default FSDP2 keeps every parameter's unsharded gradient, 4 B
     # each in fp32, from the first micro-batch's backward to the last one's reduce-scatter: the categories do not
@@ -76,7 +73,6 @@ WIDE_VOCAB = ["model=llama_1b", "model.hidden_size=64", "model.num_layers=2", "m
               "train.micro_batch_size=2", "train.steps=2", "train.log_every=1", "logger=none", "precision=bf16"]
 
 
-@pytest.mark.multiproc
 @pytest.mark.parametrize(("strategy", "nproc", "checkpointing"), [("single", 0, False), ("fsdp", 2, True)])
 def test_the_loss_backward_of_a_wide_vocabulary_is_the_peak_and_predicted(strategy, nproc, checkpointing, tmp_path):
     """At the start of backward the loss holds two fp32 vocabulary-wide gradients beside every saved activation
@@ -93,48 +89,3 @@ def test_the_loss_backward_of_a_wide_vocabulary_is_the_peak_and_predicted(strate
     measured = max(rank["memory/peak_live_bytes"] for rank in out["ranks"])
     predicted = out["predicted_memory_bytes"]["peak_live"]
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
-
-
-def test_estimator_reduce_every_microbatch_trades_gradient_memory_for_traffic():
-    shape = ModelShape(name="llama-7b", arch="llama", num_layers=32, hidden_size=4096, num_heads=32, vocab_size=32000,
-                       max_seq_len=4096, ffn_hidden_size=11008)
-    base = dict(strategy="fsdp", family="fsdp", world_size=64, micro_batch_size=1, seq_len=4096, global_batch_size=512)
-    once, every = Setup(**base), Setup(**base, reduce_every_microbatch=True)
-    m = once.microbatches_per_step
-    assert m == 8
-
-    def reduce_scatter(setup):
-        return sum(c.bytes for c in predict_comm(shape, setup)[0] if c.op == "reduce_scatter")
-
-    assert reduce_scatter(every) == m * reduce_scatter(once) == m * 4 * shape.num_params
-    held_once, held_every = predict_memory(shape, once)[0].peak_live, predict_memory(shape, every)[0].peak_live
-    # Every rank holds the whole model's fp32 gradients instead of its 1/64th.
-    assert held_once - held_every == pytest.approx(4 * shape.num_params * (1 - 1 / 64))
-
-
-@pytest.mark.parametrize(("start", "steps", "warmup", "live", "timing_warmup"), [
-    (0, 1, 1, None, 0),  # a fresh run of one step: no step holds the optimizer's state
-    (0, 2, 1, 2, 1),  # step 2 is followed, and it is the one timed step (never all of them warm-up)
-    (0, 3, 1, 2, 2),
-    (0, 5, 1, 2, 2),  # FAST: telemetry.warmup_steps=1 plus the followed step
-    (0, 5, 0, 2, 2),  # no warm-up asked for: still not step 1, and the followed step is not timed
-    (0, 10, 3, 4, 4),
-    (4, 8, 1, 6, 2),  # resumed after step 4: the checkpoint brought the optimizer's state
-    (4, 5, 1, 5, 0),  # resumed with one step left: that one
-])
-def test_the_followed_step_holds_the_optimizers_state_and_is_a_warmup_step_where_the_run_allows(
-        start, steps, warmup, live, timing_warmup):
-    from types import SimpleNamespace
-
-    from dist_train.telemetry.recorder import live_step
-    from dist_train.train import warmup_steps
-
-    step = live_step(start_step=start, last_step=steps, warmup_steps=warmup + 1)  # on the CPU: one more
-    assert step == live
-    session = SimpleNamespace(start_step=start, run=SimpleNamespace(train=SimpleNamespace(steps=steps),
-                                                                    telemetry=SimpleNamespace(warmup_steps=warmup)),
-                              telemetry=SimpleNamespace(live=object() if step is not None else None, live_step=step))
-    assert warmup_steps(session) == timing_warmup
-    # CUDA (the allocator's peak of every window from then on, no extra warm-up step): from step 2 of a fresh run
-    assert live_step(start_step=start, last_step=steps, warmup_steps=0) == (
-        None if start == 0 and steps == 1 else start + (2 if start == 0 else 1))

@@ -1,15 +1,10 @@
 """peft=lora: the model frozen, low-rank adapters trained; the same losses as one process under ZeRO-2 and FSDP,
 and gradients, optimizer state and gradient traffic that shrink to the adapters'. peft=qlora: the same over
-4-bit projections."""
+4-bit projections. Bad settings and default targets: tests/unit/test_peft.py."""
 
 from __future__ import annotations
 
-import pytest
-
-from dist_train.checks import validate
-from dist_train.config import ConfigError
 from tests.helpers import FAST, assert_same_losses, last_step, train_ok
-from tests.unit.test_config import run_config
 
 LORA = ["peft=lora", "logger=none", *FAST]
 # model=tiny (GPT-2, hidden 64, MLP 256, 4 blocks), rank 8 on c_attn (64 -> 192), attention's c_proj (64 -> 64),
@@ -17,7 +12,6 @@ LORA = ["peft=lora", "logger=none", *FAST]
 ADAPTERS = 4 * 8 * ((64 + 192) + (64 + 64) + (64 + 256) + (256 + 64))
 
 
-@pytest.mark.multiproc
 def test_lora_trains_only_the_adapters_and_every_strategy_agrees(tmp_path, fast_run):
     single = train_ok(["strategy=single", *LORA], run_dir=tmp_path / "single")
     assert single["num_trainable_params"] == ADAPTERS == 32_768
@@ -49,7 +43,6 @@ def test_lora_trains_only_the_adapters_and_every_strategy_agrees(tmp_path, fast_
 TARGET_WEIGHTS = 4 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64)
 
 
-@pytest.mark.multiproc
 def test_qlora_packs_the_base_into_four_bits_and_ddp_agrees(tmp_path):
     """bitsandbytes' CPU backend runs its 4-bit layers too, so QLoRA is measured here, not only refused."""
     qlora = ["peft=qlora", "logger=none", *FAST]
@@ -64,38 +57,3 @@ def test_qlora_packs_the_base_into_four_bits_and_ddp_agrees(tmp_path):
         # what stays fp32: embeddings, norms, biases, the head, the adapters (and the scales' own scales)
         assert r["memory/by_dtype/params/float32_bytes"] < 4 * (single["num_params"] - TARGET_WEIGHTS) + 20_000
         assert r["memory/grads_bytes"] == 4 * ADAPTERS  # the adapters train, nothing else
-
-
-@pytest.mark.parametrize(
-    ("overrides", "world", "needle"),
-    [
-        (["peft=lora", "strategy=tp"], 2, "peft=lora puts adapters on whole projections; strategy=tp splits them"),
-        (["peft=lora", "peft.rank=0"], 1, "peft.rank=0 must be >= 1"),
-        (["peft=qlora", "strategy=fsdp"], 2, "peft=qlora: strategy=fsdp would shard or split the packed 4-bit"),
-        (["peft=qlora", "peft.quant_type=int4"], 1, "peft.quant_type"),
-    ],
-)
-def test_bad_lora_settings_are_one_line(overrides, world, needle):
-    _, run = run_config(*overrides)
-    with pytest.raises(ConfigError) as err:
-        validate(run, world)
-    assert needle in str(err.value) and "\n" not in str(err.value)
-
-
-@pytest.mark.parametrize(("arch", "config", "targets"), [
-    ("gpt2", dict(n_embd=32, n_layer=2, n_head=2), ["c_attn", "c_proj", "c_fc"]),
-    ("llama", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
-     ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    # Phi-3's fused projections: before, the Llama names left only o_proj and down_proj adapted, without a word
-    ("phi3", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, pad_token_id=0),
-     ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
-])
-def test_default_lora_targets_are_every_projection_of_the_models_own_blocks(arch, config, targets):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from dist_train.model import default_lora_targets
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, vocab_size=64, **config))
-    assert sorted(default_lora_targets(model)) == sorted(targets)

@@ -15,7 +15,6 @@ import pytest
 from tests.conftest import RESUMABLE
 from tests.helpers import ROOT, env
 
-pytestmark = pytest.mark.multiproc
 
 STRATEGIES = [s for s in RESUMABLE]  # single, ddp, fsdp, zero1-3, gpipe, 1f1b
 # fp16: autocast and a scaler, over sharded gradients (ddp's fp16 regime is single's bf16 one plus the scaler, whose

@@ -22,7 +22,7 @@ import pytest
 from dist_train.telemetry.bandwidth import COMM_OPS
 from tests.helpers import FAST, ROOT, TRAIN, env, metrics
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slurm]
+pytestmark = pytest.mark.slurm
 
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
 LAB = ROOT / ".slurm-local"

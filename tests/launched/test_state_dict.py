@@ -8,7 +8,6 @@ import pytest
 
 from tests.helpers import FAST, ROOT, launch
 
-pytestmark = pytest.mark.multiproc
 
 SCRIPT = ROOT / "tests" / "scripts" / "state_dict_roundtrip.py"
 

@@ -10,9 +10,6 @@ from dist_train.config import ModelConfig
 from dist_train.model import build_model
 from tests.helpers import FAST, assert_same_losses, last_step, train_ok
 
-pytestmark = pytest.mark.multiproc
-
-
 
 def test_ddp_matches_single_and_all_reduces_one_gradient_per_step(single_run, tmp_path):
     _, single = single_run
@@ -33,7 +30,8 @@ def test_ddp_matches_single_and_all_reduces_one_gradient_per_step(single_run, tm
 @pytest.mark.parametrize("reshard", [True, False])
 def test_fsdp_matches_single_and_holds_half_the_model_state(single_run, fast_run, reshard):
     _, single = single_run
-    # reshard_after_forward=true is fsdp's default: the run tests/test_dryrun.py and tests/test_peak_live.py read
+    # reshard_after_forward=true is fsdp's default: the run tests/launched/test_dryrun.py and
+    # tests/launched/test_peak_live.py read
     run_dir, s = fast_run("strategy=fsdp", *([] if reshard else ["strategy.reshard_after_forward=false"]), nproc=2)
     assert_same_losses(single, s)
     n = s["num_params"]
@@ -68,7 +66,7 @@ def test_compiled_blocks_train_as_eager_under_fsdp(single_run, tmp_path):
 def test_compile_is_refused_where_it_is_not_wired():
     from dist_train.checks import validate
     from dist_train.config import ConfigError
-    from tests.unit.test_config import run_config
+    from tests.helpers import run_config
 
     _, run = run_config("strategy=zero2", "train.compile=true")
     with pytest.raises(ConfigError, match=re.escape("train.compile=true runs with strategy=single | ddp | fsdp")):

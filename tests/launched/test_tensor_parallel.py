@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from dist_train.checkpoint.layout import step_dir_name
@@ -11,13 +10,11 @@ from dist_train.model import build_model, transformer_blocks
 from tests.conftest import CHECKPOINTED
 from tests.helpers import FAST, assert_same_losses, compare_from, last_step, rel_diff, train_ok
 
-pytestmark = pytest.mark.multiproc
 
 LLAMA = ["model.arch=llama", "model.num_heads=4", "model.num_kv_heads=2"]
 # The vocabulary split's all-reduces per micro-batch (2 x 64 tokens, hidden 64, fp32): the embedding's rows in
 # forward, the head's input gradient in backward, and loss_parallel's max, sum of exponentials and target logit.
 VOCAB_SPLIT = 2 * (2 * 64 * 64 * 4) + 3 * (2 * 64 * 4)
-
 
 
 def _split_elements(model_cfg: ModelConfig) -> int:

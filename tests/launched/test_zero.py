@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO 1-3: the derived DeepSpeed config, real 2-process runs against one process, bad input.
+"""DeepSpeed ZeRO 1-3: real 2-process runs against one process, DeepSpeed's own launcher, bad input. The derived
+DeepSpeed config: tests/unit/test_zero.py.
 
 Model-state bytes a rank holds for fp32 training with Adam on N=2 ranks, Psi = num_params (ZeRO paper,
 section 5, with fp32 in place of fp16 parameters and gradients). Stages 1 and 2 keep an fp32 master copy of
@@ -21,85 +22,10 @@ from typing import Any
 
 import pytest
 
-from dist_train.config import PrecisionConfig, TrainConfig
-from dist_train.parallel_dims import ParallelDims
-from dist_train.strategies._deepspeed import deep_merge, deepspeed_config
-from dist_train.strategies.zero import ZeroConfig
 from tests.helpers import FAST, ROOT, TRAIN, assert_same_losses, env, last_step, launch, summary, train_ok
 
 N_RANKS = 2
 MICRO_PER_RANK = 2  # FAST: global batch 8 = 2 ranks x 2 micro-batches x 2 samples
-
-# ------------------------------------------------------------------------------------------------
-# The derived DeepSpeed config (pure; no DeepSpeed, no processes).
-# ------------------------------------------------------------------------------------------------
-
-
-def _ds(zero: ZeroConfig | None = None, **train: Any) -> dict[str, Any]:
-    return deepspeed_config(
-        zero=zero or ZeroConfig(name="zero2", stage=2),
-        train=TrainConfig(**{"global_batch_size": 8, **train}),  # resolved, as validation leaves it
-        precision=PrecisionConfig(name="fp32"),
-        dims=ParallelDims(N_RANKS, dp_shard=N_RANKS),
-    )
-
-
-def test_batch_sizes_and_accumulation_follow_the_run():
-    cfg = _ds(global_batch_size=32, micro_batch_size=4)
-    assert cfg["train_batch_size"] == 32
-    assert cfg["train_micro_batch_size_per_gpu"] == 4
-    assert cfg["gradient_accumulation_steps"] == 4  # 32 / (4 x 2 ranks)
-    # DeepSpeed's own consistency rule holds
-    assert cfg["train_batch_size"] == 4 * cfg["gradient_accumulation_steps"] * N_RANKS
-
-
-@pytest.mark.parametrize("clip", [0.0, 0.5, 3.0])
-def test_gradient_clipping_follows_train_grad_clip(clip):
-    # DeepSpeed would clip at 1.0 if the key were missing
-    assert _ds(grad_clip=clip)["gradient_clipping"] == clip
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_precision_maps_to_deepspeed_sections(precision):
-    cfg = deepspeed_config(
-        zero=ZeroConfig(name="zero1", stage=1), train=TrainConfig(global_batch_size=8),
-        precision=PrecisionConfig(name=precision), dims=ParallelDims(1),
-    )
-    assert cfg["bf16"]["enabled"] == (precision == "bf16")
-    assert cfg["fp16"]["enabled"] == (precision == "fp16")
-
-
-def test_stage_and_offload_reach_zero_optimization():
-    z3 = _ds(ZeroConfig(name="zero3_offload", stage=3, offload_optimizer=True, offload_params=True))
-    zo = z3["zero_optimization"]
-    assert zo["stage"] == 3
-    assert zo["offload_optimizer"]["device"] == "cpu" and zo["offload_param"]["device"] == "cpu"
-    assert zo["stage3_param_persistence_threshold"] == 0  # every parameter partitioned
-    z1 = _ds(ZeroConfig(name="zero1", stage=1))["zero_optimization"]
-    assert z1 == {"stage": 1}
-    # our torch optimizer is accepted by ZeRO (and by offload) without DeepSpeed's own optimizer
-    assert z3["zero_allow_untested_optimizer"] is True and z3["zero_force_ds_cpu_optimizer"] is False
-    assert "optimizer" not in z3 and "scheduler" not in z3
-
-
-def test_extra_is_deep_merged_over_the_derived_config():
-    extra = {"zero_optimization": {"reduce_bucket_size": 1000, "stage3_param_persistence_threshold": 10},
-             "gradient_clipping": 2.0, "comms_logger": {"enabled": True}}
-    cfg = _ds(ZeroConfig(name="zero3", stage=3, extra=extra), grad_clip=1.0)
-    assert cfg["zero_optimization"] == {
-        "stage": 3, "stage3_param_persistence_threshold": 10, "reduce_bucket_size": 1000,
-    }  # merged key by key: the derived `stage` survives
-    assert cfg["gradient_clipping"] == 2.0  # the user's explicit choice wins
-    assert cfg["comms_logger"] == {"enabled": True}
-    assert cfg["train_batch_size"] == 8  # untouched keys stay
-
-
-def test_deep_merge_does_not_alias_its_inputs():
-    base = {"a": {"b": 1}}
-    extra = {"a": {"c": [1]}}
-    out = deep_merge(base, extra)
-    out["a"]["c"].append(2)
-    assert base == {"a": {"b": 1}} and extra == {"a": {"c": [1]}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -108,7 +34,7 @@ def test_deep_merge_does_not_alias_its_inputs():
 
 
 # DeepSpeed's reduction bucket of 100,000 elements: several reductions per micro-batch, not one bucket of 5e8 (2 GB
-# allocated whole); the same bytes. tests/test_dryrun.py compares its dry run with these very runs.
+# allocated whole); the same bytes. tests/launched/test_dryrun.py compares its dry run with these very runs.
 ZERO_BUCKET = {1: [], 2: ["+strategy.extra.zero_optimization.reduce_bucket_size=100000"],
                3: ["+strategy.extra.zero_optimization.reduce_bucket_size=100000"]}
 
@@ -117,7 +43,6 @@ def _zero_run(stage: int, fast_run: Any) -> dict[str, Any]:
     """One 2-process run per stage for the whole session (several tests read it)."""
     run_dir, summary = fast_run(f"strategy=zero{stage}", *ZERO_BUCKET[stage], nproc=N_RANKS)
     return {"dir": run_dir, "summary": summary}
-
 
 
 # Per step, per rank, from the last (steady-state) step; n = num_params, 4n = one fp32 copy.
@@ -135,7 +60,6 @@ _EXPECTED_COMM = {
 }
 
 
-@pytest.mark.multiproc
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_matches_single_with_expected_collectives(single_run, fast_run, stage):
     _, single = single_run
@@ -152,7 +76,6 @@ def test_zero_matches_single_with_expected_collectives(single_run, fast_run, sta
         assert rec["grad_norm"] == pytest.approx(last_step(single_run[0])[0]["grad_norm"], rel=1e-4)
 
 
-@pytest.mark.multiproc
 def test_model_state_bytes_shrink_by_stage_as_zero_predicts(fast_run):
     runs = {stage: _zero_run(stage, fast_run) for stage in (1, 2, 3)}
     n = runs[1]["summary"]["num_params"]
@@ -190,7 +113,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.multiproc
 def test_deepspeed_launcher_runs_zero2_like_torchrun(single_run, tmp_path):
     """`deepspeed --num_gpus 2 launch/train.py ...`: --num_gpus because there is no GPU to count. The
     launcher passes `--local_rank=N`, which launch/train.py turns into LOCAL_RANK before Hydra parses."""
@@ -221,7 +143,6 @@ def _assert_one_config_error(proc: subprocess.CompletedProcess[str], *needles: s
         assert needle in lines[0]
 
 
-@pytest.mark.multiproc
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="offload is valid where a GPU is visible")
 @pytest.mark.parametrize("name", ["zero2_offload", "zero3_offload"])
 def test_offload_without_gpu_is_one_line(name, tmp_path):
@@ -233,7 +154,6 @@ def test_offload_without_gpu_is_one_line(name, tmp_path):
     assert not (tmp_path / "logs").exists()  # nothing started
 
 
-@pytest.mark.multiproc
 def test_zero_without_deepspeed_is_one_line(tmp_path):
     # sys.modules[name] = None is how Python marks a module as not importable
     code = (
@@ -245,7 +165,6 @@ def test_zero_without_deepspeed_is_one_line(tmp_path):
     _assert_one_config_error(proc, "strategy=zero3", "DeepSpeed", "pip install deepspeed")
 
 
-@pytest.mark.multiproc
 def test_active_clipping_matches_single(tmp_path):
     """grad_clip=0.1 sits far below the gradient norm (~0.8): clipping acts on every step, so a
     DeepSpeed left at its own default (1.0) would drift from one process from step 2 on."""
@@ -260,7 +179,6 @@ def test_active_clipping_matches_single(tmp_path):
     assert not list(extensions.glob("*shm*")), list(extensions.iterdir())
 
 
-@pytest.mark.multiproc
 def test_zero3_setup_fixes_keep_one_partition_gather_nothing_and_train_the_same(tmp_path):
     """strategies/_zero3_setup.py: in fp32 the master partition is the parameters' own storage, making the gradient
     hooks gathers nothing, and the engine trains exactly as DeepSpeed's unpatched one; bf16 keeps its fp32 copy."""

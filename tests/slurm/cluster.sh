@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real Slurm cluster on this host, for the tests: munged, slurmctld and two virtual nodes (slurmd -N n1/n2),
 # all from Debian's slurm-wlm packages, run as root without systemd. The tests start and stop it
-# (tests/test_slurm.py); by hand:
+# (tests/launched/test_slurm.py); by hand:
 #
 #   tests/slurm/cluster.sh start      # installs the packages if missing; idempotent: a no-op when it is up
 #   source "$LAB/env.sh"              # SLURM_CONF for sbatch, squeue, scontrol, scancel

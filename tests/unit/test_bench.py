@@ -1,13 +1,9 @@
-"""bench/gpu_check.py's report, which otherwise runs only on a CUDA machine: fed a real CPU run and the
-estimator's real prediction for it, it must show predicted beside measured with the error of each. And the
-benchmarks' processes (bench/collectives.py, bench/reference.py) on a machine with GPUs, faked: each takes its
-local rank's GPU and NCCL, and reads the clock on finished work; on the CPU, the same lines run for real."""
+"""The benchmarks' processes (bench/collectives.py, bench/reference.py) on a machine with GPUs, faked: each takes its
+local rank's GPU and NCCL, and reads the clock on finished work; on the CPU, the same lines run for real.
+bench/gpu_check.py's report and bench/peers.py's launches: tests/launched/test_bench.py."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import io
 import json
 import socket
 import sys
@@ -15,53 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import ROOT
-
-
-def _bench(name: str):  # noqa: ANN202
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-
-
-def _gpu_check():
-    return _bench("gpu_check")
-
-
-def _prediction(args) -> dict:
-    """The estimator's figures for single_run's configuration (tests.helpers.FAST), as gpu_check asks for its own."""
-    from dist_train.estimate.cli import main as estimate_main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = estimate_main(["strategy=single", "model=tiny", "train.global_batch_size=8", "train.micro_batch_size=2",
-                              "world_size=1", "format=json"])
-    assert code == 0
-    return json.loads(out.getvalue())["memory_per_rank"][0]
-
-
-@pytest.mark.multiproc  # the shared one-process run
-@pytest.mark.parametrize("compiled", [False, True])
-def test_gpu_check_reports_predicted_beside_measured(single_run, monkeypatch, compiled):
-    gpu_check = _gpu_check()
-    sections: dict[str, str] = {}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(gpu_check, "train", lambda args, run_dir: single_run[1])
-    monkeypatch.setattr(gpu_check, "predicted", _prediction)
-    monkeypatch.setattr(gpu_check, "write_section", lambda key, title, body, command: sections.update({key: body}))
-    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--skip-tests", "--compile" if compiled else "--no-compile"])
-    assert gpu_check.main() == 0
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in sections["gpu"].splitlines() if line.startswith("| ") and "|---" not in line}
-    assert float(rows["tokens/s"][0].replace(",", "")) > 0
-    for category in ("params", "grads", "optimizer"):
-        assert abs(float(rows[category][2].rstrip("%"))) < 10, (category, rows[category])
-    if compiled:  # inductor decides what is saved: the eager formula is not offered
-        assert rows["activations"][0] == "(compiled: not predicted)"
-    else:
-        assert abs(float(rows["activations"][2].rstrip("%"))) < 10, rows["activations"]
+from tests.bench_support import bench_module
 
 
 @pytest.fixture
@@ -80,7 +30,7 @@ def two_gpus(monkeypatch):
 
 
 def test_collectives_runs_on_its_gpu_and_times_finished_work(two_gpus, monkeypatch, capsys):
-    collectives = _bench("collectives")
+    collectives = bench_module("collectives")
     gpu = torch.device("cuda", 1)
     events: list = []
     buffers: list = []
@@ -107,7 +57,7 @@ def test_collectives_runs_on_its_gpu_and_times_finished_work(two_gpus, monkeypat
 
 
 def test_reference_runs_on_its_gpu_and_reads_the_clock_on_finished_steps(two_gpus, monkeypatch, capsys):
-    reference = _bench("reference")
+    reference = bench_module("reference")
     gpu = torch.device("cuda", 1)
     events: list = []
 
@@ -135,7 +85,7 @@ def test_reference_runs_on_its_gpu_and_reads_the_clock_on_finished_steps(two_gpu
 def test_more_processes_than_gpus_is_an_error_not_a_shared_gpu(two_gpus, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(RuntimeError, match="one GPU per process"):
-        _bench("common").local_device()
+        bench_module("common").local_device()
 
 
 def _one_process_group(monkeypatch) -> None:
@@ -151,39 +101,12 @@ def test_collectives_and_reference_on_the_cpu(monkeypatch, capsys):
     """The same lines on the CPU, for real: gloo, CPU buffers and batches, synchronisation a no-op."""
     _one_process_group(monkeypatch)
     monkeypatch.setattr(sys, "argv", ["collectives.py", "all_reduce:4096", "all_gather:4096", "--iterations=3"])
-    _bench("collectives").main()
+    bench_module("collectives").main()
     got = json.loads(capsys.readouterr().out)
     assert set(got) == {"all_reduce", "all_gather"} and all(g["median_s"] > 0 for g in got.values())
 
     _one_process_group(monkeypatch)
     monkeypatch.setattr(sys, "argv", ["reference.py", "--strategy=fsdp", "--steps=4", "--warmup=2", "--layers=1",
                                       "--hidden=32", "--heads=2", "--seq=16"])
-    _bench("reference").main()
+    bench_module("reference").main()
     assert json.loads(capsys.readouterr().out)["mean_step_s"] > 0
-
-
-@pytest.mark.multiproc
-@pytest.mark.beside  # a minute of launches that balances the two sessions (tests/suite.sh)
-def test_peers_train_the_same_samples_as_dist_train(tmp_path):
-    """bench/peers.py: Accelerate's loop and transformers' Trainer, each under torchrun with DDP on 2 processes,
-    give dist_train's losses step by step (fp32, 1e-5), so the step-time ratios compare the same work. (Fabric is
-    the optional `bench` extra's; its rows run where it is installed.)"""
-    peers = _bench("peers")
-    ours = peers.launch("dist_train", "ddp", nproc=2, steps=5, out=tmp_path)
-    assert "error" not in ours, ours
-    for peer in ("accelerate", "trainer"):
-        got = peers.launch(peer, "ddp", nproc=2, steps=5, out=tmp_path)
-        assert "error" not in got, (peer, got)
-        assert len(got["losses"]) == len(ours["losses"]) == 5
-        for a, b in zip(got["losses"], ours["losses"]):
-            assert a == pytest.approx(b, rel=1e-5), (peer, got["losses"], ours["losses"])
-        assert got["mean_step_s"] > 0 and got["time_to_first_step_s"] > 0
-        # VmHWM since exec, the worst rank's: at least the model and torch's import (over 100 MiB)
-        assert got["peak_rss_bytes"] > 100 * 2**20, got
-    assert ours["peak_rss_bytes"] >= ours["memory"]["memory/peak_rss_bytes"] > 100 * 2**20, ours
-    refused = peers.launch("accelerate", "fsdp", nproc=2, steps=5, out=tmp_path)
-    assert "prepares MULTI_CPU (DDP) on a CPU" in refused["error"]
-    # the paired comparison: dist_train's step and Accelerate's, alternating in the same two processes
-    pair = peers.paired("accelerate", "ddp", nproc=2, iterations=4)
-    assert "error" not in pair, pair
-    assert pair["iterations"] == 4 and 0 < pair["q1"] <= pair["median_ratio"] <= pair["q3"], pair

@@ -4,24 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from dist_train.checks import validate
 from dist_train.config import ConfigError
-from dist_train.strategies.registry import register_configs
-from dist_train.rundir import register_resolvers
 from dist_train.session import experiment_group
-from dist_train.train import to_run_config
-from tests.helpers import ROOT
-
-register_configs()
-register_resolvers()
-
-
-def run_config(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return cfg, to_run_config(cfg)
+from tests.helpers import run_config
 
 
 def test_defaults_validate_for_one_and_two_processes():
@@ -196,7 +183,7 @@ def test_a_pipelines_batch_line_gives_the_micro_batch_its_schedule_feeds():
 
 @pytest.mark.parametrize("gpus", range(1, 9))
 def test_the_cuda_tests_are_valid_at_every_gpu_count(gpus, monkeypatch):
-    """tests/test_cuda.py runs only on a GPU machine; its overrides are checked here, for 1 to 8 GPUs."""
+    """tests/launched/test_cuda.py runs only on a GPU machine; its overrides are checked here, for 1 to 8 GPUs."""
     from tests.launched.test_cuda import RUNS
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the offload configs need a GPU

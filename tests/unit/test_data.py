@@ -14,7 +14,7 @@ from dist_train.checks import validate
 from dist_train.config import ConfigError
 from dist_train.data import TokenFileDataset
 from tests.helpers import ROOT, env
-from tests.unit.test_config import run_config
+from tests.helpers import run_config
 
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 40
 

@@ -153,7 +153,7 @@ DOCS_RUN_BY = {
     "python launch/export.py outputs/fsdp-long/": "tests/launched/test_checkpoint.py::test_export_loads_in_transformers_and_reproduces_the_next_loss",
     "python launch/export.py outputs/lora-run/": "tests/launched/test_export_lora.py::test_lora_export_merges_reproduces_the_next_loss_and_trains_on",
     "python launch/plan.py model=tiny train.global_batch_size=8 cluster.gpu=cpu plan.verify=4":
-        "tests/unit/test_plan.py::test_verify_on_this_machine",
+        "tests/launched/test_plan.py::test_verify_on_this_machine",
     "python launch/train.py -m hydra/launcher=submitit_slurm": "tests/launched/test_slurm.py::test_a_sweep_of_jobs_is_collected_into_one_report",
     "python launch/compare.py compare.from=[sweeps/demo/": "tests/launched/test_slurm.py::test_a_sweep_of_jobs_is_collected_into_one_report",
     "sbatch --nodes=2 --gpus-per-node=8 launch/slurm.sbatch compare ": "tests/launched/test_slurm.py::test_compare_runs_every_strategy_as_a_job_step",
@@ -257,8 +257,8 @@ def check_comparison(argv: list[str]) -> None:
 def check_estimate(argv: list[str]) -> None:
     """The estimator runs nothing but arithmetic: run it, as `python -m dist_train.estimate` would. A dry run
     (`dryrun.ranks=`) has its options parsed, and the estimate beside it run; the dry run itself, a process per rank
-    (a minute for a 70B model), is run through the same command line by tests/unit/test_estimate.py (its --help examples)
-    and tests/launched/test_dryrun.py."""
+    (a minute for a 70B model), is run through the same command line by tests/unit/test_estimate.py (its --help
+    examples) and tests/launched/test_dryrun.py."""
     from dist_train.estimate.args import parse_args, split_args
     from dist_train.estimate.cli import main
 

@@ -546,7 +546,7 @@ def test_cli_help_examples_run(capsys, tmp_path):
 def test_zero12_peak_live_holds_the_reduction_bucket_read_from_the_run_config():
     """ZeRO 1 and 2's peak of live tensors is their categories plus DeepSpeed's reduction bucket, allocated whole
     in the training dtype; a run's `strategy.extra.zero_optimization.reduce_bucket_size` sets it (measured against
-    real runs: tests/test_dryrun.py, docs/BENCHMARKS.md 'peak-live'). ZeRO-3's is not predicted yet."""
+    real runs: tests/launched/test_dryrun.py, docs/BENCHMARKS.md 'peak-live'). ZeRO-3's is not predicted yet."""
     from dist_train.estimate.setup import setup_from_config
 
     shape = ModelShape.from_config(ModelConfig())

@@ -1,8 +1,8 @@
 """The README's launcher, `python -m dist_train.torchrun`: bad input is one line and exit 2 before any worker starts.
 
 Plain torchrun starts every worker, each finds the error, one prints it, and torchrun adds its 40-line failure
-report and exits 1 (tests/test_bad_input.py checks that the line is still there exactly once). The launcher checks
-the whole config for the launch's world size first, in a process of its own.
+report and exits 1 (tests/launched/test_bad_input.py checks that the line is still there exactly once). The
+launcher checks the whole config for the launch's world size first, in a process of its own.
 """
 
 from __future__ import annotations

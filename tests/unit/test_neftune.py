@@ -1,18 +1,15 @@
 """NEFTune: noise on the token embeddings in training only, the same noise for a sample however a strategy
-splits the batch, made on the output's device without a host synchronisation, and runs that train with it."""
+splits the batch, made on the output's device without a host synchronisation. Runs that train with it:
+tests/launched/test_neftune.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 from dist_train.config import ModelConfig
 from dist_train.model import NEFTune, apply_neftune, build_model
-from tests.helpers import FAST, assert_same_losses, train_ok
-
-NEFTUNE = ["logger=none", *FAST, "train.neftune_alpha=5"]
 
 
 def _noisy_embeddings(*, alpha: float = 5.0, seed: int = 3, step: int = 7):
@@ -120,25 +117,3 @@ def test_neftune_hook_never_waits_for_the_device(monkeypatch):
     monkeypatch.undo()
     assert calls == []
     assert not torch.equal(noisy, expected)
-
-
-@pytest.fixture(scope="module")
-def neftune_single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return train_ok(["strategy=single", *NEFTUNE], run_dir=tmp_path_factory.mktemp("neftune-single"))
-
-
-@pytest.mark.multiproc
-def test_neftune_run_differs_from_the_plain_one_and_still_learns(single_run, neftune_single):
-    _, plain = single_run
-    assert neftune_single["losses"] != plain["losses"]
-    assert neftune_single["losses"][-1] < neftune_single["losses"][0]
-
-
-@pytest.mark.multiproc
-@pytest.mark.parametrize("strategy", ["ddp", "gpipe", "tp"])
-def test_neftune_trains_every_strategy_like_one_process(neftune_single, strategy, fast_run):
-    """Data parallelism, micro-batches, a pipeline's first stage and tensor parallelism's replicated ids: each
-    sample gets the noise it gets in one process, so the losses agree. (The ddp run is the one the dry run's
-    NEFTune check reads: tests/test_dryrun.py.)"""
-    _, run = fast_run(f"strategy={strategy}", "train.neftune_alpha=5", nproc=2)
-    assert_same_losses(neftune_single, run)

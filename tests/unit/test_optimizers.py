@@ -16,7 +16,7 @@ from dist_train.estimate.shapes import PRESETS
 from dist_train.model import build_model, forward_loss
 from dist_train.optim import OptimizerFactory
 from dist_train.telemetry.memory import optimizer_state_tensors
-from tests.unit.test_config import run_config
+from tests.helpers import run_config
 
 TINY = ModelConfig()  # GPT-2, 4 blocks, hidden 64, vocab 256, 128 positions: 241,024 parameters
 

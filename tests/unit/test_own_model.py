@@ -1,84 +1,23 @@
-"""Your own model (`model=hf model.path=DIR`): a local transformers directory the tests make with save_pretrained,
-checked, loaded and trained; nothing is downloaded."""
+"""Your own model (`model=hf model.path=DIR`) in this process: a local transformers directory the tests make with
+save_pretrained (tests/own_model_support.py), checked, loaded as transformers loads it, quantised as it is read,
+refused where a strategy cannot split it; nothing is downloaded. Trained under the strategies:
+tests/launched/test_own_model.py."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from dist_train.config import ConfigError, DataConfig, ModelConfig
+from dist_train.config import ConfigError, ModelConfig
 from dist_train.pretrained import ModelDir, resolve_model
 from dist_train.rundir import register_resolvers
 from dist_train.strategies.registry import register_configs
+from tests.own_model_support import ARCHS, batch_of_step_one, make_model_dir, reference_loss
 
 register_configs()
 register_resolvers()
-
-SEQ = 32
-ARCHS = {
-    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
-    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2),
-    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
-    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16),
-    "gemma": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16),
-    "gpt2": dict(n_embd=64, n_layer=2, n_head=4),
-}
-# Architectures tested under one strategy only (not in every pair of the matrix above)
-PHI3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            pad_token_id=0)
-# StableLM: no pipeline and no tensor-parallel plan in transformers; a plain decoder stack, cut into stages by its
-# structure (dist_train.model._stack_layout)
-ONE_STRATEGY = {"phi3": PHI3, "stablelm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                               num_attention_heads=4, num_key_value_heads=4)}
-
-
-def make_model_dir(root: Path, arch: str = "llama", *, weights: str = "safetensors", shard: bool = False,
-                   tie: bool = False) -> Path:
-    """A small pretrained-looking directory: config.json and weights from save_pretrained."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(arch, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=tie,
-                               **{**ARCHS, **ONE_STRATEGY}[arch])
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # weights unlike any fresh init: a loader that ignored the files would show
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    out = root / f"{arch}-{weights}{'-sharded' if shard else ''}"
-    model.save_pretrained(out, max_shard_size="60KB" if shard else "5GB")
-    if weights == "bin":  # the older format, as torch.save writes it (transformers now saves safetensors only)
-        for f in out.glob("model*.safetensors*"):
-            f.unlink()
-        torch.save(model.state_dict(), out / "pytorch_model.bin")
-    return out
-
-
-def batch_of_step_one(path: Path, *, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from dist_train.data import GlobalBatches, build_dataset
-
-    ds = build_dataset(DataConfig(), vocab_size=256, seq_len=SEQ, seed=1234)
-    b = GlobalBatches(ds, global_batch_size=global_batch, dp_rank=0, dp_size=1).local_batch(0)
-    return b.input_ids, b.labels
-
-
-def reference_loss(path: Path, *, global_batch: int) -> float:
-    """transformers' own loading of the directory, on the batch dist_train trains first."""
-    from transformers import AutoModelForCausalLM
-
-    from dist_train.model import forward_loss
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
-    ids, labels = batch_of_step_one(path, global_batch=global_batch)
-    with torch.no_grad():
-        return float(forward_loss(model, ids, labels))
 
 
 # ---------------------------------------------------------------------------------------------- the directory
@@ -165,43 +104,6 @@ def test_the_loaded_model_gives_transformers_first_loss(arch, tmp_path):
     assert loss == pytest.approx(reference_loss(d, global_batch=4), rel=1e-5)
 
 
-# ---------------------------------------------------------------------------------------------- training
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {"llama": make_model_dir(root, "llama", shard=True),  # an index of 9 safetensors shards
-            "gpt2": make_model_dir(root, "gpt2", tie=True), "qwen3": make_model_dir(root, "qwen3"),
-            "gemma": make_model_dir(root, "gemma"), "stablelm": make_model_dir(root, "stablelm")}  # qwen3: for the
-    # refusals below; stablelm: no pipeline plan in transformers, cut by its decoder stack
-
-
-@pytest.mark.multiproc
-# Each strategy that loads only its own shard, on kinds of model that matter to it: sharded files (llama), a tied
-# head (gpt2: zero3 partitions it once; a pipeline's last stage reads it under the embedding's name), Gemma's
-# scaled embedding in a stage that runs the model's own forward; Qwen3's q/k norms under its TP plan; GPT-2's fused
-# q/k/v, strided over the ranks' heads, under fsdp_tp's nested mesh; Gemma under zero.Init (transformers' own init
-# indexed the padding row of an empty partition: bench/arch_matrix.py found it). ddp loads as single does, which the
-# in-process test covers; bench/arch_matrix.py runs every pair.
-@pytest.mark.parametrize(("strategy", "arch"), [("fsdp", "llama"), ("zero3", "llama"), ("zero3", "gpt2"),
-                                                ("zero3", "gemma"), ("gpipe", "gpt2"), ("1f1b", "gemma"),
-                                                ("tp", "qwen3"), ("fsdp_tp", "gpt2"), ("gpipe", "stablelm")])
-def test_every_strategy_starts_from_the_directorys_weights(strategy, arch, model_dirs, tmp_path):
-    """2 ranks: the first step's loss is transformers' own on the same batch (fp32, 1e-5); fsdp, tp, fsdp_tp and
-    the pipelines build on meta, zero3 under zero.Init, and each rank reads only what it holds from the files."""
-    from tests.helpers import train_ok
-
-    d = model_dirs[arch]
-    s = train_ok([f"strategy={strategy}", "model=hf", f"model.path={d}", "logger=none", "train.steps=2",
-                  "train.log_every=1", f"train.seq_len={SEQ}"], run_dir=tmp_path, nproc=2)
-    assert s["losses"][0] == pytest.approx(reference_loss(d, global_batch=4), rel=1e-5)
-    assert all(r["memory/setup_peak_rss_bytes"] > 0 for r in s["ranks"])
-    # set-up's anonymous peak and the baseline it is read against (bench/setup_memory.py): the same memory, later
-    assert all(0 < r["memory/setup_baseline_anon_bytes"] <= r["memory/setup_peak_anon_bytes"] for r in s["ranks"])
-    assert "each rank fills only what it holds" in (tmp_path / "logs" / "rank1.log").read_text()
-
-
 def test_strategies_that_cannot_split_an_architecture_say_so_before_starting(tmp_path):
     """OPT has neither a pipeline nor a tensor-parallel plan in transformers: one line each, before any process
     group; fsdp takes it."""
@@ -228,35 +130,6 @@ def test_strategies_that_cannot_split_an_architecture_say_so_before_starting(tmp
     check("fsdp")
 
 
-@pytest.mark.multiproc
-def test_tensor_parallelism_follows_each_architectures_own_plan(tmp_path):
-    """2 ranks, every tested architecture, with and without sequence parallelism: the loss and every parameter's
-    gradient (gathered whole) as the unsplit model's, the embedding and head split by vocabulary. Qwen3's q/k norms see only each rank's heads: their gradient
-    is summed over the ranks (without that it is off by 1e-2, measured)."""
-    import subprocess
-    import sys
-
-    from tests.helpers import ROOT, env
-
-    # GPT-2 with its head tied to the embedding, as OpenAI's: both split by vocabulary, one weight; Gemma's
-    # embedding scales its rows and keeps a padding row (pad_token_id=0), whose gradient stays zero
-    dirs = [str(make_model_dir(tmp_path, arch, tie=arch == "gpt2")) for arch in ARCHS]
-    # Phi-3: fused qkv_proj and gate_up_proj, split as transformers' plan says (colwise_gather_output,
-    # rowwise_split_input); sequence parallelism is refused for it (tp_archs.py reports the refusal's line)
-    dirs.append(str(make_model_dir(tmp_path, "phi3")))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "tests/scripts/tp_archs.py", *dirs], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(diffs) == {*ARCHS, "phi3"}
-    assert "sequence parallelism cannot split them" in diffs["phi3"].pop("tp_sp"), diffs["phi3"]
-    for arch, by_mode in diffs.items():
-        assert set(by_mode) == ({"tp"} if arch == "phi3" else {"tp", "tp_sp"}), (arch, by_mode)
-        for mode, (loss, grad) in by_mode.items():
-            assert loss < 1e-5 and grad < 1e-6, (arch, mode, loss, grad)
-
-
 def test_prepare_tokens_uses_the_model_directorys_tokenizer(tmp_path):
     import subprocess
     import sys
@@ -264,8 +137,7 @@ def test_prepare_tokens_uses_the_model_directorys_tokenizer(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dist_train.checks import validate
-    from tests.helpers import ROOT, env
-    from tests.unit.test_config import run_config
+    from tests.helpers import ROOT, env, run_config
     from tests.unit.test_data import TEXT, _local_tokenizer
 
     d = tmp_path / "model"
@@ -371,17 +243,3 @@ def test_an_architecture_with_its_own_head_width_needs_no_divisible_hidden_size(
         cfg = compose(config_name="config", overrides=["model.hidden_size=96", "model.num_heads=5"])
     with pytest.raises(ConfigError, match="must be divisible by model.num_heads=5"):
         validate(to_run_config(cfg), 1)
-
-
-@pytest.mark.multiproc
-def test_phi3_under_tp_trains_as_one_process(tmp_path):
-    """Phi-3's fused projections under strategy=tp (transformers' colwise_gather_output / rowwise_split_input),
-    loaded from its directory: every step's loss as one process's."""
-    from tests.helpers import assert_same_losses, train_ok
-
-    d = make_model_dir(tmp_path, "phi3")
-    run = ["logger=none", "model=hf", f"model.path={d}", "train.steps=3", "train.seq_len=32",
-           "train.global_batch_size=4", "train.micro_batch_size=2"]
-    single = train_ok(["strategy=single", *run], run_dir=tmp_path / "single")
-    tp = train_ok(["strategy=tp", *run], run_dir=tmp_path / "tp", nproc=2)
-    assert_same_losses(single, tp, steps=3)

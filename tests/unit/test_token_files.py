@@ -1,18 +1,13 @@
 """Token files that cannot be right are refused before step 1: text, a size that is no whole number of ids, a
 sidecar that disagrees with the file or the model, an id the model's vocabulary lacks (with or without a sidecar).
 
-The scan (dist_train/token_files.py) and the checks are tested in this process; five bad files go through
-`launch/train.py --check-config` as a user runs it, launched together once (each launch is seconds of imports).
+The scan (dist_train/token_files.py) and the checks, in this process. Five bad files through
+`launch/train.py --check-config` as a user runs it: tests/launched/test_token_files.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,25 +16,8 @@ from dist_train import token_files
 from dist_train.checks import validate
 from dist_train.config import ConfigError
 from dist_train.token_files import looks_like_text, max_token_id, scan_max_id
-from tests.helpers import ROOT, TRAIN, env
-from tests.unit.test_config import run_config
-
-NOTES = "Meeting notes, Tuesday: we agreed to train the small model first. Café at 10 €.\n" * 60
-
-
-def _prepare_tokens():  # type: ignore[no-untyped-def]
-    """launch/prepare_tokens.py as a module: its write() makes the sidecar training reads."""
-    spec = importlib.util.spec_from_file_location("prepare_tokens", ROOT / "launch" / "prepare_tokens.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _ids(*, largest: int, count: int = 500, seed: int = 0) -> np.ndarray:
-    """`count` ids below 200 with `largest` once, near the end (the last chunk of a chunked scan)."""
-    ids = np.random.default_rng(seed).integers(0, 200, size=count)
-    ids[count - 7] = largest
-    return ids
+from tests.helpers import run_config
+from tests.token_files_support import NOTES, prepare_tokens_module, token_ids
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -50,7 +28,7 @@ def _ids(*, largest: int, count: int = 500, seed: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("chunk_bytes", [64, 1000, 2**26])
 def test_the_scan_finds_the_largest_id_whatever_the_chunks(tmp_path, dtype, chunk_bytes):
     path = tmp_path / "t.bin"
-    ids = _ids(largest=60_000, count=1001).astype(dtype)
+    ids = token_ids(largest=60_000, count=1001).astype(dtype)
     ids.tofile(path)
     assert scan_max_id(str(path), dtype=dtype, chunk_bytes=chunk_bytes) == 60_000 == int(ids.max())
     with open(path, "ab") as f:  # a trailing partial id is not an id
@@ -62,7 +40,7 @@ def test_the_scan_finds_the_largest_id_whatever_the_chunks(tmp_path, dtype, chun
 
 def test_a_file_is_scanned_once_per_process_and_again_when_it_changes(tmp_path, monkeypatch):
     path = tmp_path / "t.bin"
-    _ids(largest=300).astype(np.uint16).tofile(path)
+    token_ids(largest=300).astype(np.uint16).tofile(path)
     scans: list[str] = []
     scan, notes = token_files.scan_max_id, []
     monkeypatch.setattr(token_files, "scan_max_id", lambda p, **kw: scans.append(p) or scan(p, **kw))
@@ -71,7 +49,7 @@ def test_a_file_is_scanned_once_per_process_and_again_when_it_changes(tmp_path, 
     assert max_token_id(str(path), dtype="uint16", announce=notes.append) == 300
     assert len(scans) == 1 and len(notes) == 1 and f"{path} has no max_id in a sidecar" in notes[0]
     assert max_token_id(str(path), dtype="uint32", announce=None) > 2**16  # another dtype is another scan
-    _ids(largest=400, count=600).astype(np.uint16).tofile(path)  # rewritten: another size
+    token_ids(largest=400, count=600).astype(np.uint16).tofile(path)  # rewritten: another size
     assert max_token_id(str(path), dtype="uint16") == 400 and len(scans) == 3
 
 
@@ -109,7 +87,8 @@ def _refused(*overrides: str) -> str:
 
 def test_a_sidecars_max_id_is_used_and_the_file_is_scanned_without_one(tmp_path, monkeypatch):
     path = tmp_path / "t.bin"
-    meta = _prepare_tokens().write(_ids(largest=255).tolist(), path, vocab_size=256, tokenizer="t", source="s")
+    meta = prepare_tokens_module().write(token_ids(largest=255).tolist(), path, vocab_size=256, tokenizer="t",
+                                         source="s")
     assert meta["max_id"] == 255 and json.loads(path.with_suffix(".json").read_text())["max_id"] == 255
     scans: list[str] = []
     scan = token_files.scan_max_id
@@ -129,7 +108,7 @@ def test_a_sidecars_max_id_is_used_and_the_file_is_scanned_without_one(tmp_path,
 
 def test_a_sidecar_that_disagrees_names_both_sides(tmp_path):
     path, sidecar = tmp_path / "t.bin", tmp_path / "t.json"
-    _ids(largest=100).astype(np.uint16).tofile(path)
+    token_ids(largest=100).astype(np.uint16).tofile(path)
     base = {"dtype": "uint16", "vocab_size": 256, "num_tokens": 500, "max_id": 100}
     for meta, overrides, says in [
         ({**base}, ["data.dtype=uint32"], f"data.dtype=uint32 but {sidecar} says the file holds uint16 ids"),
@@ -147,8 +126,8 @@ def test_a_sidecar_that_disagrees_names_both_sides(tmp_path):
 
 def test_eval_path_gets_the_same_checks(tmp_path):
     train, held_out = tmp_path / "train.bin", tmp_path / "eval.bin"
-    _ids(largest=100).astype(np.uint16).tofile(train)
-    _ids(largest=999).astype(np.uint16).tofile(held_out)
+    token_ids(largest=100).astype(np.uint16).tofile(train)
+    token_ids(largest=999).astype(np.uint16).tofile(held_out)
     said = _refused("data=tokens", f"data.path={train}", "eval.every_steps=5", f"eval.path={held_out}")
     assert said.startswith(f"eval.path='{held_out}' holds token id 999 (read as uint16) but model.vocab_size=256")
 
@@ -159,7 +138,7 @@ def test_a_model_directorys_vocabulary_is_the_one_checked(tmp_path):
 
     GPT2Config(vocab_size=128, n_layer=1, n_embd=32, n_head=2, n_positions=128).save_pretrained(tmp_path / "m")
     path = tmp_path / "t.bin"
-    _ids(largest=200).astype(np.uint16).tofile(path)
+    token_ids(largest=200).astype(np.uint16).tofile(path)
     said = _refused("model=hf", f"model.path={tmp_path / 'm'}", "data=tokens", f"data.path={path}")
     assert said == (f"data.path='{path}' holds token id 200 (read as uint16) but model.path={tmp_path / 'm'} has 128 "
                     "tokens (its config.json); tokenize the text with its tokenizer: python launch/prepare_tokens.py "
@@ -176,69 +155,10 @@ def test_byte_tokens_are_refused_for_pretrained_weights_that_learned_another_tok
     notes = tmp_path / "notes.txt"
     notes.write_text(NOTES)
     tokens = tmp_path / "bytes.bin"
-    _prepare_tokens().write(NOTES.encode(), tokens, vocab_size=256, tokenizer="byte", source=str(notes))
+    prepare_tokens_module().write(NOTES.encode(), tokens, vocab_size=256, tokenizer="byte", source=str(notes))
     for data in (["data=textfile", f"data.path={notes}"], ["data=tokens", f"data.path={tokens}"]):
         said = _refused("model=hf", f"model.path={model}", *data)
         assert f"with the pretrained weights of model.path={model} (2048 tokens)" in said, said
         assert f"python launch/prepare_tokens.py SOURCE OUT.bin --model {model}" in said
         _, run = run_config("model=hf", f"model.path={model}", "model.init=random", *data)
         validate(run, 1)  # from scratch, bytes are a choice
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# through the launcher, as a user runs it
-
-
-def _bad_files(d: Path) -> dict[str, tuple[Path, str]]:
-    """name -> (the file given as data.path, what the one line must say)."""
-    prepare = _prepare_tokens()
-    notes, beyond, with_sidecar = d / "notes.txt", d / "beyond.bin", d / "sidecar" / "beyond.bin"
-    odd, wide = d / "odd.bin", d / "wide.bin"
-    notes.write_text(NOTES)
-    _ids(largest=300).astype(np.uint16).tofile(beyond)
-    prepare.write(_ids(largest=300).tolist(), with_sidecar, vocab_size=512, tokenizer="my-tokenizer", source="s")
-    odd.write_bytes(_ids(largest=100).astype(np.uint16).tobytes()[:-1])
-    _ids(largest=100).astype(np.uint32).tofile(wide)  # uint32 ids, a sidecar that says uint16
-    wide.with_suffix(".json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 256, "num_tokens": 500}))
-    return {
-        "text": (notes, f"data.path='{notes}' looks like text, not token ids; tokenize it first with python "
-                        f"launch/prepare_tokens.py {notes} {d / 'notes.bin'} --model DIR (or --tokenizer byte)"),
-        "id beyond the vocabulary": (beyond, f"data.path='{beyond}' holds token id 300 (read as uint16) but "
-                                             "model.vocab_size=256; set model.vocab_size=301 or more"),
-        "id beyond, with a sidecar": (with_sidecar, f"data.path='{with_sidecar}' was tokenized with 'my-tokenizer' "
-                                                    "(512 tokens) but model.vocab_size=256; set model.vocab_size=512"),
-        "odd size": (odd, f"data.path='{odd}' has 999 bytes, not a whole number of uint16 tokens"),
-        "wrong-dtype sidecar": (wide, f"data.path='{wide}' has 2,000 bytes but its sidecar {wide.with_suffix('.json')} "
-                                      "says 500 uint16 tokens (1,000 bytes)"),
-    }
-
-
-@pytest.fixture(scope="module")
-def checked(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess[str], str]]:
-    """Each bad file through `launch/train.py --check-config`, two launches at a time."""
-    d = tmp_path_factory.mktemp("token-files")
-    (d / "sidecar").mkdir()
-    cases = _bad_files(d)
-
-    def check(name: str) -> tuple[subprocess.CompletedProcess[str], str]:
-        path, says = cases[name]
-        cmd = [sys.executable, str(TRAIN), "--check-config", "data=tokens", f"data.path={path}", "logger=none",
-               f"hydra.run.dir={d / 'runs' / str(CASES.index(name))}"]
-        return subprocess.run(cmd, cwd=d, env=env(), capture_output=True, text=True, timeout=180), says
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(cases, pool.map(check, cases)))
-
-
-CASES = ["text", "id beyond the vocabulary", "id beyond, with a sidecar", "odd size", "wrong-dtype sidecar"]
-
-
-@pytest.mark.multiproc
-@pytest.mark.beside
-@pytest.mark.parametrize("case", CASES)
-def test_a_bad_token_file_is_one_line_before_anything_starts(case, checked):
-    proc, says = checked[case]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(lines) == 1 and says in lines[0], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]

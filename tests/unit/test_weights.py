@@ -9,7 +9,7 @@ import torch
 from dist_train.config import ModelConfig
 from dist_train.model import build_model, transformer_blocks, weight_source
 from dist_train.weights import SeededInit, materialize
-from tests.unit.test_own_model import ARCHS
+from tests.own_model_support import ARCHS
 
 
 def _config(arch: str):

@@ -1,0 +1,49 @@
+"""Bad input, in this process: docs/troubleshooting.md's "Bad input the tests try" table lists exactly the cases
+tests/launched/test_bad_input.py launches (tests/bad_input_support.py), and the one-line formatter keeps what is wrong
+and drops Hydra's noise.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dist_train.entry import one_line
+from tests.bad_input_support import CASES
+from tests.helpers import ROOT
+
+
+def test_the_docs_list_exactly_the_bad_inputs_tested():
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    section = page.split("## Bad input the tests try", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `([^`]*)` \| `([^`]*)` \|", section, flags=re.M)
+    tested = {(_entry_name(e), a or "(none)") for e, a, _ in CASES} | {("torchrun launch/train.py", "train.lr=-1")}
+    assert set(rows) == tested
+
+
+def _entry_name(entry: str) -> str:
+    return "python " + entry
+
+
+# -------------------------------------------------------------------- the one-line formatter
+def _hydra_error(*overrides: str) -> BaseException:
+    from dist_train.estimate.compose import compose_training_config
+
+    with pytest.raises(Exception) as err:
+        compose_training_config(list(overrides))
+    return err.value
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (["optimizer=adam"], "optimizer=adam is not an option (no conf/optimizer/adam.yaml); available: adafactor, "
+                             "adam8bit, adamw, lion, lomo, sgd"),
+        (["train.lr=abc"],
+         "Error merging override train.lr=abc; Value 'abc' of type 'str' could not be converted to Float"),
+        (["strategy.stage=5"], "Could not override 'strategy.stage'; Key 'stage' not in 'DDPConfig'"),
+    ],
+)
+def test_one_line_keeps_what_is_wrong_and_drops_hydra_noise(overrides, line):
+    assert one_line(_hydra_error(*overrides)) == line
