@@ -1,12 +1,15 @@
-"""What the estimator needs to know about a transformer block that transformers' configs do not say, as features.
+"""What the estimator and the strategies need to know about a transformer block that transformers does not say: its
+features, and, for an architecture transformers gives no plans, its plans in transformers' own format.
 
 Every architecture transformers lays out as a decoder stack of RMSNorm, separate q/k/v projections, rotary
 positions and a gated MLP (Llama, Mistral, Qwen2/3, ...) is the default description. The others are described here,
 by what their blocks are, and nowhere else: the estimator (dist_train/estimate/) and the strategies read features,
-never a model's name (tests/test_structure.py checks that they name none).
+never a model's name (tests/unit/test_structure.py checks that they name none).
 
 - GPT-2: transformers gives it no tensor-parallel or pipeline plan; LayerNorm with a bias, learned positions, one
-  fused q/k/v projection, a GELU MLP, a bias on every projection, Conv1D weights stored in x out.
+  fused q/k/v projection, a GELU MLP, a bias on every projection, Conv1D weights stored in x out. Its tensor-parallel
+  plan is written here as data (FALLBACK_PLANS), and its pipeline stage's forward in the model layer
+  (dist_train/model.py), the one piece that is code.
 - Gemma: its RMSNorm scales by (1 + weight) in fp32, so the normalized output it keeps is fp32 too.
 - Phi-3: fused qkv_proj and gate_up_proj.
 """
@@ -14,6 +17,7 @@ never a model's name (tests/test_structure.py checks that they name none).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -52,3 +56,35 @@ _DESCRIBED = {
 def block_features(model_type: str) -> BlockFeatures:
     """The features of `model_type`'s blocks: its description above, else the Llama-like default."""
     return _DESCRIBED.get(model_type, BlockFeatures())
+
+
+@dataclass(frozen=True)
+class Plans:
+    """Plans for an architecture transformers gives none, in the form tensor parallelism reads transformers' own:
+    `tp`, a block's `base_model_tp_plan` entries (path inside the block: style); `sequence_parallel`, each block child's
+    role under sequence parallelism (norm: runs on this rank's tokens; gather_input / gather_kwarg_input: its input,
+    split by sequence, gathered whole on entry); `per_rank`, the block attributes that count what one rank computes
+    (heads, widths), divided by the tensor-parallel degree."""
+
+    tp: dict[str, str]
+    sequence_parallel: dict[str, str]
+    per_rank: tuple[str, ...] = ()
+
+
+# The roles under sequence parallelism of a decoder block laid out as Llama's (transformers' layers pass attention its
+# input by keyword).
+DECODER_SEQUENCE_PARALLEL = {"input_layernorm": "norm", "post_attention_layernorm": "norm",
+                             "self_attn": "gather_kwarg_input", "mlp": "gather_input"}
+
+FALLBACK_PLANS = {
+    # colwise_fused_qkv: the fused [q | k | v] Conv1D split by head, each rank computing its heads of all three
+    "gpt2": Plans(tp={"attn.c_attn": "colwise_fused_qkv", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
+                      "mlp.c_proj": "rowwise"},
+                  sequence_parallel={"ln_1": "norm", "ln_2": "norm", "attn": "gather_input", "mlp": "gather_input"},
+                  per_rank=("attn.split_size", "attn.num_heads", "attn.embed_dim")),
+}
+
+
+def fallback_plans(model_type: str) -> Optional[Plans]:
+    """The plans written here for `model_type`, None for an architecture whose plans transformers has."""
+    return FALLBACK_PLANS.get(model_type)

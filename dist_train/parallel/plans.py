@@ -7,22 +7,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from dist_train.architectures import DECODER_SEQUENCE_PARALLEL, fallback_plans
+
 
 # Styles of transformers' per-block TP plans (`base_model_tp_plan`) that tensor parallelism here applies.
 # colwise_gather_output / rowwise_split_input (Phi-3's fused qkv_proj and gate_up_proj, OLMo 2's q/k/v): the
 # projection's weight is split as colwise / rowwise, its output gathered whole / its whole input split on entry,
 # so what lies between runs unsplit on every rank (a fused [q | k | v] cut in contiguous columns is not whole heads).
-TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
+             "colwise_fused_qkv")  # the last: this project's own, for a fused q/k/v (dist_train/architectures.py)
 # The styles that keep what lies between two projections whole: sequence parallelism cannot split it.
 GATHERING_STYLES = ("colwise_gather_output", "rowwise_split_input")
 
 
 def block_tp_plan(config: Any) -> dict[str, str]:
     """{path inside a transformer block: style} from transformers' own plan for this architecture
-    (`base_model_tp_plan`'s `layers.*.` entries); GPT-2 has none and is split by hand (parallel/tensor_parallel.py).
-    ValueError, saying why, for a model without a plan or with a style not applied here."""
-    if config.model_type == "gpt2":
-        return {}
+    (`base_model_tp_plan`'s `layers.*.` entries), or the one dist_train/architectures.py writes for an architecture
+    transformers gives none. ValueError, saying why, for a model without a plan or with a style not applied here."""
+    fallback = fallback_plans(config.model_type)
+    if fallback is not None:
+        return dict(fallback.tp)
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     block = {key.split(".*.", 1)[1]: style for key, style in plan.items() if ".*." in key}
     if not block:
@@ -33,3 +37,16 @@ def block_tp_plan(config: Any) -> dict[str, str]:
         raise ValueError(f"model.arch={config.model_type}'s tensor-parallel plan uses {', '.join(other)}, which is not "
                          f"applied here (only {', '.join(TP_STYLES)})")
     return block
+
+
+def block_sequence_parallel_plan(config: Any) -> dict[str, str]:
+    """{block child: role} under sequence parallelism (architectures.Plans.sequence_parallel): a decoder block laid
+    out as Llama's, or what dist_train/architectures.py writes for the architecture."""
+    fallback = fallback_plans(config.model_type)
+    return dict(fallback.sequence_parallel if fallback is not None else DECODER_SEQUENCE_PARALLEL)
+
+
+def per_rank_attributes(config: Any) -> tuple[str, ...]:
+    """Block attributes counting what one rank computes, divided by the tensor-parallel degree (GPT-2's heads)."""
+    fallback = fallback_plans(config.model_type)
+    return fallback.per_rank if fallback is not None else ()

@@ -78,7 +78,7 @@ def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Any, 
 
 
 class FusedColwiseConv1D(nn.Module):
-    """GPT-2's fused [q | k | v] projection, column-parallel by head: each rank computes its heads of all three.
+    """A fused [q | k | v] Conv1D (GPT-2's c_attn), column-parallel by head: each rank computes its heads of all three.
 
     Keeps the Conv1D's parameter names (`weight`, `bias`), so state dicts match transformers'."""
 
@@ -150,22 +150,16 @@ class HeadNorm(ParallelStyle):
 
 def tp_plan(config: Any, block: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """Per transformer block: which projection is split how (paths relative to the block), from transformers'
-    own plan for the architecture (GPT-2's written here).
+    own plan for the architecture, or the one dist_train/architectures.py writes where transformers has none.
 
     With sequence parallelism the residual stream between the projections is split by sequence: the
     norms run on each rank's tokens (torch's `SequenceParallel`), attention's and the MLP's input is
     all-gathered on entry, and the row-parallel outputs are reduce-scattered instead of all-reduced."""
-    from dist_train.parallel.plans import GATHERING_STYLES, block_tp_plan
+    from dist_train.parallel.plans import GATHERING_STYLES, block_sequence_parallel_plan, block_tp_plan
 
     row = {"output_layouts": Shard(1)} if sequence_parallel else {}
-    if config.model_type == "gpt2":
-        # attn.c_attn is fused and handled by FusedColwiseConv1D.
-        plan: dict[str, ParallelStyle] = {"attn.c_proj": Rowwise(**row), "mlp.c_fc": Colwise(), "mlp.c_proj": Rowwise(**row)}
-        if sequence_parallel:
-            plan |= {"ln_1": SequenceParallel(), "ln_2": SequenceParallel(), "attn": _gather_input(), "mlp": _gather_input()}
-        return plan
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    plan = {}
+    plan: dict[str, ParallelStyle] = {}
     styles = block_tp_plan(config)
     gathering = sorted({s for s in styles.values() if s in GATHERING_STYLES})
     if sequence_parallel and gathering:
@@ -181,6 +175,8 @@ def tp_plan(config: Any, block: nn.Module, *, sequence_parallel: bool = False) -
             plan[path] = Colwise(output_layouts=Replicate(), use_local_output=True)
         elif style == "rowwise_split_input":  # a whole input, each rank taking its slice of the last dimension
             plan[path] = Rowwise(input_layouts=Replicate())
+        elif style == "colwise_fused_qkv":  # replaced by FusedColwiseConv1D before the plan is applied
+            continue
         else:  # replicated_with_grad_allreduce
             weight = block.get_submodule(path).weight
             if weight.shape != (head_dim,):
@@ -188,23 +184,27 @@ def tp_plan(config: Any, block: nn.Module, *, sequence_parallel: bool = False) -
                                  f"attention head ({head_dim}): splitting it is not supported")
             plan[path] = HeadNorm()
     if sequence_parallel:
-        names = {"input_layernorm", "post_attention_layernorm", "self_attn", "mlp"}
-        if not names <= {name for name, _ in block.named_children()}:
+        roles = block_sequence_parallel_plan(config)
+        if not set(roles) <= {name for name, _ in block.named_children()}:
             raise ValueError(f"{config.model_type}: sequence parallelism needs blocks laid out as Llama's "
-                             f"({', '.join(sorted(names))}); use strategy.sequence_parallel=false")
-        plan |= {
-            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-            # transformers' decoder layers pass attention its input by keyword
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            "mlp": _gather_input(),
-        }
+                             f"({', '.join(sorted(roles))}); use strategy.sequence_parallel=false")
+        plan |= {name: _SEQUENCE_PARALLEL_ROLES[role]() for name, role in roles.items()}
     return plan
 
 
 def _gather_input() -> ParallelStyle:
     """The module's first argument arrives split by sequence and is used whole (an all-gather)."""
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
+
+def _gather_kwarg_input() -> ParallelStyle:
+    """As _gather_input, for a module given its input by keyword (transformers' decoder layers call attention so)."""
+    return PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                              desired_input_kwarg_layouts={"hidden_states": Replicate()})
+
+
+_SEQUENCE_PARALLEL_ROLES = {"norm": SequenceParallel, "gather_input": _gather_input,
+                            "gather_kwarg_input": _gather_kwarg_input}
 
 
 def _split_sequence(mesh: DeviceMesh) -> Any:
@@ -270,18 +270,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool =
     rest, in place.
 
     Sequence parallelism: the first block takes its rank's slice of the sequence, the final norm runs on
-    it too, and its output is gathered whole for the head (and for GPT-2's reshape before it)."""
+    it too, and its output is gathered whole for the head (and for any reshape before it)."""
+    from dist_train.parallel.plans import block_tp_plan, per_rank_attributes
+
     tp, config = mesh.size(), model.config
     blocks = transformer_blocks(model)
     for block in blocks:
         inner = _resolved(block)
-        if config.model_type == "gpt2":
-            attn = inner.attn
-            # Each rank runs its heads: split_size is what the fused output is cut into (q, k, v).
-            attn.c_attn = FusedColwiseConv1D(attn.c_attn, mesh, parts=3, src_data_rank=None)
-            attn.split_size //= tp
-            attn.num_heads //= tp
-            attn.embed_dim //= tp
+        for path, style in block_tp_plan(config).items():
+            if style == "colwise_fused_qkv":  # each rank runs its heads of q, k and v
+                parent, name = path.rpartition(".")[::2]
+                owner = inner.get_submodule(parent) if parent else inner
+                setattr(owner, name, FusedColwiseConv1D(getattr(owner, name), mesh, parts=3, src_data_rank=None))
+        for path in per_rank_attributes(config):  # what one rank computes: its heads, their width
+            parent, name = path.rpartition(".")[::2]
+            owner = inner.get_submodule(parent) if parent else inner
+            setattr(owner, name, getattr(owner, name) // tp)
         # Every rank built the same weights from the seed: nothing to broadcast.
         parallelize_module(inner, mesh, tp_plan(config, inner, sequence_parallel=sequence_parallel), src_data_rank=None)
     if sequence_parallel:

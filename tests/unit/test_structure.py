@@ -154,15 +154,16 @@ def test_each_strategy_yaml_composes_to_what_its_module_registers(name):
     assert setup.family == family.family
 
 
-def test_no_strategy_and_no_estimator_module_names_an_architecture():
-    """Architectures are described once (dist_train/architectures.py, transformers' own plans, dist_train/model.py's
-    layouts): a module under strategies/ or estimate/ that compared a model's type with a name (`== "gpt2"`) would
-    make every new architecture touch it. Any string in their code that is one of transformers' model types fails."""
+def test_no_strategy_parallelism_or_estimator_module_names_an_architecture():
+    """Architectures are described once (dist_train/architectures.py: features, and GPT-2's plans as data;
+    transformers' own plans; dist_train/model.py's layouts): a module under strategies/, parallel/ or estimate/ that
+    compared a model's type with a name (`== "gpt2"`) would make every new architecture touch it. Any string in their
+    code that is one of transformers' model types fails."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     model_types = set(CONFIG_MAPPING_NAMES)
     named = []
-    for room in ("strategies", "estimate"):
+    for room in ("strategies", "parallel", "estimate"):
         for path in sorted((PACKAGE / room).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in model_types:
