@@ -270,7 +270,7 @@ class StrategyFamily:
 
     `names` maps every `strategy=<name>` of the family to the schema values that name implies (Lightning's
     `register_strategies` does the same: `zero3` -> stage=3); conf/strategy/<name>.yaml sets the same values,
-    and tests/test_structure.py checks that they agree.
+    and tests/unit/test_structure.py checks that they agree.
     """
 
     family: str  # the schema's name in Hydra's ConfigStore: conf/strategy/*.yaml extend /schema/strategy/<family>

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from dist_train.entry import exit_on_help  # noqa: E402
 
-# The options dist_train.dashboard accepts (its _OPTIONS; tests/test_help.py checks the two agree), their
+# The options dist_train.dashboard accepts (its _OPTIONS; tests/launched/test_help.py checks the two agree), their
 # defaults and meaning: listed here so that --help does not wait for torch to import.
 OPTIONS = {
     "logger.project=P": "the W&B project (default: the one project the runs logged to)",

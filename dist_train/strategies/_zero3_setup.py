@@ -16,7 +16,7 @@ it relies on is still there and otherwise leaves DeepSpeed alone).
    the weights on 4 ranks of a 162M model). While that method runs, a partitioned parameter's `all_gather` and
    `partition` do nothing, so it stays partitioned, as it was and as it would be after.
 
-Both are measured in bench/zero3_setup.py and checked by tests/test_zero.py through tests/scripts/zero3_setup_fixes.py
+Both are measured in bench/zero3_setup.py and checked by tests/launched/test_zero.py through tests/scripts/zero3_setup_fixes.py
 (the master partition shares the parameters' storage in fp32; no all-gather while the engine is built; the same
 losses and parameters).
 """

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # Strategy families whose set-up and step run under a fake process group and FakeTensorMode (tested at world
-# sizes 2 and 4 against real gloo runs: tests/test_dryrun.py).
+# sizes 2 and 4 against real gloo runs: tests/launched/test_dryrun.py).
 DRYRUN_FAMILIES = ("ddp", "fsdp", "tp", "fsdp_tp", "pipeline", "zero")
 # Why the others do not run there yet (each found by trying it).
 NOT_YET = {
