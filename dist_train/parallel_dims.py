@@ -173,15 +173,3 @@ def layout_dims(layout: str, world_size: int, *, replicas: int = 1, tp: int = 1,
         return ParallelDims(w, pp=stages, **{stage_dp: max(w // stages, 1)})
     raise ValueError(f"layout {layout!r} unknown; known: {', '.join(LAYOUTS)}")
 
-
-# Which categories of model state each kind of data parallelism partitions over its dp_shard ranks (the ZeRO
-# paper's P_os, P_os+g, P_os+g+p); a category not named is whole on every rank of that dimension.
-STATE_CATEGORIES = ("weights", "grads", "optimizer")
-
-
-def sharded_state(*, zero_stage: int = 0, fsdp: bool = False) -> tuple[str, ...]:
-    """The categories partitioned over dp_shard: ZeRO stage 1 the optimizer's state (and its master weights),
-    stage 2 the gradients too, stage 3 and FSDP2 everything; nothing for the others."""
-    if fsdp:
-        return STATE_CATEGORIES
-    return tuple(c for c, stage in zip(STATE_CATEGORIES, (3, 2, 1)) if zero_stage >= stage)

@@ -1,4 +1,5 @@
-"""Communication per optimizer step of each strategy, per rank.
+"""Communication per optimizer step of each strategy, per rank: the collectives each of the run's parallelisms
+declares (dist_train/parallel/catalog.py), sized here, one sizer per parallelism.
 
 Two views of the same traffic:
 - buffer bytes per collective (nccl-tests convention, the one `telemetry/comm.py` records: an all-reduce
@@ -22,8 +23,11 @@ parallelism all-reduces s x b x h activations inside every layer, forward and ba
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
 
+from dist_train.parallel.catalog import GRADIENT_NORM
 from dist_train.estimate.memory import (element_bytes, state_bytes, tp_rank_params, zero3_keeps_for_backward,
                                         zero3_partitioned)
 from dist_train.estimate.setup import Setup
@@ -62,6 +66,8 @@ class Collective:
     dim: str = ""  # the mesh dimension it runs over (fsdp_tp: tp or dp_shard); "" = the strategy's one group
     group_size: int = 0  # ranks in that group; 0 = the group size the caller passes
     calls: int = 1  # separate calls per step (buckets, one per block, ...): what latency costs (estimate/step_time.py)
+    overlaps: bool = True  # whether compute can hide it (the catalog's Traffic.overlaps)
+    moves: str = ""  # what travels (the catalog's Traffic.moves): parameters, gradients, gradient norm, ...
 
     def ring_bytes(self, group_size: int) -> float:
         return self.bytes * bus_factor(self.op, self.group_size or group_size)
@@ -72,188 +78,276 @@ class Collective:
 
 
 def predict_comm(shape: ModelShape, setup: Setup) -> list[list[Collective]]:
-    """For every rank, the collectives of one optimizer step."""
+    """For every rank, the collectives of one optimizer step: those each of the run's parallelisms declares
+    (parallel/catalog.py), sized here, over its mesh dimension. A dimension of one rank sends nothing (FSDP2, DDP and
+    DeepSpeed issue no collective in a group of one)."""
     if setup.family == "pipeline":
-        stages = [_pipeline(shape, setup, stage=k) for k in range(setup.num_stages)]
+        stages = [_rank(shape, setup, stage=k) for k in range(setup.num_stages)]
         return [stages[rank // setup.data_parallel_size] for rank in range(setup.world_size)]
-    if setup.family == "tp":
-        return [_tensor_parallel(shape, setup)] * setup.world_size
-    if setup.family == "fsdp_tp":
-        tp = [replace(c, dim="tp", group_size=setup.tp) for c in _tensor_parallel(shape, setup)]
-        # FSDP2 over the dp dimension, of what each TP rank holds (blocks split by tp, the rest whole)
-        fsdp = _fsdp(shape, setup, block_params=shape.num_layers * shape.layer_params_tp(setup.tp),
-                     num_params=tp_rank_params(shape, setup))
-        return [tp + [replace(c, dim="dp_shard", group_size=setup.data_parallel_size) for c in fsdp]] * setup.world_size
-    return [_data_parallel(shape, setup)] * setup.world_size
+    return [_rank(shape, setup, stage=None)] * setup.world_size
 
 
-def _data_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
-    num_params = shape.num_params
-    n, m = setup.data_parallel_size, setup.microbatches_per_step
-    if n == 1 or setup.family in ("single", "dp"):
-        return []
-    b = state_bytes(  # weights and gradients are what travel; the optimizer's state stays put
-        precision=setup.precision, optimizer=setup.optimizer, momentum=setup.momentum, regime=setup.resolved_regime,
-        optimizer_per_param=0.0,
-    )
-    if setup.kind == "ddp":
-        return [Collective("all_reduce", num_params * b.grads, "gradients, once per step (no_sync while accumulating)",
-                           int(b.grads), calls=buckets(num_params * b.grads, setup.bucket_cap_mb * 2**20))]
-    if setup.kind == "fsdp":
-        fsdp = _fsdp(shape, setup, block_params=shape.num_layers * shape.layer_params(), num_params=num_params)
-        return fsdp if setup.dims.dp_replicate == 1 else _hybrid(fsdp, shape, setup, num_params=num_params)
-    stage = setup.zero_stage
-    if stage >= 3:
-        # The paper gathers every parameter in forward and again in backward. DeepSpeed keeps a parameter
-        # gathered when its backward use is within stage3_max_reuse_distance: for partitioned parameters of at
-        # most that many elements, one gather per micro-batch (measured: tiny model, 2 gathers per 2
-        # micro-batches). For a larger model the blocks near the forward/backward turn are reused too; 2x is an
-        # upper bound. Parameters under stage3_param_persistence_threshold stay whole on every rank: never gathered.
-        partitioned, modules = zero3_partitioned(shape, setup)
-        reused = setup.resolved_regime == "deepspeed" and zero3_keeps_for_backward(setup, partitioned)
-        gathers = m if reused else 2 * m
-        when = "forward only (kept until backward: stage3_max_reuse_distance)" if reused else "forward + backward"
-        return [
-            Collective("all_gather", gathers * partitioned * b.weights,
-                       f"parameters, {when}, {m} micro-batch(es)", int(b.weights), calls=gathers * modules),
-            Collective("reduce_scatter", m * num_params * b.grads, f"gradients, every micro-batch ({m})", int(b.grads),
-                       calls=m * buckets(num_params, setup.zero_reduce_bucket_size)),
-        ]
-    reduces = m if stage == 2 else 1
-    # The paper reduce-scatters gradients (Ψ of ring traffic); DeepSpeed 0.19's stage 1/2 all-reduces each
-    # gradient bucket and keeps its own partition (use_multi_rank_bucket_allreduce=True by default): 2Ψ.
-    op = "all_reduce" if setup.resolved_regime == "deepspeed" else "reduce_scatter"
-    return [
-        Collective(op, reduces * num_params * b.grads, f"gradients, {reduces}x per step", int(b.grads),
-                   calls=reduces * buckets(num_params, setup.zero_reduce_bucket_size)),
-        Collective("all_gather", num_params * b.weights, "updated parameters after the step", int(b.weights),
-                   calls=buckets(num_params, DS_ALLGATHER_BUCKET_SIZE)),
-    ]
+def _rank(shape: ModelShape, setup: Setup, *, stage: Optional[int]) -> list[Collective]:
+    out: list[Collective] = []
+    deepspeed = setup.resolved_regime == "deepspeed"
+    norm_dims: list[str] = []  # the dimensions whose parallelisms split the gradients: one norm over them all
+    for p in setup.parallelisms:
+        n = setup.dims.degree(p.dim)
+        if n == 1:
+            continue
+        sized = SIZERS[p.name](shape, setup, stage)
+        declared = [(t.op, t.moves) for t in p.traffic if t is not GRADIENT_NORM]
+        if list(sized) != declared:  # a sizer for every declared collective, and for nothing else
+            raise AssertionError(f"{p.name}: sized {list(sized)}, declared {declared}")
+        for t in p.traffic:
+            if t is GRADIENT_NORM:
+                norm_dims.append(p.dim)
+                continue
+            size = sized[(t.op, t.moves)]
+            op = t.paper_op if t.paper_op and not deepspeed else t.op
+            out.append(Collective(op, size.bytes, size.what, size.elem, dim=p.dim,
+                                  group_size=2 if op in ("send", "recv") else n, calls=size.calls,
+                                  overlaps=t.overlaps, moves=t.moves))
+    if norm_dims:
+        size = _gradient_norm(shape, setup)
+        out.append(Collective("all_reduce", size.bytes, size.what, size.elem,
+                              dim=norm_dims[0] if len(norm_dims) == 1 else "",
+                              group_size=math.prod(setup.dims.degree(d) for d in norm_dims), calls=size.calls,
+                              overlaps=GRADIENT_NORM.overlaps, moves=GRADIENT_NORM.moves))
+    return out
 
 
-def _fsdp(shape: ModelShape, setup: Setup, *, block_params: float, num_params: float) -> list[Collective]:
-    """FSDP2 per block, then the root, of `num_params` parameters of which `block_params` are in blocks.
+def _gradient_norm(shape: ModelShape, setup: Setup) -> Sized:
+    """The global gradient norm's all-reduce (measured): DTensor's (fsdp, hsdp, tp, fsdp_tp) reduces each gradient
+    tensor's partial norm, one fp32 value per parameter tensor; a pipeline sums its stages' squared norms, one fp32
+    value; DeepSpeed ZeRO-1/2 one fp32 value; ZeRO-3 one fp64 value per sub-group, each its own all-reduce (two at
+    Llama-2-70B on 64 ranks: 1.08e9 elements a rank, sub-groups of 1e9)."""
+    if setup.family == "zero" and setup.zero_stage >= 3:
+        groups = _zero3_sub_groups(shape, setup)
+        return Sized(groups * 8, f"the global gradient norm: one fp64 value per sub-group ({groups})", 8, groups)
+    if setup.family in ("pipeline", "zero"):
+        values = 1
+    else:
+        values = sum(len(module) for module in shape.module_shapes())
+    return Sized(values * 4, f"the global gradient norm: {values} fp32 value(s)", 4, 1)
 
-    Each block is gathered in forward and, when resharded after it, again in backward; the root (embeddings,
-    final norm, head) is gathered once per micro-batch and kept for backward (FSDP2's default for the root).
-    Gradients are reduce-scattered once per step, or after every micro-batch (reduce_every_microbatch)."""
+
+def _zero3_sub_groups(shape: ModelShape, setup: Setup) -> int:
+    """DeepSpeed ZeRO-3's sub-groups (stage3.py `_create_fp16_sub_groups`): the parameters' partitions, in order,
+    closed into a sub-group once it holds sub_group_size elements; one all-reduce of the norm per sub-group."""
+    n = setup.dims.dp_shard
+    sizes = [math.ceil(p / n) for module in shape.module_params() for p in module]
+    if setup.zero3_sub_group_size >= sum(sizes):
+        return 1
+    groups, held = 0, 0
+    for i, size in enumerate(sizes):
+        held += size
+        if held >= setup.zero3_sub_group_size or i == len(sizes) - 1:
+            groups, held = groups + 1, 0
+    return groups
+
+
+@dataclass(frozen=True)
+class Sized:
+    """A declared collective's bytes per step (all calls), in words, its element size and its calls per step."""
+
+    bytes: float
+    what: str
+    elem: int
+    calls: int
+
+
+Sizes = dict[tuple[str, str], Sized]  # keyed by the declaration's (op, moves)
+
+
+def _replicate(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
+    """DDP's gradient all-reduce; a pipeline stage's replicas (its fp32 gradients, torch's default 25 MiB buckets);
+    HSDP's replicas (each rank's fp32 gradient shard, as often as the reduce-scatter inside the replica runs)."""
+    key = ("all_reduce", "gradients")
+    if stage is not None:
+        params = _stage_params(shape, setup, stage)
+        return {key: Sized(params * 4, "the stage's fp32 gradients over its replicas, once per step", 4,
+                           buckets(params * 4, DDP_BUCKET_BYTES))}
+    dims = setup.dims
+    if setup.shard_with == "fsdp":
+        reduces = setup.microbatches_per_step if setup.reduce_every_microbatch else 1
+        return {key: Sized(reduces * shape.num_params * 4 / dims.dp_shard,
+                           f"fp32 gradient shards across the {dims.dp_replicate} replicas", 4,
+                           reduces * (shape.num_layers + 1))}
+    grads = _moved_bytes(setup).grads
+    size = shape.num_params * grads
+    return {key: Sized(size, "gradients, once per step (no_sync while accumulating)", int(grads),
+                       buckets(size, setup.bucket_cap_mb * 2**20))}
+
+
+def _fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
+    """FSDP2 per block, then the root. Each block is gathered in forward and, when resharded after it, again in
+    backward; the root (embeddings, final norm, head) is gathered once per micro-batch and kept for backward (FSDP2's
+    default for the root). Gradients are reduce-scattered once per step, or after every micro-batch
+    (reduce_every_microbatch). Under tensor parallelism it shards what a TP rank holds."""
+    if stage is not None:
+        return _stage_fsdp(shape, setup, stage)
     m = setup.microbatches_per_step
+    t = setup.tensor_parallel_size
+    block_params = shape.num_layers * (shape.layer_params_tp(t) if t > 1 else shape.layer_params())
+    num_params = tp_rank_params(shape, setup) if t > 1 else shape.num_params
     block_gathers = m * (2 if setup.reshard_after_forward else 1)
     compute = element_bytes(setup.precision)  # MixedPrecisionPolicy(param_dtype) gathers in the compute dtype
     gathered = (block_gathers * block_params + m * (num_params - block_params)) * compute
     reduces = m if setup.reduce_every_microbatch else 1
     when = f"every micro-batch ({m})" if reduces > 1 else "once per step"
-    return [
-        Collective("all_gather", gathered, f"parameters: blocks {block_gathers}x, root {m}x per step", compute,
-                   calls=block_gathers * shape.num_layers + m),
-        Collective("reduce_scatter", reduces * num_params * 4, f"fp32 gradients (reduce_dtype), {when}", 4,
-                   calls=reduces * (shape.num_layers + 1)),
-    ]
+    return {
+        ("all_gather", "parameters"): Sized(gathered, f"parameters: blocks {block_gathers}x, root {m}x per step",
+                                            compute, block_gathers * shape.num_layers + m),
+        ("reduce_scatter", "gradients"): Sized(reduces * num_params * 4, f"fp32 gradients (reduce_dtype), {when}", 4,
+                                               reduces * (shape.num_layers + 1)),
+    }
 
 
-def _hybrid(fsdp: list[Collective], shape: ModelShape, setup: Setup, *, num_params: float) -> list[Collective]:
-    """HSDP: FSDP's gathers and reduce-scatters within a replica (dp_shard), then each gradient shard all-reduced
-    across the replicas (dp_replicate), as often as the reduce-scatter runs."""
-    dims = setup.dims
-    reduces = setup.microbatches_per_step if setup.reduce_every_microbatch else 1
-    inside = [replace(c, dim="dp_shard", group_size=dims.dp_shard) for c in fsdp]
-    across = Collective("all_reduce", reduces * num_params * 4 / dims.dp_shard,
-                        f"fp32 gradient shards across the {dims.dp_replicate} replicas", 4,
-                        dim="dp_replicate", group_size=dims.dp_replicate, calls=reduces * (shape.num_layers + 1))
-    return [*inside, across]
+def _stage_fsdp(shape: ModelShape, setup: Setup, stage: int) -> Sizes:
+    """A pipeline stage's FSDP-sharded replicas (strategy=pp_dp, dp_mode=fsdp), reduced once per step after the last
+    micro-batch's backward. Parameters stay fp32 (the stage computes under autocast, as a plain pipeline does), so
+    all traffic is fp32. FSDP2 inside a schedule (measured, GPipe and 1F1B alike): a block is gathered for each
+    micro-batch's forward and once more at the first backward, then kept until the step's last backward (the
+    schedule turns off resharding after backward until then): m + 1 gathers; the stage's root is not resharded
+    after forward (FSDP2's root default): 1 gather."""
+    k, m = setup.num_stages, setup.microbatches_per_step
+    params = _stage_params(shape, setup, stage)
+    layers = stage_layers(shape, num_stages=k, split_points=_split(setup))[stage]
+    blocks = layers * shape.layer_params()
+    return {
+        ("all_gather", "parameters"): Sized(((m + 1) * blocks + (params - blocks)) * 4,
+                                            f"the stage's parameters: blocks {m + 1}x, root 1x per step", 4,
+                                            (m + 1) * layers + 1),
+        ("reduce_scatter", "gradients"): Sized(params * 4, "the stage's fp32 gradients, once per step", 4, layers + 1),
+    }
 
 
-def _pipeline(shape: ModelShape, setup: Setup, *, stage: int) -> list[Collective]:
+def _zero12(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
+    """ZeRO-1 and 2: gradients reduced (once per step at stage 1, every micro-batch at stage 2), then the updated
+    partitions gathered. The paper reduce-scatters them (Ψ of ring traffic); DeepSpeed 0.19's stage 1/2 all-reduces
+    each gradient bucket and keeps its own partition (use_multi_rank_bucket_allreduce=True by default): 2Ψ."""
+    num_params, b = shape.num_params, _moved_bytes(setup)
+    reduces = setup.microbatches_per_step if setup.zero_stage == 2 else 1
+    return {
+        ("all_reduce", "gradients"): Sized(reduces * num_params * b.grads, f"gradients, {reduces}x per step",
+                                           int(b.grads), reduces * buckets(num_params, setup.zero_reduce_bucket_size)),
+        ("all_gather", "parameters"): Sized(num_params * b.weights, "updated parameters after the step", int(b.weights),
+                                            buckets(num_params, DS_ALLGATHER_BUCKET_SIZE)),
+    }
+
+
+def _zero3(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
+    """The paper gathers every parameter in forward and again in backward. DeepSpeed keeps a parameter gathered when
+    its backward use is within stage3_max_reuse_distance: for partitioned parameters of at most that many elements,
+    one gather per micro-batch (measured: tiny model, 2 gathers per 2 micro-batches). For a larger model the blocks
+    near the forward/backward turn are reused too; 2x is an upper bound. Parameters under
+    stage3_param_persistence_threshold stay whole on every rank: never gathered."""
+    m, b = setup.microbatches_per_step, _moved_bytes(setup)
+    partitioned, modules = zero3_partitioned(shape, setup)
+    reused = setup.resolved_regime == "deepspeed" and zero3_keeps_for_backward(setup, partitioned)
+    gathers = m if reused else 2 * m
+    when = "forward only (kept until backward: stage3_max_reuse_distance)" if reused else "forward + backward"
+    return {
+        ("all_gather", "parameters"): Sized(gathers * partitioned * b.weights,
+                                            f"parameters, {when}, {m} micro-batch(es)", int(b.weights),
+                                            gathers * modules),
+        ("reduce_scatter", "gradients"): Sized(m * shape.num_params * b.grads, f"gradients, every micro-batch ({m})",
+                                               int(b.grads),
+                                               m * buckets(shape.num_params, setup.zero_reduce_bucket_size)),
+    }
+
+
+def _tokens(shape: ModelShape, setup: Setup) -> tuple[int, int, int]:
+    """Elements of one s x b x h activation, the compute dtype's bytes, and the bytes of a gradient (fp32 under
+    autocast: the cast to 16 bits sits after the split)."""
+    compute = element_bytes(setup.precision)
+    grad = 4 if setup.resolved_regime == "autocast" else compute
+    return setup.seq_len * setup.micro_batch_size * shape.hidden_size, compute, grad
+
+
+def _vocabulary(shape: ModelShape, setup: Setup) -> Sized:
+    """The vocabulary split, per micro-batch: the embedding's looked-up rows (forward, the parameters' dtype), the
+    head's input gradient (backward), and loss_parallel's fp32 max, sum of exponentials and target logit per token."""
+    m = setup.microbatches_per_step
+    tokens, _, grad = _tokens(shape, setup)
+    return Sized(m * (2 * tokens * grad + 3 * setup.seq_len * setup.micro_batch_size * 4),
+                 f"vocabulary split: embedding rows, head input gradient, 3 loss reductions, {m} micro-batch(es)",
+                 grad, 5 * m)
+
+
+def _tensor_parallel(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
+    """Megatron's per-layer all-reduces of an s x b x h activation, per micro-batch: forward, the output of each
+    row-parallel projection (attention out, MLP out), in the compute dtype; backward, the input gradient of each
+    column-parallel projection, in fp32 under autocast. torch's ColwiseParallel reduces each projection's input
+    gradient on its own: Llama's q, k, v, gate and up are 5 all-reduces, GPT-2's fused c_attn and c_fc 2."""
+    m, layers = setup.microbatches_per_step, shape.num_layers
+    tokens, compute, grad = _tokens(shape, setup)
+    backward = shape.features.column_projections
+    return {
+        ("all_reduce", "activations"): Sized(m * layers * (2 * tokens * compute + backward * tokens * grad),
+                                             f"activations: 2 forward + {backward} backward per layer, "
+                                             f"{m} micro-batch(es)", compute, m * layers * (2 + backward)),
+        ("all_reduce", "vocabulary"): _vocabulary(shape, setup),
+    }
+
+
+def _sequence_parallel(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
+    """Megatron's sequence parallelism, per layer and micro-batch: the all-reduces become all-gathers of the norms'
+    outputs (fp32 under autocast: `wide`) before attention and the MLP, and reduce-scatters of the row-parallel
+    outputs (compute dtype); backward mirrors them (the column-parallel input gradients are summed locally, then
+    reduce-scattered once). Per micro-batch also: the first block's input gradient and the final norm's output are
+    all-gathered, and every norm weight's gradient (partial over the sequence shards) is all-reduced, fp32."""
+    m, layers, h = setup.microbatches_per_step, shape.num_layers, shape.hidden_size
+    tokens, compute, wide = _tokens(shape, setup)
+    # norm parameter tensors: GPT-2 LayerNorm weight + bias (2 per block, ln_f), Llama RMSNorm weight
+    norm_grads = shape.features.norm_params_per_unit * (2 * layers + 1)
+    return {
+        ("all_gather", "activations"): Sized(m * (layers * 2 * tokens * (wide + compute) + 2 * tokens * wide),
+                                             f"activations: 2 forward + 2 backward per layer, entry and exit, "
+                                             f"{m} micro-batch(es)", compute, m * (4 * layers + 2)),
+        ("reduce_scatter", "activations"): Sized(m * layers * 2 * tokens * (compute + wide),
+                                                 f"activations: 2 forward + 2 backward per layer, {m} micro-batch(es)",
+                                                 compute, m * 4 * layers),
+        ("all_reduce", "norm gradients"): Sized(m * norm_grads * h * 4,
+                                                f"{norm_grads} norm weight gradients, {m} micro-batch(es)", 4,
+                                                m * norm_grads),
+        ("all_reduce", "vocabulary"): _vocabulary(shape, setup),
+    }
+
+
+def _pipeline(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
+    """One activation (s x b x h) forward and its gradient backward per micro-batch across each stage boundary."""
+    if stage is None:
+        raise ValueError("a pipeline's traffic is a stage's")
     k, m = setup.num_stages, setup.microbatches_per_step
     # Under autocast the residual stream between blocks stays fp32; otherwise it has the training dtype.
     elem = 4 if setup.resolved_regime == "autocast" else element_bytes(setup.precision)
     boundary = setup.seq_len * setup.micro_batch_size * shape.hidden_size * elem
     sends = (stage < k - 1) + (stage > 0)  # activations forward, gradients backward
-    d = setup.data_parallel_size
-    dim = "pp" if d > 1 else ""
-    out = [
-        Collective("send", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem, dim=dim,
-                   calls=sends * m),
-        Collective("recv", sends * m * boundary, f"{sends} boundary tensor(s) x {m} micro-batch(es)", elem, dim=dim,
-                   calls=sends * m),
-    ]
-    if d > 1:
-        dp_dim = "dp_shard" if setup.dp_mode == "fsdp" else "dp_replicate"
-        out += [replace(c, dim=dp_dim, group_size=d) for c in _stage_data_parallel(shape, setup, stage=stage)]
-    return out
+    what = f"{sends} boundary tensor(s) x {m} micro-batch(es)"
+    return {(op, "boundary"): Sized(sends * m * boundary, what, elem, sends * m) for op in ("send", "recv")}
 
 
-def _stage_data_parallel(shape: ModelShape, setup: Setup, *, stage: int) -> list[Collective]:
-    """A stage's replicas (strategy=pp_dp), reduced once per step after the last micro-batch's backward.
-
-    Parameters stay fp32 (the stage computes under autocast, as a plain pipeline does), so all traffic is
-    fp32. FSDP2 inside a schedule (measured, GPipe and 1F1B alike): a block is gathered for each micro-batch's
-    forward and once more at the first backward, then kept until the step's last backward (the schedule turns
-    off resharding after backward until then): m + 1 gathers; the stage's root is not resharded after forward
-    (FSDP2's root default): 1 gather."""
-    k, m = setup.num_stages, setup.microbatches_per_step
-    split = list(setup.split_points) if setup.split_points else None
-    params = stage_params(shape, num_stages=k, split_points=split)[stage]
-    if setup.dp_mode == "replicate":
-        return [Collective("all_reduce", params * 4, "the stage's fp32 gradients over its replicas, once per step", 4,
-                           calls=buckets(params * 4, DDP_BUCKET_BYTES))]
-    layers = stage_layers(shape, num_stages=k, split_points=split)[stage]
-    blocks = layers * shape.layer_params()
-    return [
-        Collective("all_gather", ((m + 1) * blocks + (params - blocks)) * 4,
-                   f"the stage's parameters: blocks {m + 1}x, root 1x per step", 4, calls=(m + 1) * layers + 1),
-        Collective("reduce_scatter", params * 4, "the stage's fp32 gradients, once per step", 4, calls=layers + 1),
-    ]
+# One sizer per parallelism of parallel/catalog.py: the bytes of each collective it declares.
+SIZERS: dict[str, Callable[[ModelShape, Setup, Optional[int]], Sizes]] = {
+    "replicate": _replicate, "fsdp": _fsdp, "zero1": _zero12, "zero2": _zero12, "zero3": _zero3,
+    "tp": _tensor_parallel, "sequence_parallel": _sequence_parallel, "pipeline": _pipeline,
+}
 
 
-def _tensor_parallel(shape: ModelShape, setup: Setup) -> list[Collective]:
-    """Megatron's per-layer all-reduces of an s x b x h activation, per micro-batch: forward, the output of
-    each row-parallel projection (attention out, MLP out), in the compute dtype; backward, the input gradient
-    of each column-parallel projection, in fp32 under autocast (the cast to 16 bits sits after the split).
-    torch's ColwiseParallel reduces each projection's input gradient on its own: Llama's q, k, v, gate and up
-    are 5 all-reduces, GPT-2's fused c_attn and c_fc 2."""
-    if setup.tensor_parallel_size == 1:
-        return []
-    m, layers = setup.microbatches_per_step, shape.num_layers
-    tokens = setup.seq_len * setup.micro_batch_size * shape.hidden_size
-    compute = element_bytes(setup.precision)
-    grad = 4 if setup.resolved_regime == "autocast" else compute
-    # The vocabulary split, per micro-batch: the embedding's looked-up rows (forward, the parameters' dtype), the
-    # head's input gradient (backward), and loss_parallel's fp32 max, sum of exponentials and target logit per token
-    vocab = Collective("all_reduce", m * (2 * tokens * grad + 3 * setup.seq_len * setup.micro_batch_size * 4),
-                       f"vocabulary split: embedding rows, head input gradient, 3 loss reductions, {m} micro-batch(es)",
-                       grad, calls=5 * m)
-    if setup.sequence_parallel:
-        return [*_sequence_parallel(shape, setup, tokens=tokens, compute=compute, wide=grad), vocab]
-    backward = shape.features.column_projections
-    return [
-        Collective("all_reduce", m * layers * (2 * tokens * compute + backward * tokens * grad),
-                   f"activations: 2 forward + {backward} backward per layer, {m} micro-batch(es)", compute,
-                   calls=m * layers * (2 + backward)),
-        vocab,
-    ]
+def _moved_bytes(setup: Setup) -> Any:
+    """Bytes per parameter of the weights and gradients, which are what travel (the optimizer's state stays put)."""
+    return state_bytes(precision=setup.precision, optimizer=setup.optimizer, momentum=setup.momentum,
+                       regime=setup.resolved_regime, optimizer_per_param=0.0)
 
 
-def _sequence_parallel(shape: ModelShape, setup: Setup, *, tokens: int, compute: int, wide: int) -> list[Collective]:
-    """Megatron's sequence parallelism, per layer and micro-batch: the all-reduces become all-gathers of the
-    norms' outputs (fp32 under autocast: `wide`) before attention and the MLP, and reduce-scatters of the
-    row-parallel outputs (compute dtype); backward mirrors them (the column-parallel input gradients are
-    summed locally, then reduce-scattered once). Per micro-batch also: the first block's input gradient and
-    the final norm's output are all-gathered, and every norm weight's gradient (partial over the sequence
-    shards) is all-reduced, fp32."""
-    m, layers, h = setup.microbatches_per_step, shape.num_layers, shape.hidden_size
-    # norm parameter tensors: GPT-2 LayerNorm weight + bias (2 per block, ln_f), Llama RMSNorm weight
-    per_norm = shape.features.norm_params_per_unit
-    norm_grads = per_norm * (2 * layers + 1)
-    return [
-        Collective("all_gather", m * (layers * 2 * tokens * (wide + compute) + 2 * tokens * wide),
-                   f"activations: 2 forward + 2 backward per layer, entry and exit, {m} micro-batch(es)", compute,
-                   calls=m * (4 * layers + 2)),
-        Collective("reduce_scatter", m * layers * 2 * tokens * (compute + wide),
-                   f"activations: 2 forward + 2 backward per layer, {m} micro-batch(es)", compute, calls=m * 4 * layers),
-        Collective("all_reduce", m * norm_grads * h * 4, f"{norm_grads} norm weight gradients, {m} micro-batch(es)", 4,
-                   calls=m * norm_grads),
-    ]
+def _split(setup: Setup) -> Optional[list[int]]:
+    return list(setup.split_points) if setup.split_points else None
+
+
+def _stage_params(shape: ModelShape, setup: Setup, stage: int) -> int:
+    return stage_params(shape, num_stages=setup.num_stages, split_points=_split(setup))[stage]
 
 
 def ring_bytes(collectives: list[Collective], *, group_size: int) -> float:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from dist_train.config import PRECISIONS
-from dist_train.parallel_dims import STATE_CATEGORIES, sharded_state
+from dist_train.parallel.catalog import STATE_CATEGORIES
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
 
@@ -168,10 +168,9 @@ class Shards:
 
 
 def shards(setup: Setup) -> Shards:
-    """Each category over the run's dp_shard ranks where its kind of data parallelism partitions it
-    (parallel_dims.sharded_state; HSDP: within a replica only), else whole."""
-    fsdp = setup.kind in ("fsdp", "fsdp_tp") or (setup.family == "pipeline" and setup.dp_mode == "fsdp")
-    sharded = sharded_state(zero_stage=setup.zero_stage if setup.family == "zero" else 0, fsdp=fsdp)
+    """Each category over the run's dp_shard ranks where the parallelism over that dimension partitions it
+    (parallel/catalog.py's `partitions`; HSDP: within a replica only), else whole."""
+    sharded = next((p.partitions for p in setup.parallelisms if p.dim == "dp_shard"), ())
     n = setup.dims.dp_shard
     return Shards(**{c: n if c in sharded else 1 for c in STATE_CATEGORIES})
 
@@ -280,8 +279,8 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
 
 
 # Where the peak of all live tensors is predicted: the strategies whose peak was measured against torch's
-# MemTracker here, or against a real run by the dry run (tests/test_peak_live.py, tests/test_dryrun.py,
-# docs/BENCHMARKS.md). Not yet: ZeRO-3 (measured 10-12% above rank.total plus the bucket: gathered parameters and
+# MemTracker here, or against a real run by the dry run (tests/launched/test_peak_live.py,
+# tests/launched/test_dryrun.py, docs/BENCHMARKS.md). Not yet: ZeRO-3 (measured 10-12% above rank.total plus the bucket: gathered parameters and
 # backward's temporaries beyond the model) and the pipelines (send/receive buffers, micro-batches in flight).
 PEAK_LIVE_FAMILIES = ("single", "dp", "ddp", "tp", "fsdp", "fsdp_tp", "zero")
 
@@ -312,7 +311,7 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     the tensor-parallel slice) on every rank whatever the world size, in place of the sharded gradients, which do
     not exist yet at that point; reduce_every_microbatch holds the sharded ones instead. Collective buffers and
     backward's temporaries are not counted (measured: within 5% on 2 ranks for fsdp, -4% on 4 ranks for fsdp_tp
-    with tp=2; tests/test_peak_live.py, tests/test_dryrun.py)."""
+    with tp=2; tests/launched/test_peak_live.py, tests/launched/test_dryrun.py)."""
     if setup.family not in PEAK_LIVE_FAMILIES or (setup.family == "zero" and setup.zero_stage == 3):
         return None
     loss = backward_start_extra(shape, setup)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dist_train.config import PrecisionConfig
+from dist_train.parallel.catalog import Parallelism, composition
 from dist_train.parallel_dims import ParallelDims, layout_dims, nodes_of_launch
 
 FAMILIES = ("single", "dp", "ddp", "fsdp", "zero", "pipeline", "tp", "accelerate", "fsdp_tp")
@@ -79,6 +80,9 @@ class Setup:
     zero3_max_live_parameters: int = 10**9
     zero3_max_reuse_distance: int = 10**9
     zero3_prefetch_bucket_size: int = 5 * 10**7
+    # ZeRO-3 splits each rank's partition into sub-groups of this many elements: the optimizer steps, and the
+    # gradient norm is reduced, one sub-group at a time (zero_optimization.sub_group_size; DeepSpeed's default)
+    zero3_sub_group_size: int = 10**9
     # ZeRO 1 and 2's reduction bucket (zero_optimization.reduce_bucket_size, in elements; DeepSpeed's default),
     # allocated whole in the training dtype at the first reduction
     zero_reduce_bucket_size: int = 5 * 10**8
@@ -128,6 +132,20 @@ class Setup:
         return layout_dims(layout, self.world_size, replicas=self.replicate, tp=self.tp,
                            stages=self.num_stages if self.family == "pipeline" else 1,
                            stage_dp="dp_shard" if self.dp_mode == "fsdp" else "dp_replicate")
+
+    @property
+    def shard_with(self) -> Optional[str]:
+        """What partitions the model state over dp_shard (parallel/catalog.py's fsdp or zero<stage>), None if
+        nothing does."""
+        if self.family == "zero":
+            return f"zero{self.zero_stage}"
+        fsdp = self.kind in ("fsdp", "fsdp_tp") or (self.family == "pipeline" and self.dp_mode == "fsdp")
+        return "fsdp" if fsdp else None
+
+    @property
+    def parallelisms(self) -> tuple[Parallelism, ...]:
+        """The run's parallelisms, as parallel/catalog.py declares them, in the order they are applied."""
+        return composition(self.dims, shard_with=self.shard_with, sequence_parallel=self.sequence_parallel)
 
     @property
     def data_parallel_size(self) -> int:
@@ -241,6 +259,7 @@ _ZERO3_KEYS = {
     "stage3_max_live_parameters": "zero3_max_live_parameters",
     "stage3_max_reuse_distance": "zero3_max_reuse_distance",
     "stage3_prefetch_bucket_size": "zero3_prefetch_bucket_size",
+    "sub_group_size": "zero3_sub_group_size",
     "reduce_bucket_size": "zero_reduce_bucket_size",
 }
 

@@ -6,10 +6,10 @@
 - **Communication**: each collective of the estimator's per-step list (estimate/comm.py), as a ring: its
   latency per call plus the bytes the rank sends (buffer x nccl-tests bus factor) at the bus bandwidth of the
   link its group uses: within a node, or between nodes where the group spans them.
-- **Overlap**: data-parallel traffic issued during forward and backward (DDP's bucketed all-reduce, FSDP's and
-  ZeRO-3's gathers and reduce-scatters, ZeRO-2's per-micro-batch reduction) hides behind up to `overlap` x the
-  compute; tensor-parallel all-reduces, pipeline sends and ZeRO-1/2's all-gather after the step sit on the
-  critical path.
+- **Overlap**: what each parallelism declares can run beside compute (parallel/catalog.py's `overlaps`: DDP's
+  bucketed all-reduce, FSDP's and ZeRO-3's gathers and reduce-scatters, ZeRO-2's per-micro-batch reduction) hides
+  behind up to `overlap` x the compute; tensor-parallel all-reduces, pipeline sends, ZeRO-1's reduction after the
+  last backward and ZeRO-1/2's all-gather after the step sit on the critical path.
 - **Bubble**: a pipeline of K stages and M micro-batches idles (K - 1) / M of its stage's compute (GPipe and
   1F1B alike).
 - **Optimizer step**: the rank's model state read and written once at the memory bandwidth.
@@ -80,15 +80,6 @@ def tokens_per_step(setup: Setup) -> int:
     return setup.micro_batch_size * setup.seq_len * setup.microbatches_per_step * setup.data_parallel_size
 
 
-def overlaps(c: Collective, setup: Setup) -> bool:
-    """Whether a collective runs during forward/backward, where compute can hide it (see the module's doc)."""
-    if c.dim == "tp" or setup.family == "tp" or c.op in ("send", "recv"):
-        return False
-    if setup.family == "zero" and setup.zero_stage < 3:
-        return c.op != "all_gather" and setup.zero_stage == 2  # ZeRO-1 reduces after the last backward
-    return True
-
-
 def spans_nodes(c: Collective, setup: Setup, *, gpus_per_node: int) -> bool:
     """Ranks are laid out tensor-parallel innermost, then data-parallel, then pipeline stages (rank = stage x D
     + replica): a group spans nodes unless its ranks fit in one node's consecutive devices."""
@@ -135,8 +126,8 @@ def predict_step(shape: ModelShape, setup: Setup, hw: Hardware, *, allow_tf32: b
     distinct = {id(colls): colls for colls in predict_comm(shape, setup)}.values()
     timed = [[(c, collective_s(c, setup, hw)) for c in colls] for colls in distinct]
     colls = max(timed, key=lambda cs: sum(t for _, t in cs), default=[])
-    hidden = sum(t for c, t in colls if overlaps(c, setup))
-    exposed = sum(t for c, t in colls if not overlaps(c, setup)) + max(0.0, hidden - hw.overlap * compute)
+    hidden = sum(t for c, t in colls if c.overlaps)
+    exposed = sum(t for c, t in colls if not c.overlaps) + max(0.0, hidden - hw.overlap * compute)
     state = model_state_bytes if model_state_bytes is not None else \
         max(r.model_state for r in predict_memory(shape, setup))
     key = overhead_key(setup)

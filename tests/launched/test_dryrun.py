@@ -73,6 +73,13 @@ def _assert_dry_run_equals(strategy: str, overrides: list[str], real: dict, *, n
             # ddp within 5%: two micro-batches accumulate into DDP's buckets, no second copy of the gradients
             tolerance = 0.05 if strategy == "ddp" else 0.10
             assert abs(predicted_live - want_live) <= tolerance * want_live, (strategy, predicted_live, want_live)
+        # The collectives the estimator predicts, by what each parallelism of the run declares (parallel/catalog.py),
+        # are the ones this rank issues: per op and, where its telemetry names a mesh, per dimension.
+        # Tiny's sizes leave nothing to approximate (ZeRO-3 keeps every parameter for backward): the same bytes.
+        predicted_comm = {k.removesuffix("/bytes") for k, v in got["predicted"].items() if k.startswith("comm/") and v}
+        assert predicted_comm == counted, (strategy, got["rank"], sorted(predicted_comm ^ counted))
+        for prefix in counted:
+            assert got["predicted"][f"{prefix}/bytes"] == measured[f"{prefix}/bytes"], (strategy, got["rank"], prefix)
         # Beside it, the estimator's prediction and the difference, for the same keys.
         assert got["predicted"]["memory/params_bytes"] > 0
         assert got["diff"]["memory/params_bytes"] == pytest.approx(

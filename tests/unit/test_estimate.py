@@ -298,25 +298,34 @@ def test_comm_volume_ring_terms():
     for name, family, stage, volume in (("ddp", "ddp", 0, 2), ("zero1", "zero", 1, 2), ("zero2", "zero", 2, 2),
                                         ("zero3", "zero", 3, 3), ("fsdp", "fsdp", 0, 3 - root / psi)):
         s = _setup(name, family, zero_stage=stage, world_size=n, regime="mixed")  # one micro-batch per step
-        got = ring_volume_psi(predict_comm(shape, s)[0], group_size=n, num_params=psi)
+        got = ring_volume_psi(_model_state_traffic(shape, s), group_size=n, num_params=psi)
         assert got == pytest.approx(volume * (n - 1) / n), name
     # what DeepSpeed 0.19 does: all-reduce the gradient buckets (2Ψ) plus the parameter all-gather (Ψ)
     ds = _setup("zero2", "zero", zero_stage=2, world_size=n)
-    assert ring_volume_psi(predict_comm(shape, ds)[0], group_size=n, num_params=psi) == pytest.approx(3 * (n - 1) / n)
-    ddp = predict_comm(shape, _setup("ddp", "ddp", world_size=2, global_batch_size=8, micro_batch_size=2))[0]
+    assert ring_volume_psi(_model_state_traffic(shape, ds), group_size=n, num_params=psi) == pytest.approx(3 * (n - 1) / n)
+    ddp = _model_state_traffic(shape, _setup("ddp", "ddp", world_size=2, global_batch_size=8, micro_batch_size=2))
     assert [(c.op, c.bytes) for c in ddp] == [("all_reduce", 4 * psi)]  # no_sync: once per step
-    fsdp = predict_comm(shape, _setup("fsdp", "fsdp", world_size=2, global_batch_size=8, micro_batch_size=2))[0]
+    fsdp = _model_state_traffic(shape, _setup("fsdp", "fsdp", world_size=2, global_batch_size=8,
+                                                   micro_batch_size=2))
     assert {c.op: c.bytes for c in fsdp} == {"all_gather": 2 * 4 * (2 * blocks + root), "reduce_scatter": 4 * psi}
-    z2 = predict_comm(shape, _setup("zero2", "zero", zero_stage=2, world_size=2, global_batch_size=8,
-                                    micro_batch_size=2))[0]
+    z2 = _model_state_traffic(shape, _setup("zero2", "zero", zero_stage=2, world_size=2, global_batch_size=8,
+                                            micro_batch_size=2))
     assert {c.op: c.bytes for c in z2} == {"all_reduce": 2 * 4 * psi, "all_gather": 4 * psi}  # as measured
     # DeepSpeed ZeRO-3 keeps a small model's gathered parameters from forward to backward (reuse distance):
     # one gather per micro-batch, as measured; the paper's regime gathers twice.
     z3 = _setup("zero3", "zero", zero_stage=3, world_size=2, global_batch_size=8, micro_batch_size=2)
-    assert {c.op: c.bytes for c in predict_comm(shape, z3)[0]} == {"all_gather": 2 * 4 * psi, "reduce_scatter": 2 * 4 * psi}
+    assert {c.op: c.bytes for c in _model_state_traffic(shape, z3)} == {"all_gather": 2 * 4 * psi, "reduce_scatter": 2 * 4 * psi}
     paper = _setup("zero3", "zero", zero_stage=3, world_size=2, global_batch_size=8, micro_batch_size=2, regime="mixed")
-    assert {c.op: c.bytes for c in predict_comm(shape, paper)[0]} == {"all_gather": 2 * 2 * 4 * psi, "reduce_scatter": 2 * 4 * psi}
+    assert {c.op: c.bytes for c in _model_state_traffic(shape, paper)} == {"all_gather": 2 * 2 * 4 * psi, "reduce_scatter": 2 * 4 * psi}
 
+
+def _model_state_traffic(shape, setup):
+    """The paper's volumes count parameters and gradients; beside them, sharded gradients take one all-reduce of
+    their global norm a step (a few bytes)."""
+    colls = predict_comm(shape, setup)[0]
+    norm = [c for c in colls if c.moves == "gradient norm"]
+    assert [c.calls for c in norm] == ([] if setup.family == "ddp" else [1]) and all(c.bytes < 10_000 for c in norm)
+    return [c for c in colls if c.moves != "gradient norm"]
 
 
 def test_the_traffic_follows_the_same_zero_and_ddp_knobs_as_the_memory_and_the_run():

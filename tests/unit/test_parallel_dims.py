@@ -93,19 +93,17 @@ def test_hsdp_is_one_replica_per_node_unless_told_and_refuses_one_replica(monkey
 
 def test_each_layout_is_declared_once_and_the_state_it_shards_is_zeros_arithmetic():
     """parallel_dims.layout_dims is what the strategies' parallel_dims and the estimator's Setup.dims return (the
-    test above checks the two agree); sharded_state is what the estimator's memory model divides by dp_shard."""
+    test above checks the two agree); what each parallelism over dp_shard partitions (parallel/catalog.py,
+    tests/unit/test_parallel_catalog.py) is what the estimator's memory model divides by dp_shard."""
     from dist_train.estimate.memory import shards
     from dist_train.estimate.setup import Setup
-    from dist_train.parallel_dims import layout_dims, sharded_state
+    from dist_train.parallel_dims import layout_dims
 
     assert layout_dims("fsdp", 16, replicas=2).describe() == "dp_replicate 2 x dp_shard 8"
     assert layout_dims("pipeline", 8, stages=4, stage_dp="dp_shard").describe() == "pp 4 x dp_shard 2"
     assert layout_dims("fsdp_tp", 2, tp=2).mesh_dim_names == ("dp_shard", "tp")  # FSDP kept at degree 1
     with pytest.raises(ValueError, match="layout 'ep' unknown; known: one, replicate"):
         layout_dims("ep", 8)
-    assert [sharded_state(zero_stage=s) for s in range(4)] == [
-        (), ("optimizer",), ("grads", "optimizer"), ("weights", "grads", "optimizer")]
-    assert sharded_state(fsdp=True) == ("weights", "grads", "optimizer")
     z1 = shards(Setup(strategy="zero1", family="zero", zero_stage=1, world_size=8))
     hsdp = shards(Setup(strategy="hsdp", family="fsdp", world_size=8, replicate=2))
     assert (z1.weights, z1.grads, z1.optimizer) == (1, 1, 8) and (hsdp.weights, hsdp.optimizer) == (4, 4)

@@ -132,6 +132,7 @@ def dryrun_rows(overrides: list[str], shape: ModelShape, setup: Setup, *, ranks:
     the dry run's figures alone."""
     from dist_train.estimate.comm import predict_comm
     from dist_train.estimate.memory import category_bytes, predict_memory
+    from dist_train.parallel_dims import ORDER
 
     measured = run_ranks(overrides, world_size=setup.world_size, ranks=ranks, timeout_s=timeout_s)
     if not predict:
@@ -145,9 +146,12 @@ def dryrun_rows(overrides: list[str], shape: ModelShape, setup: Setup, *, ranks:
                                        for c in ("params", "grads", "optimizer")}
         if predicted_ranks[r].peak_live is not None:
             predicted["memory/peak_live_bytes"] = predicted_ranks[r].peak_live
+        # Per op, and per mesh dimension where the rank's telemetry names its mesh (parallel/catalog.py's dims; a
+        # collective over several dimensions at once, such as fsdp_tp's gradient norm, is counted under none)
+        by_dim = any(k.split("/")[1] in ORDER for k in m if k.startswith("comm/"))
         for c in comm[r] if r < len(comm) else comm[0]:
-            key = f"comm/{c.op}/bytes"
-            predicted[key] = predicted.get(key, 0.0) + c.bytes
+            for key in (f"comm/{c.op}/bytes", *([f"comm/{c.dim}/{c.op}/bytes"] if by_dim and c.dim else [])):
+                predicted[key] = predicted.get(key, 0.0) + c.bytes
         diff = {k: (m[k] / v - 1 if v else None) for k, v in predicted.items() if k in m}
         rows.append({"rank": r, "measured": {k: v for k, v in m.items() if k != "rank"}, "predicted": predicted,
                      "diff": diff})
