@@ -93,7 +93,7 @@ class StrategyConfig:
 
     # The questions every caller asks, answered by the degrees.
     def data_parallel_size(self, world_size: int) -> int:
-        return self.parallel_dims(world_size).dp
+        return self.parallel_dims(world_size).data_parallel
 
     def data_parallel_rank(self, rank: int, world_size: int) -> int:
         """Which slice of the global batch `rank` trains on (ranks of one model replica share a slice)."""
@@ -385,7 +385,7 @@ def describe_batch(run: RunConfig, world_size: int) -> str:
     parallelism says its two factors: `data_parallel 4 (replicas 2 x shards 2)`."""
     t, s = run.train, run.strategy
     dims = s.parallel_dims(world_size)
-    dp, micro = dims.dp, accumulation_steps(run, world_size)
+    dp, micro = dims.data_parallel, accumulation_steps(run, world_size)
     pipelined = dims.pp > 1 or hasattr(s, "num_stages")  # the pipeline family (config.py cannot import strategies/)
     size = dims.samples_per_replica(t.global_batch_size) // micro if pipelined and micro else t.micro_batch_size
     how = "pipeline_microbatches" if pipelined else "accumulation"

@@ -14,7 +14,8 @@ layout: a tensor-parallel group is consecutive ranks, one node's GPUs; pipeline 
     cp            context parallelism: ranks that split a sequence (room for it; no strategy sets it yet)
     tp            tensor parallelism: ranks that split each projection
 
-The data-parallel degree, the number of distinct slices of a global batch, is dp_replicate x dp_shard.
+The data-parallel degree, the number of distinct slices of a global batch, is dp_replicate x dp_shard
+(`data_parallel`). Plain `dp` is never a dimension: it names strategy=dp, nn.DataParallel in one process.
 Expert parallelism (`ep`) borrows its ranks from dp_shard x cp, as in torchtitan; no strategy sets it yet.
 
 This module is pure arithmetic; the mesh itself is built by dist_train.parallel.mesh.
@@ -70,8 +71,9 @@ class ParallelDims:
         return int(getattr(self, name))
 
     @property
-    def dp(self) -> int:
-        """Data-parallel degree: how many distinct slices of each global batch are trained at once."""
+    def data_parallel(self) -> int:
+        """Data-parallel degree: how many distinct slices of each global batch are trained at once (dp_replicate x
+        dp_shard). Not `dp`, which names strategy=dp, nn.DataParallel in one process."""
         return self.dp_replicate * self.dp_shard
 
     @property
@@ -112,15 +114,15 @@ class ParallelDims:
     # ------------------------------------------------------------------ the batch
     def check_batch(self, *, global_batch_size: int, micro_batch_size: int) -> None:
         """ConfigError unless the global batch splits into whole micro-batches on every data-parallel slice."""
-        per_step = micro_batch_size * self.dp
+        per_step = micro_batch_size * self.data_parallel
         require(
             global_batch_size % per_step == 0,
             f"train.global_batch_size={global_batch_size} must be divisible by train.micro_batch_size "
-            f"({micro_batch_size}) x data-parallel size ({self.dp}) = {per_step}",
+            f"({micro_batch_size}) x data-parallel size ({self.data_parallel}) = {per_step}",
         )
 
     def samples_per_replica(self, global_batch_size: int) -> int:
-        return global_batch_size // self.dp
+        return global_batch_size // self.data_parallel
 
     def microbatches(self, *, global_batch_size: int, micro_batch_size: int,
                      num_microbatches: Optional[int] = None) -> int:

@@ -149,7 +149,7 @@ class Setup:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.dims.dp
+        return self.dims.data_parallel
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -55,7 +55,7 @@ class DeepSpeedSettings:
         return layout_dims("shard", world_size)  # ZeRO partitions over every rank
 
     def data_parallel_size(self, world_size: int) -> int:
-        return self.parallel_dims(world_size).dp
+        return self.parallel_dims(world_size).data_parallel
 
 
 def check_settings(s: Any, world_size: int) -> None:

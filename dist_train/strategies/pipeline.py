@@ -304,7 +304,7 @@ class PipelineStrategy:
         rt = ctx.runtime
         self.device = rt.device
         self.dims = cfg.parallel_dims(rt.world_size)
-        self.num_stages, self.dp_size = self.dims.pp, self.dims.dp
+        self.num_stages, self.dp_size = self.dims.pp, self.dims.data_parallel
         where = self.dims.coordinates(rt.rank)  # rank = stage * replicas + replica
         self.stage_index, self.dp_rank = where["pp"], self.dims.data_parallel_rank(rt.rank)
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.num_stages - 1

@@ -213,7 +213,7 @@ class CommTracker:
     _cuda: CudaTimer = field(default_factory=CudaTimer)
 
     def name_groups(self, groups: dict[str, list[int]]) -> None:
-        """Name this rank's process groups by mesh dimension ({"tp": [0, 1], "dp": [0, 2]}): their collectives
+        """Name this rank's process groups by mesh dimension ({"tp": [0, 1], "dp_shard": [0, 2]}): their collectives
         are then also counted under `comm/<name>/<op>/...`."""
         self._dims.update({frozenset(ranks): name for name, ranks in groups.items()})
 

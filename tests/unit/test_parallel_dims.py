@@ -35,7 +35,7 @@ def test_rank_layout_is_row_major_pp_dp_replicate_dp_shard_cp_tp():
     hsdp = ParallelDims(8, dp_replicate=2, dp_shard=4)  # a replica is consecutive ranks, one node
     assert hsdp.group_ranks(6, "dp_shard") == [4, 5, 6, 7] and hsdp.group_ranks(6, "dp_replicate") == [2, 6]
     assert [hsdp.data_parallel_rank(r) for r in range(8)] == list(range(8))  # every rank its own slice
-    assert hsdp.dp == 8 and hsdp.mesh_dim_names == ("dp_replicate", "dp_shard") and hsdp.mesh_shape == (2, 4)
+    assert hsdp.data_parallel == 8 and hsdp.mesh_dim_names == ("dp_replicate", "dp_shard") and hsdp.mesh_shape == (2, 4)
 
 
 def test_the_batch_arithmetic_is_the_degrees():
@@ -69,7 +69,7 @@ def test_the_estimator_reads_the_same_degrees_as_training(name, monkeypatch):
             continue  # degrees that do not fit this world (fsdp_tp's tp=2 on 1 rank, ...)
         got = setup_from_config({"strategy": _strategy_dict(name)}, world_size=world).dims
         assert got == want, (name, world, got, want)
-        assert config.data_parallel_size(world) == got.dp
+        assert config.data_parallel_size(world) == got.data_parallel
         checked += 1
     assert checked, name
 
