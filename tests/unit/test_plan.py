@@ -23,6 +23,7 @@ from dist_train.estimate.hardware import PROFILES, ClusterArgs, Hardware, Link, 
 from dist_train.plan.search import planning_peak, search
 from dist_train.estimate.step_time import collective_s, model_flops_per_token, predict_step
 from dist_train.plan.verify import Verified, refit, spearman
+from tests.bench_support import bench_module
 from tests.plan_support import run_plan
 
 H100 = PROFILES["h100"]
@@ -284,3 +285,26 @@ def test_the_advisor_drops_what_training_refuses_with_trainings_line_for_the_clu
         "projections cannot be split; use fsdp, ddp, a ZeRO stage or a pipeline")
     assert check(SimpleNamespace(overrides=("strategy=fsdp",))) is None
     assert check(SimpleNamespace(overrides=("strategy=zero2", "precision=fp16"))) is None  # on a GPU machine
+
+
+def test_the_published_rows_go_through_the_advisor_pinned_to_each_run(tmp_path):
+    """bench/published.py times every row of ../shared/GPU-PUBLISHED.md with the advisor's own search, pinned: for a
+    row the advisor would offer (MPT-13B on 8 H100s, micro-batch 2, no checkpointing), `launch/plan.py` pinned the
+    same way from an empty profile directory gives the same tokens per second."""
+    published = bench_module("published")
+    assert [sum(r.source == s for r in published.ROWS) for s in ("mosaicml", "megatron")] == [16, 9]
+    row = next(r for r in published.ROWS if r.name == "MPT-13b" and r.gpu == "h100" and r.seq == 2048)
+    predicted = published.predict(row)
+    assert predicted["offered"] and predicted["composition"] == "fsdp"
+    proc = run_plan("model=gpt2_small", f"model.hidden_size={row.hidden}", f"model.num_layers={row.layers}",
+                    f"model.num_heads={row.heads}", f"model.vocab_size={row.vocab}", f"model.max_seq_len={row.seq}",
+                    "model.tie_embeddings=true", "precision=bf16", f"train.seq_len={row.seq}",
+                    f"train.global_batch_size={row.global_batch}", "plan.strategies=[fsdp]",
+                    f"plan.micro_batch_sizes=[{row.micro}]", "plan.checkpointing=[false]", "cluster.gpu=h100",
+                    f"plan.profile_dir={tmp_path}", "format=json", "logger=none")
+    assert proc.returncode == 0, proc.stderr
+    best = json.loads(proc.stdout)["candidates"][0]
+    assert best["predicted"]["tokens_per_s"] / row.gpus == pytest.approx(predicted["tokens"], rel=1e-9)
+    # a row with no composition here is said so, not predicted
+    megatron_70b = next(r for r in published.ROWS if r.name == "GPT 70B")
+    assert published.predict(megatron_70b) == {"composition": "none (TP 8 x PP 2 x DP)"}
