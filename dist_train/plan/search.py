@@ -3,7 +3,8 @@
 The space: the strategies and their degrees (ddp, zero1-3, fsdp on all ranks; tp within a node; fsdp_tp with
 tp = 2, 4, ... up to a node; one stage per rank for 1f1b and gpipe; pp_dp for every pp that divides the ranks,
 replicated or FSDP-sharded, GPipe or 1F1B), every micro-batch size that divides the global batch, activation
-checkpointing on and off, and the optimizers the user allows. The global batch and the sequence length are the
+checkpointing on and off, FSDP's two ways to accumulate gradients over several micro-batches (held unsharded, or
+reduce-scattered after each), and the optimizers the user allows. The global batch and the sequence length are the
 user's: every candidate trains the same samples. A configuration that cannot hold (out of memory at the
 profile's memory x plan.memory_fraction) or cannot run (tp that does not divide the heads, more stages than
 layers) is dropped with its reason; the rest are ranked by predicted step time.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from itertools import product
 from typing import Any, Optional
 
 from dist_train.estimate.fit import worst_rank
@@ -132,6 +134,13 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
                             f"strategy.schedule={schedule}"), why
 
 
+def _accumulations(name: str, microbatches: int) -> tuple[bool, ...]:
+    """FSDP's two ways to accumulate over several micro-batches (strategy.reduce_every_microbatch): keep every
+    unsharded fp32 gradient until the last micro-batch (4 B/param held, one reduce-scatter a step), or reduce-scatter
+    after each (4 B/param / N held, M reduce-scatters), as torchtitan does. Searched both; one micro-batch: no choice."""
+    return (False, True) if name in ("fsdp", "hsdp") and microbatches > 1 else (False,)
+
+
 def search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, *, nodes: int, strategies: tuple[str, ...] = SEARCHED,
            micro_batch_sizes: Optional[list[int]] = None, checkpointing: tuple[bool, ...] = (False, True),
            optimizers: Optional[list[str]] = None, memory_fraction: float = 0.9,
@@ -173,9 +182,11 @@ def search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, *, nodes: int, 
                                              f"global batch {global_batch} is not a multiple of micro-batch {b} x "
                                              f"{dp} data-parallel ranks"))
                     continue
-                for ckpt in checkpointing:
-                    overrides = strategy_overrides + mb + (f"train.activation_checkpointing={str(ckpt).lower()}",) + opt
-                    setup = replace(base, micro_batch_size=b, activation_checkpointing=ckpt, optimizer=optimizer)
+                for ckpt, reduce in product(checkpointing, _accumulations(name, global_batch // (b * dp))):
+                    overrides = (strategy_overrides + (("strategy.reduce_every_microbatch=true",) if reduce else ())
+                                 + mb + (f"train.activation_checkpointing={str(ckpt).lower()}",) + opt)
+                    setup = replace(base, micro_batch_size=b, activation_checkpointing=ckpt, optimizer=optimizer,
+                                    reduce_every_microbatch=reduce)
                     ranks = predict_memory(shape, setup)
                     memory = worst_rank(ranks)
                     peak = planning_peak(memory, setup)

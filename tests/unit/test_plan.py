@@ -106,6 +106,33 @@ def test_70b_on_one_node_fits_nowhere_and_says_why():
     assert "out of memory" in reasons["zero3"] and "GiB usable" in reasons["zero3"]
 
 
+def test_fsdp_accumulation_is_searched_both_ways_and_shows_the_trade():
+    """Llama-2-70B on 64 H100s, micro-batch 2, 4 micro-batches a step (MosaicML's MPT-70B layout): FSDP holding every
+    unsharded fp32 gradient across the micro-batches needs 4 B/param on every rank and does not fit; reduce-scattering
+    after each micro-batch (torchtitan's way) fits, sending the gradients 4 times. The advisor offers the second, and
+    where both fit it shows both, the bytes moved against the memory held."""
+    cfg = _cfg("model=70b", "precision=bf16", "train.seq_len=2048", "train.global_batch_size=512")
+    shape = ModelShape.from_config(cfg["model"])
+    result = search(shape, cfg, H100, nodes=8, strategies=("fsdp",), micro_batch_sizes=[2], checkpointing=(True,))
+    (offered,) = result.ranked
+    assert "strategy.reduce_every_microbatch=true" in offered.overrides and offered.setup.reduce_every_microbatch
+    (held,) = [r for r in result.rejected if r.strategy == "fsdp"]
+    assert "strategy.reduce_every_microbatch=true" not in held.overrides and "out of memory" in held.reason
+    assert float(held.reason.split(":")[1].split()[0]) > offered.peak_bytes / 2**30 + 4 * shape.num_params / 2**30 * 0.9
+    # a 7B model fits both ways: both ranked, the held way faster or equal and heavier
+    cfg7 = _cfg("model=7b", "precision=bf16", "train.seq_len=2048", "train.global_batch_size=64")
+    both = search(ModelShape.from_config(cfg7["model"]), cfg7, H100, nodes=1, strategies=("fsdp",),
+                  micro_batch_sizes=[2], checkpointing=(True,)).ranked
+    by_way = {c.setup.reduce_every_microbatch: c for c in both}
+    assert set(by_way) == {False, True}
+    assert by_way[False].peak_bytes > by_way[True].peak_bytes
+    assert by_way[False].time.comm_s < by_way[True].time.comm_s
+    # one micro-batch a step: nothing to choose
+    one = search(ModelShape.from_config(cfg7["model"]), cfg7, H100, nodes=4, strategies=("fsdp",),
+                 micro_batch_sizes=[2], checkpointing=(True,)).ranked
+    assert [c.setup.reduce_every_microbatch for c in one] == [False]
+
+
 def test_70b_on_128_nodes_ranks_what_fits_and_drops_what_cannot_run():
     cfg = _cfg("model=70b", "precision=bf16", "train.seq_len=4096", "train.global_batch_size=512")
     shape = ModelShape.from_config(cfg["model"])
