@@ -189,7 +189,12 @@ def _run(run: RunConfig, cfg: DictConfig, runtime: Any, *, resume: Path | None, 
     """Build and train in a frame of its own: when it returns, the strategy is gone before the group is."""
     from dist_train.interrupt import StopRequest
 
+    from dist_train.accumulation import resolve as resolve_accumulation
+
+    run, accumulation = resolve_accumulation(run, cfg, world_size=runtime.world_size, device=runtime.device)
     session = build_session(run, cfg, runtime, resume=resume, fault=fault)
+    if accumulation:  # said once the run's log is open
+        log.info("%s", accumulation)
     session.progress = progress
     session.stop = StopRequest(group_needed=runtime.has_group, tracker=session.telemetry.tracker,
                                grace_s=run.runtime.stop_grace_s)

@@ -40,7 +40,8 @@ class FSDPConfig(StrategyConfig):
     # gradient from the first micro-batch's backward to the last one's reduce-scatter (4 B/param on every rank,
     # whatever the world size; one reduce-scatter a step). True reduce-scatters after every micro-batch into the
     # sharded gradients, as torchtitan does: it sends the gradients once per micro-batch and holds 4 B/param / N.
-    reduce_every_microbatch: bool = False
+    # None: chosen before the model is built by the memory it would take (dist_train/accumulation.py).
+    reduce_every_microbatch: Optional[bool] = None
     # Replicas of the sharded state (HSDP's dp_replicate degree): 1 is plain FSDP (strategy=fsdp); None, strategy=hsdp's
     # default, is one replica per node (WORLD_SIZE / LOCAL_WORLD_SIZE, as torchrun and Slurm set them).
     replicate: Optional[int] = 1
@@ -79,7 +80,7 @@ class FSDPConfig(StrategyConfig):
 
 def build(cfg: FSDPConfig, ctx: StrategyContext) -> TorchStrategy:
     wrapper = MeshWrapper(cfg, ctx, sharding=Sharding(reshard_after_forward=cfg.reshard_after_forward),
-                          reduce_every_microbatch=cfg.reduce_every_microbatch)
+                          reduce_every_microbatch=bool(cfg.reduce_every_microbatch))
     return TorchStrategy(cfg.name, ctx, wrapper)
 
 

@@ -46,7 +46,7 @@ def test_fsdp_accumulation_holds_unsharded_gradients_unless_reduced_every_microb
     # FAST: two micro-batches per rank and step. By default FSDP2 keeps every parameter's unsharded gradient, 4 B
     # each in fp32, from the first micro-batch's backward to the last one's reduce-scatter: the categories do not
     # see them. strategy.reduce_every_microbatch reduce-scatters after each micro-batch instead.
-    _, once = fast_run("strategy=fsdp", nproc=2)  # also the dry run's and test_strategies_core's fsdp run
+    once_dir, once = fast_run("strategy=fsdp", nproc=2)  # also the dry run's and test_strategies_core's fsdp run
     _, every = fast_run("strategy=fsdp", "strategy.reduce_every_microbatch=true", nproc=2)
     n = once["num_params"]
     assert once["timing_warmup_steps"] == 2  # telemetry.warmup_steps=1, plus the step MemTracker followed
@@ -60,6 +60,12 @@ def test_fsdp_accumulation_holds_unsharded_gradients_unless_reduced_every_microb
         assert r_every["memory/peak_live_bytes"] < r_once["memory/peak_live_bytes"]
         assert r_every["comm/reduce_scatter/bytes"] == 2 * r_once["comm/reduce_scatter/bytes"]  # two micro-batches
     assert abs(every["final_loss"] - once["final_loss"]) <= 1e-5 * abs(once["final_loss"])
+    # strategy.reduce_every_microbatch=null (the default) was decided before the model was built, written into the
+    # run's config and said once: on a CPU, held (dist_train/accumulation.py; tests/unit/test_accumulation.py)
+    assert "reduce_every_microbatch: false" in (once_dir / "config.yaml").read_text()
+    said = [line for line in (once_dir / "logs" / "rank0.log").read_text().splitlines()
+            if "2 micro-batches a step: unsharded fp32 gradients held until the last" in line]
+    assert len(said) == 1 and "on a CPU there is no device memory to choose by" in said[0], said
     # The estimator's prediction of each peak (gathered root and block; unsharded or sharded gradients).
     for out in (once, every):
         measured = max(rank["memory/peak_live_bytes"] for rank in out["ranks"])
