@@ -89,10 +89,10 @@ def predict_comm(shape: ModelShape, setup: Setup) -> list[list[Collective]]:
 
 def _rank(shape: ModelShape, setup: Setup, *, stage: Optional[int]) -> list[Collective]:
     out: list[Collective] = []
-    deepspeed = setup.resolved_regime == "deepspeed"
+    dims, deepspeed = setup.dims, setup.resolved_regime == "deepspeed"
     norm_dims: list[str] = []  # the dimensions whose parallelisms split the gradients: one norm over them all
     for p in setup.parallelisms:
-        n = setup.dims.degree(p.dim)
+        n = dims.degree(p.dim)
         if n == 1:
             continue
         sized = SIZERS[p.name](shape, setup, stage)
@@ -112,7 +112,7 @@ def _rank(shape: ModelShape, setup: Setup, *, stage: Optional[int]) -> list[Coll
         size = _gradient_norm(shape, setup)
         out.append(Collective("all_reduce", size.bytes, size.what, size.elem,
                               dim=norm_dims[0] if len(norm_dims) == 1 else "",
-                              group_size=math.prod(setup.dims.degree(d) for d in norm_dims), calls=size.calls,
+                              group_size=math.prod(dims.degree(d) for d in norm_dims), calls=size.calls,
                               overlaps=GRADIENT_NORM.overlaps, moves=GRADIENT_NORM.moves))
     return out
 

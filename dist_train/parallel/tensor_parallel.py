@@ -275,16 +275,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool =
 
     tp, config = mesh.size(), model.config
     blocks = transformer_blocks(model)
+    fused = [path for path, style in block_tp_plan(config).items() if style == "colwise_fused_qkv"]
+    per_rank = per_rank_attributes(config)
     for block in blocks:
         inner = _resolved(block)
-        for path, style in block_tp_plan(config).items():
-            if style == "colwise_fused_qkv":  # each rank runs its heads of q, k and v
-                parent, name = path.rpartition(".")[::2]
-                owner = inner.get_submodule(parent) if parent else inner
-                setattr(owner, name, FusedColwiseConv1D(getattr(owner, name), mesh, parts=3, src_data_rank=None))
-        for path in per_rank_attributes(config):  # what one rank computes: its heads, their width
-            parent, name = path.rpartition(".")[::2]
-            owner = inner.get_submodule(parent) if parent else inner
+        for path in fused:  # each rank runs its heads of q, k and v
+            inner.set_submodule(path, FusedColwiseConv1D(inner.get_submodule(path), mesh, parts=3, src_data_rank=None))
+        for path in per_rank:  # what one rank computes: its heads, their width
+            parent, _, name = path.rpartition(".")
+            owner = inner.get_submodule(parent)  # "" is the block itself
             setattr(owner, name, getattr(owner, name) // tp)
         # Every rank built the same weights from the seed: nothing to broadcast.
         parallelize_module(inner, mesh, tp_plan(config, inner, sequence_parallel=sequence_parallel), src_data_rank=None)
