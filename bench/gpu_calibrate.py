@@ -347,39 +347,71 @@ def measure(budget_s: float) -> dict[str, Any]:
 
 
 def profile_from(calib: dict[str, Any]):
-    """The hardware profile these measurements make: the datasheet one with the measured bandwidth and layer
-    efficiency, each figure's source naming this calibration."""
+    """The hardware profile these measurements make: the datasheet one with the per-operation constants fitted to
+    the measured products and attention (estimate/ops.py fit_gemm, fit_attention), the measured memory bandwidth,
+    and as `efficiency` what the whole step loses beyond the per-operation model; each figure's source names this
+    calibration."""
     from dataclasses import replace
 
     from dist_train.estimate.hardware import PROFILES, profile_for_device
+    from dist_train.estimate.ops import fit_attention, fit_gemm
 
     kind = profile_for_device(calib["device"])
     if kind not in PROFILES:
         return None
     base = PROFILES[kind]
+    peak = base.flops["bf16"]
     where = f"measured by bench/gpu_calibrate.py on {calib['device']}, torch {calib['torch']}, {calib['date']}"
     source = dict(base.source)
-    changes: dict[str, Any] = {}
+    changes: dict[str, Any] = {"sm_count": calib["sms"]}
+    source["sm_count"] = where
     if "memory_bandwidth" in calib:
-        changes["memory_bw"] = calib["memory_bandwidth"]["bytes_per_s"]
+        changes.update(memory_bw=calib["memory_bandwidth"]["bytes_per_s"], memory_efficiency=1.0)
         source["memory_bw"] = f"{where} (device-to-device copy)"
+        source["memory_efficiency"] = "1: memory_bw is measured"
+    if calib.get("matmuls"):
+        eff, k_half = fit_gemm(calib["matmuls"], sms=calib["sms"], peak=peak)
+        changes.update(gemm_efficiency=eff, gemm_k_half=k_half)
+        source["gemm_efficiency"] = source["gemm_k_half"] = f"{where}: fitted to {len(calib['matmuls'])} products"
+    if calib.get("attention"):
+        eff, seq_half = fit_attention(calib["attention"], peak=peak)
+        changes.update(attention_efficiency=eff, attention_seq_half=seq_half)
+        source["attention_efficiency"] = source["attention_seq_half"] = f"{where}: fitted to SDPA at each shape"
     if calib.get("step"):
-        changes["efficiency"] = round(step_efficiency(calib, base, changes.get("memory_bw", base.memory_bw)), 4)
+        changes["efficiency"] = round(step_efficiency(calib, replace(base, **changes)), 4)
         source["efficiency"] = (
             f"{where}: a whole eager training step of {STEP_MODEL} (bf16 autocast, "
-            f"{STEP_ACCUM} x {STEP_MICRO} x {STEP_SEQ} tokens, fused AdamW), model FLOPs / "
-            "(datasheet bf16 peak x (step - the optimizer term))"
+            f"{STEP_ACCUM} x {STEP_MICRO} x {STEP_SEQ} tokens, fused AdamW): the per-operation model's compute / "
+            "(step - the optimizer term)"
         )
     return replace(base, **changes, source=source)
 
 
-def step_efficiency(calib: dict[str, Any], base, memory_bw: float) -> float:
-    """The efficiency at which the time model's compute term plus its optimizer term give the measured step.
-    (A single decoder layer reaches more, 56-66% of the peak: the step also has the loss over the vocabulary,
-    the embedding, the casts of autocast and the optimizer, which that efficiency has to carry for now.)"""
+def predicted_layers(calib: dict[str, Any], hw) -> list[float]:  # noqa: ANN001
+    """The per-operation model's seconds for each measured decoder layer (batch 1, bf16) under `hw`."""
+    from dist_train.estimate.ops import layer_compute
+
+    return [layer_compute(layer_shape(r["model"]), batch=1, seq_len=r["seq"], tp=1, sequence_parallel=False,
+                          recompute="full" if r["checkpointing"] else "none", hw=hw, peak=hw.flops["bf16"],
+                          element_bytes=2).total_s for r in calib["layers"]]
+
+
+def step_efficiency(calib: dict[str, Any], hw) -> float:  # noqa: ANN001
+    """The factor on the per-operation model's compute at which it, plus the optimizer term, gives the measured
+    step: what the step spends beyond its kernels (launches, the framework, the embedding)."""
+    from dataclasses import replace
+
+    from dist_train.estimate.compose import compose_run
+    from dist_train.estimate.setup import Setup
+    from dist_train.estimate.shapes import ModelShape
+    from dist_train.estimate.step_time import predict_step
+
     step = calib["step"]
-    optimizer_s = 2 * step["state_bytes"] / memory_bw
-    return step["model_flops"] / (base.flops["bf16"] * (step["s"] - optimizer_s))
+    shape = ModelShape.from_config(compose_run([f"model={step['model']}"]).model)
+    setup = Setup(strategy="single", family="single", precision="bf16", micro_batch_size=step["micro_batch"],
+                  seq_len=step["seq"], global_batch_size=step["micro_batch"] * step["accumulation"])
+    t = predict_step(shape, setup, replace(hw, efficiency=1.0), model_state_bytes=step["state_bytes"])
+    return t.compute_s / (step["s"] - t.optimizer_s)
 
 
 def render(calib: dict[str, Any]) -> str:
@@ -473,15 +505,20 @@ def render(calib: dict[str, Any]) -> str:
         )
     prof = profile_from(calib)
     if prof is not None:
-        layer_eff = ""
-        if calib.get("layers") and peak:
-            layer_median = statistics.median(r["model_flops_per_s"] for r in calib["layers"]) / peak
-            layer_eff = f"; one decoder layer alone reaches a median {layer_median:.3f}"
         parts.append(
-            f"Profile written for `cluster.gpu={prof.name}` on that host: memory_bw {prof.memory_bw / 1e12:.2f} TB/s, "
-            f"efficiency {prof.efficiency:.3f}, from the whole step{layer_eff} (the datasheet profile assumes "
-            f"0.5 and {PROFILES[prof.name].memory_bw / 1e12:.2f} TB/s)."
+            f"Profile written for `cluster.gpu={prof.name}` on that host: memory_bw {prof.memory_bw / 1e12:.2f} TB/s; "
+            f"matrix products at {prof.gemm_efficiency:.3f} of the peak, halved at an inner dimension of "
+            f"{prof.gemm_k_half:.0f}, over {prof.sm_count} SMs; attention at {prof.attention_efficiency:.3f}, halved "
+            f"at a sequence of {prof.attention_seq_half:.0f}; efficiency {prof.efficiency:.3f}, what the whole step "
+            "spends beyond the per-operation model (estimate/ops.py)."
         )
+        if calib.get("layers"):
+            parts.append("The per-operation model with this profile against the measured decoder layers (nothing "
+                         "in it was fitted to them):\n\n" + md_table(
+                             ["model", "seq", "checkpointing", "measured ms", "predicted ms", "error"],
+                             [[r["model"], r["seq"], "yes" if r["checkpointing"] else "no", f"{r['s'] * 1e3:.2f}",
+                               f"{p * 1e3:.2f}", f"{p / r['s'] - 1:+.1%}"]
+                              for r, p in zip(calib["layers"], predicted_layers(calib, prof))]))
     if calib.get("skipped"):
         parts.append("Not measured: " + "; ".join(calib["skipped"]) + ".")
     return "\n\n".join(parts)

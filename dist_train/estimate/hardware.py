@@ -1,10 +1,11 @@
 """What a device and its interconnect can do, for the time model: datasheet profiles, or one measured here.
 
 A profile is a handful of numbers. Peaks come from datasheets (the same table MFU uses, telemetry/flops.py);
-the interconnect's bus bandwidths are typical nccl-tests figures for the named fabric; `efficiency`,
-`overlap` and `overhead_s` are what a real step loses against those peaks. In the datasheet profiles below they
-are assumptions; `bench/gpu_calibrate.py` measures a GPU's memory bandwidth and efficiency (one whole step; one
-H200 so far, docs/BENCHMARKS.md) and stores the profile where `resolve` finds it; `plan.calibrate=true` measures
+the interconnect's bus bandwidths are nccl-tests figures for the named fabric; the per-operation constants
+(estimate/ops.py: how much of the peak matrix products and attention reach, by shape, and of the memory bandwidth
+memory-bound kernels reach) were measured on an H200 or fitted to published runs (OPS, each with its source);
+`efficiency`, `overlap` and `overhead_s` are what a real step loses beyond them. `bench/gpu_calibrate.py` measures
+a GPU's (one H200 so far, docs/BENCHMARKS.md) and stores the profile where `resolve` finds it; `plan.calibrate=true` measures
 the machine it runs on (calibrate.py) and `plan.verify=K` refits them from real steps (verify.py).
 `cluster.gpu=cpu` is the profile this machine's tests verify: it has no datasheet, so it is always measured.
 """
@@ -44,9 +45,17 @@ class Hardware:
     intra: Link  # between the devices of a node
     inter: Link  # between nodes
     gpus_per_node: int = 8
-    # The fraction of the peak a training step's matrix products reach (the rest: small kernels, launches,
-    # the framework's own work between them).
-    efficiency: float = 0.5
+    # What the per-operation model (estimate/ops.py) does not see, as one factor on its compute: launches and the
+    # framework's own work between kernels (1: none). plan.verify and bench/gpu_calibrate.py refit it.
+    efficiency: float = 1.0
+    # The per-operation model's device constants (estimate/ops.py); the defaults are a device with no shape effects
+    # (a CPU, whose products calibrate.py times at the model's own shapes):
+    sm_count: int = 0  # streaming multiprocessors: the waves of a product's output tiles (0: none)
+    gemm_efficiency: float = 1.0  # the fraction of the peak a large matrix product reaches
+    gemm_k_half: float = 0.0  # the inner dimension at which a product runs at half that
+    attention_efficiency: float = 1.0  # flash/SDPA forward + backward, of the peak, at long sequences
+    attention_seq_half: float = 0.0  # the sequence length at which attention runs at half that
+    memory_efficiency: float = 1.0  # the fraction of memory_bw that memory-bound kernels reach
     # The fraction of the compute that data-parallel collectives can hide behind (1: a GPU's copy engines and
     # NCCL's own SMs run beside the kernels; 0: a CPU, where gloo and the matmuls share the cores).
     overlap: float = 1.0
@@ -76,40 +85,75 @@ class Hardware:
 
 
 _ASSUMED = {
-    "efficiency": "assumed: typical MFU of a well-tuned transformer step, never measured here on a GPU",
+    "efficiency": "1: the per-operation model (estimate/ops.py) carries the device's efficiencies",
     "overlap": "assumed: a GPU overlaps NCCL with compute",
     "overhead_s": "assumed: 2 ms of DeepSpeed ZeRO-3 hooks per block and micro-batch (0.1 ms a module fetch), "
                   "the other strategies' hidden behind the GPU's work; never measured here on a GPU",
 }
 GPU_OVERHEAD_S = {"zero3": 2e-3}
 
+# The per-operation constants (estimate/ops.py) and where each comes from.
+# - Hopper (H100/H200 SXM, 132 SMs, one die): the matrix products' and the memory's from the 132 products and the
+#   2 GiB copy bench/gpu_calibrate.py measured on an H200 (bench/data/gpu_calibrate-h200-2026-11-26.json: least
+#   squares of log error, median error 5%; copy 4.25 of the datasheet's 4.8 TB/s).
+# - Attention on the H100 and everything on the A100 not measured here: fitted to the calibration set's MosaicML
+#   rows (`python bench/published.py --fit`, least squares of log error over the rows of that GPU, the other
+#   constants held). Torch's SDPA on the H200 reached 0.40-0.54 of the peak (forward + backward, causal, seq 4096-8192);
+#   MosaicML's 2024 runs on H100s imply about 0.2, so a profile measured by bench/gpu_calibrate.py predicts faster
+#   long-sequence steps than the datasheet h100 one.
+_HOPPER_MEASURED = "measured: bench/gpu_calibrate.py on an H200, 2026-11-26 (same SXM5 die as the H100)"
+_FITTED = "fitted: python bench/published.py --fit (MosaicML's {gpu} rows of ../shared/GPU-PUBLISHED.md)"
+_HOPPER = dict(sm_count=132, gemm_efficiency=0.725, gemm_k_half=350.0, memory_efficiency=0.885)
+_OPS_SOURCE_HOPPER = {"sm_count": "datasheet", "gemm_efficiency": _HOPPER_MEASURED, "gemm_k_half": _HOPPER_MEASURED,
+                      "memory_efficiency": _HOPPER_MEASURED}
+OPS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "h100": ({**_HOPPER, "attention_efficiency": 0.2, "attention_seq_half": 0.0},
+             {**_OPS_SOURCE_HOPPER, "attention_efficiency": _FITTED.format(gpu="H100"),
+              "attention_seq_half": _FITTED.format(gpu="H100")}),
+    "h200": ({**_HOPPER, "attention_efficiency": 0.706, "attention_seq_half": 2700.0},
+             {**_OPS_SOURCE_HOPPER, "attention_efficiency": _HOPPER_MEASURED, "attention_seq_half": _HOPPER_MEASURED}),
+    "a100": (dict(sm_count=108, gemm_efficiency=0.8, gemm_k_half=350.0, memory_efficiency=0.885,
+                  attention_efficiency=0.8, attention_seq_half=0.0),
+             {"sm_count": "datasheet", "gemm_efficiency": _FITTED.format(gpu="A100"),
+              "attention_efficiency": _FITTED.format(gpu="A100"), "attention_seq_half": _FITTED.format(gpu="A100"),
+              "gemm_k_half": "assumed: the H200's", "memory_efficiency": "assumed: the H200's"}),
+    "l40s": (dict(sm_count=142, gemm_efficiency=0.725, gemm_k_half=350.0, memory_efficiency=0.885,
+                  attention_efficiency=0.706, attention_seq_half=2700.0),
+             {"sm_count": "datasheet", **{k: "assumed: the H200's" for k in (
+                 "gemm_efficiency", "gemm_k_half", "memory_efficiency", "attention_efficiency",
+                 "attention_seq_half")}}),
+}
+
 
 def _gpu(name: str, *, board: str, memory_gib: float, memory_bw: float, intra: Link, inter: Link,
-         fabric: str) -> Hardware:
+         fabric: str, network: str) -> Hardware:
+    constants, sources = OPS[name]
     return Hardware(
         name=name, memory_bytes=memory_gib * GIB, flops=dict(PEAK_FLOPS[board]), memory_bw=memory_bw,
-        intra=intra, inter=inter, overhead_s=dict(GPU_OVERHEAD_S),
+        intra=intra, inter=inter, overhead_s=dict(GPU_OVERHEAD_S), **constants,
         source={"flops": f"datasheet ({board}, dense)", "memory_bytes": "datasheet capacity, as torch reports it",
-                "memory_bw": "datasheet", "intra": f"assumed: nccl-tests bus bandwidth typical of {fabric}",
-                "inter": "assumed: nccl-tests bus bandwidth typical of the named network", **_ASSUMED},
+                "memory_bw": "datasheet", "intra": f"nccl-tests bus bandwidth of {fabric}",
+                "inter": f"nccl-tests bus bandwidth of {network}", **_ASSUMED, **sources},
     )
 
 
-# Interconnect defaults: NVLink 4 (H100/H200: 450 GB/s a direction, nccl-tests all-reduce reaches about 360),
-# NVLink 3 (A100: 300, about 230), PCIe Gen4 (L40S: 32 GB/s a direction, about 22); between nodes one
-# InfiniBand NDR (400 Gb/s) or HDR (200 Gb/s) port per GPU, or 100 Gb/s Ethernet per node for L40S.
-_NVLINK4, _NVLINK3, _PCIE4 = Link(360e9, 15e-6), Link(230e9, 15e-6), Link(22e9, 20e-6)
-_NDR, _HDR, _ETH100 = Link(40e9, 25e-6), Link(20e9, 25e-6), Link(1.2e9, 40e-6)
+# Interconnect: nccl-tests bus bandwidth of a large message (../shared/GPU-PUBLISHED.md section 4). NVLink 4
+# (H100/H200, NVSwitch): about 370 GB/s for ring all-reduce and the other collectives (NVIDIA/nccl-tests#212, #290);
+# NVLink 3 (A100): 200-233 GB/s (users' reports, nccl-tests#149, #175); PCIe Gen4 (L40S: 32 GB/s a direction, about
+# 22, assumed). Between nodes, one InfiniBand NDR 400 Gb/s NIC per GPU: 46-48 GB/s (nccl-tests#290); HDR 200 Gb/s
+# (MosaicML's A100s: 1,600 Gb/s a node): half that, 23 (assumed); 100 Gb/s Ethernet a node for L40S (assumed).
+_NVLINK4, _NVLINK3, _PCIE4 = Link(370e9, 15e-6), Link(230e9, 15e-6), Link(22e9, 20e-6)
+_NDR, _HDR, _ETH100 = Link(46e9, 25e-6), Link(23e9, 25e-6), Link(1.2e9, 40e-6)
 
 PROFILES: dict[str, Hardware] = {
     "h100": _gpu("h100", board="NVIDIA H100 80GB HBM3", memory_gib=79.1, memory_bw=3.35e12, intra=_NVLINK4,
-                 inter=_NDR, fabric="NVLink 4 (SXM)"),
+                 inter=_NDR, fabric="NVLink 4 (SXM), NCCL's maintainers", network="InfiniBand NDR, NCCL's maintainers"),
     "h200": _gpu("h200", board="NVIDIA H200", memory_gib=139.8, memory_bw=4.8e12, intra=_NVLINK4, inter=_NDR,
-                 fabric="NVLink 4 (SXM)"),
+                 fabric="NVLink 4 (SXM), NCCL's maintainers", network="InfiniBand NDR, NCCL's maintainers"),
     "a100": _gpu("a100", board="NVIDIA A100-SXM4-80GB", memory_gib=79.2, memory_bw=2.039e12, intra=_NVLINK3,
-                 inter=_HDR, fabric="NVLink 3 (SXM)"),
+                 inter=_HDR, fabric="NVLink 3 (SXM), users' reports", network="InfiniBand HDR (assumed: half NDR's)"),
     "l40s": _gpu("l40s", board="NVIDIA L40S", memory_gib=44.4, memory_bw=0.864e12, intra=_PCIE4, inter=_ETH100,
-                 fabric="PCIe Gen4"),
+                 fabric="PCIe Gen4 (assumed)", network="100 Gb/s Ethernet a node (assumed)"),
 }
 MEASURED_ONLY = ("cpu",)  # no datasheet: calibrate.py measures it
 KNOWN_GPUS = (*PROFILES, *MEASURED_ONLY)

@@ -31,6 +31,7 @@ from dist_train.estimate.memory import predict_memory
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers
 from dist_train.estimate.hardware import Hardware
+from dist_train.estimate.ops import MicroBatchCompute, head_compute, layer_compute, recompute_mode
 from dist_train.telemetry.flops import flops_per_token
 
 
@@ -48,6 +49,7 @@ class StepTime:
     peak_flops: float  # per device
     overhead_key: str = ""  # which of the profile's overhead_s applies ("": none)
     overhead_units: int = 0  # blocks x micro-batches it applies to
+    ops: Optional[MicroBatchCompute] = None  # compute_s by kind of operation (estimate/ops.py), a step's worth
 
     @property
     def step_s(self) -> float:
@@ -70,7 +72,8 @@ def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
 
 def _matmul_flops_per_token(shape: ModelShape, *, layers: int, head: bool, seq_len: int, recompute: bool) -> float:
     """Forward + backward FLOPs per token of `layers` blocks (and the LM head): 2 per weight forward, 4 backward,
-    2 more where checkpointing recomputes the forward; attention's scores and values 4 L H T forward."""
+    2 more where checkpointing recomputes the forward; attention's scores and values 4 L H T forward. What
+    bench/gpu_calibrate.py divides its measured times by (the time model itself counts by operation, ops.py)."""
     per_pass = 2.0 * (layers * shape.layer_matmul_weights() + (shape.head_matmul_weights() if head else 0))
     per_pass += 4.0 * layers * shape.q_dim * seq_len
     return per_pass * (4 if recompute else 3)
@@ -103,24 +106,42 @@ def collective_s(c: Collective, setup: Setup, hw: Hardware) -> float:
     return hw.link(spans_nodes=spans_nodes(c, setup, gpus_per_node=hw.gpus_per_node)).seconds(ring, c.calls)
 
 
+def element_bytes(precision: str) -> int:
+    """Bytes of an activation element: 2 under bf16/fp16 (autocast's and FSDP's compute dtype), 4 in fp32."""
+    return 4 if precision == "fp32" else 2
+
+
+def micro_batch_compute(shape: ModelShape, setup: Setup, hw: Hardware, *, peak: float, layers: int,
+                        head: bool) -> MicroBatchCompute:
+    """One micro-batch of `layers` blocks (and the LM head and loss) on one rank, operation by operation."""
+    tp = setup.tensor_parallel_size
+    common = dict(batch=setup.micro_batch_size, seq_len=setup.seq_len, hw=hw, peak=peak,
+                  element_bytes=element_bytes(setup.precision))
+    layer = layer_compute(shape, tp=tp, sequence_parallel=setup.sequence_parallel,
+                          recompute=recompute_mode(setup.activation_checkpointing), **common)
+    out = layer.scaled(layers)
+    return out + head_compute(shape, tp=tp, **common) if head else out
+
+
 def predict_step(shape: ModelShape, setup: Setup, hw: Hardware, *, allow_tf32: bool = False,
                  model_state_bytes: Optional[float] = None) -> StepTime:
     """`model_state_bytes`: the busiest rank's (estimate.predict_memory's), when the caller has it already."""
     peak = hw.peak(setup.precision, allow_tf32=allow_tf32)
     tokens = tokens_per_step(setup)
-    recompute = setup.activation_checkpointing
+    m = setup.microbatches_per_step
     if setup.family == "pipeline":
-        k, m = setup.num_stages, setup.microbatches_per_step
+        k = setup.num_stages
         split = list(setup.split_points) if setup.split_points else None
         layers = stage_layers(shape, num_stages=k, split_points=split)
-        per_stage = [_matmul_flops_per_token(shape, layers=n, head=i == k - 1, seq_len=setup.seq_len, recompute=recompute)
+        per_stage = [micro_batch_compute(shape, setup, hw, peak=peak, layers=n, head=i == k - 1)
                      for i, n in enumerate(layers)]
-        compute = max(per_stage) * tokens / setup.data_parallel_size / (peak * hw.efficiency)
+        ops = max(per_stage, key=lambda c: c.total_s).scaled(m / hw.efficiency)
+        compute = ops.total_s
         bubble = compute * (k - 1) / m
     else:
-        flops = _matmul_flops_per_token(shape, layers=shape.num_layers, head=True, seq_len=setup.seq_len,
-                                        recompute=recompute)
-        compute = flops * tokens / setup.world_size / (peak * hw.efficiency)
+        ops = micro_batch_compute(shape, setup, hw, peak=peak, layers=shape.num_layers, head=True)
+        ops = ops.scaled(m / hw.efficiency)
+        compute = ops.total_s
         bubble = 0.0
     # Ranks share their lists (one per pipeline stage, one for everyone else): time each distinct list once.
     distinct = {id(colls): colls for colls in predict_comm(shape, setup)}.values()
@@ -131,12 +152,12 @@ def predict_step(shape: ModelShape, setup: Setup, hw: Hardware, *, allow_tf32: b
     state = model_state_bytes if model_state_bytes is not None else \
         max(r.model_state for r in predict_memory(shape, setup))
     key = overhead_key(setup)
-    units = shape.num_layers * setup.microbatches_per_step if key else 0
+    units = shape.num_layers * m if key else 0
     return StepTime(
         compute_s=compute, comm_s=sum(t for _, t in colls), exposed_comm_s=exposed, bubble_s=bubble,
         optimizer_s=2 * state / hw.memory_bw, framework_s=units * hw.overhead_s.get(key, 0.0), tokens_per_step=tokens,
         world_size=setup.world_size, model_flops_per_token=model_flops_per_token(shape, setup.seq_len),
-        peak_flops=peak, overhead_key=key, overhead_units=units,
+        peak_flops=peak, overhead_key=key, overhead_units=units, ops=ops,
     )
 
 

@@ -73,4 +73,20 @@ def test_the_kept_calibration_renders_every_measurement():
         "Profile written for `cluster.gpu=h200`",
     ):
         assert heading in text, heading
-    assert text.count("| llama-70b | 8192 |") == 3  # the layer with and without checkpointing, and SDPA
+    # the layer with and without checkpointing, SDPA, and the layer's two predictions beside the measured times
+    assert text.count("| llama-70b | 8192 |") == 5
+
+
+def test_the_hopper_constants_are_the_ones_the_kept_calibration_fits():
+    """hardware.OPS cites the H200 calibration for the Hopper profiles' products and attention: refitting the kept
+    measurements gives those numbers, and the per-operation model then predicts the measured decoder layers (which
+    nothing was fitted to) within 10%."""
+    calib = json.loads(KEPT.read_text())
+    prof = gpu_calibrate.profile_from(calib)
+    for name in ("h100", "h200"):
+        assert (PROFILES[name].gemm_efficiency, PROFILES[name].gemm_k_half) == (prof.gemm_efficiency, prof.gemm_k_half)
+        assert PROFILES[name].sm_count == prof.sm_count == 132
+    assert (PROFILES["h200"].attention_efficiency, PROFILES["h200"].attention_seq_half) == (
+        prof.attention_efficiency, prof.attention_seq_half)
+    for layer, predicted in zip(calib["layers"], gpu_calibrate.predicted_layers(calib, prof)):
+        assert predicted == pytest.approx(layer["s"], rel=0.10), layer

@@ -1,0 +1,216 @@
+"""The compute of one micro-batch on one rank, operation by operation: matrix products, attention, memory-bound work
+and the loss, forward, backward and recompute. step_time.py adds communication, the bubble and the optimizer.
+
+- **Matrix products** (each projection forward, its input's gradient and its weight's gradient): 2 m k n FLOPs at
+  the profile's peak x `gemm_efficiency`, times two shape factors: the last wave's idle SMs (output tiles of
+  TILE_M x TILE_N over `sm_count` SMs) and a short inner dimension (k / (k + `gemm_k_half`)); never faster than
+  reading and writing its operands at the memory bandwidth. On the H100/H200 this form, with 3 constants, gives
+  the 132 products bench/gpu_calibrate.py measured within 5% (median), and tensor-parallel slices as thin as 128
+  columns within 60%.
+- **Attention** (flash/SDPA, causal: the unmasked half of the scores): forward 4 b s^2 q_dim / 2 FLOPs, backward 2.5
+  times that (five products against two), at the peak x `attention_efficiency` x s / (s + `attention_seq_half`):
+  short sequences keep the tiles less busy.
+- **Memory-bound work**, read and written at `memory_efficiency` x the memory bandwidth: the norms, the activation,
+  rotary positions, the residual adds and attention's layout copy, as the eager modules of transformers run them
+  (ELEMENTWISE below, bytes per element of each kernel), backward BACKWARD_TRAFFIC times the forward's bytes.
+- **The loss**: LOSS_BYTES_PER_LOGIT per logit (cross-entropy over the vocabulary in fp32, forward and backward,
+  measured on an H200) at the memory bandwidth.
+
+A recomputed forward (activation checkpointing) adds the forward of all of it under `full`, and of the memory-bound
+work only under `selective` (matrix products' and attention's outputs are kept).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional
+
+from dist_train.estimate.hardware import Hardware
+from dist_train.estimate.shapes import ModelShape
+
+# A product's output is computed in tiles of TILE_M x TILE_N, one tile per SM at a time (cuBLAS's common bf16 tile on
+# Hopper and Ampere); the fit to the measured products preferred this one of 128x128, 128x256 and 256x128.
+TILE_M, TILE_N = 128, 256
+# Attention's backward runs five products of the forward's size against its two.
+ATTENTION_BACKWARD = 2.5
+# A backward kernel reads the saved input and the output's gradient and writes the input's gradient, and autograd
+# adds gradients where a tensor is used twice: about twice the forward's bytes.
+BACKWARD_TRAFFIC = 2.0
+# Cross-entropy over the vocabulary, forward and backward (logits upcast to fp32, log-softmax, its gradient, cast
+# back): 7.6 ms for 4,096 x 128,256 logits on an H200 at 4.25 TB/s (bench/data/gpu_calibrate-h200-2026-11-26.json),
+# 61 bytes of memory traffic per logit.
+LOSS_BYTES_PER_LOGIT = 61.0
+
+
+def recompute_mode(value: object) -> str:
+    """train.activation_checkpointing as the time model reads it: none | full | selective (true/false: full/none)."""
+    if value is True or value == "full":
+        return "full"
+    return "selective" if value == "selective" else "none"
+
+
+def wave_utilisation(m: int, n: int, sms: int) -> float:
+    """The busy fraction of the SMs over a product's waves of output tiles (1 with no SM count: a CPU)."""
+    if sms <= 0:
+        return 1.0
+    tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N)
+    return tiles / (math.ceil(tiles / sms) * sms)
+
+
+def gemm_seconds(m: int, k: int, n: int, hw: Hardware, peak: float, element_bytes: int) -> float:
+    """One product of an m x k and a k x n matrix."""
+    eff = hw.gemm_efficiency * wave_utilisation(m, n, hw.sm_count) * k / (k + hw.gemm_k_half)
+    compute = 2.0 * m * k * n / (peak * eff)
+    traffic = element_bytes * (m * k + k * n + m * n) / hw.memory_bw
+    return max(compute, traffic)
+
+
+def projections(shape: ModelShape, tp: int) -> list[tuple[int, int]]:
+    """(in, out) of one layer's projections on one rank of a `tp`-way tensor-parallel group, forward order:
+    column-parallel outputs and row-parallel inputs divided by tp."""
+    h, q, kv, f = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.ffn
+    feats = shape.features
+    attention = [(h, (q + 2 * kv) // tp)] if feats.fused_qkv else [(h, q // tp), (h, kv // tp), (h, kv // tp)]
+    if not feats.gated_mlp:
+        mlp = [(h, f // tp)]
+    else:
+        mlp = [(h, 2 * f // tp)] if feats.fused_gate_up else [(h, f // tp), (h, f // tp)]
+    return [*attention, (q // tp, h), *mlp, (f // tp, h)]
+
+
+def projection_pass_seconds(tokens: int, pairs: list[tuple[int, int]], hw: Hardware, peak: float,
+                            element_bytes: int) -> tuple[float, float]:
+    """(forward, backward) seconds of `pairs` over `tokens` rows: backward is the input's gradient (tokens x out x
+    in) and the weight's (in x tokens x out)."""
+    fwd = sum(gemm_seconds(tokens, i, o, hw, peak, element_bytes) for i, o in pairs)
+    bwd = sum(gemm_seconds(tokens, o, i, hw, peak, element_bytes) + gemm_seconds(i, tokens, o, hw, peak, element_bytes)
+              for i, o in pairs)
+    return fwd, bwd
+
+
+def attention_forward_seconds(shape: ModelShape, *, batch: int, seq_len: int, tp: int, hw: Hardware,
+                              peak: float) -> float:
+    flops = 4.0 * batch * seq_len * seq_len * (shape.q_dim // tp) / 2  # causal: the unmasked half
+    eff = hw.attention_efficiency * seq_len / (seq_len + hw.attention_seq_half)
+    return flops / (peak * eff)
+
+
+def elementwise_bytes_per_token(shape: ModelShape, *, tp: int, sequence_parallel: bool, element_bytes: int) -> float:
+    """Forward bytes one token's memory-bound kernels read and write in one layer, on one rank (ELEMENTWISE)."""
+    e, h, f = element_bytes, shape.hidden_size, shape.ffn
+    q, kv = shape.q_dim // tp, shape.kv_dim // tp
+    feats = shape.features
+    token_parallel = tp if sequence_parallel else 1  # norms and residuals run on this rank's tokens only
+    norm = 2 * e if feats.layer_norm else ELEMENTWISE["rms_norm_fp32"] + ELEMENTWISE["rms_norm"] * e
+    per_h = (2 * norm + 2 * 3 * e) / token_parallel  # two norms, two residual adds (read 2, write 1)
+    if feats.gated_mlp:
+        act = ELEMENTWISE["swiglu"] * e * f // tp
+    else:
+        act = ELEMENTWISE["gelu_tanh"] * e * f // tp
+    rotary = 0 if feats.learned_positions else ELEMENTWISE["rotary"] * e * (q + kv)
+    layout = 2 * e * q  # attention's output back from (batch, heads, seq, dim): one copy
+    return per_h * h + act + rotary + layout
+
+
+# Bytes per element of the kernels eager transformers runs (each kernel reads its inputs and writes its output once):
+# - rms_norm (Llama's): x.to(fp32), pow(2), mean, x * rsqrt, .to(dtype), weight * x: 28 fp32 bytes plus 4 of the
+#   activation's dtype per element;
+# - gelu_tanh (GPT-2's gelu_new, written out in Python): pow, three multiplies by constants or x, two adds, tanh,
+#   one more multiply: 8 kernels, 18 elements;
+# - swiglu: silu(gate) (2) and its product with up (3): 5 elements;
+# - rotary: q * cos, rotate_half's negate and concatenate, * sin, the add: 10 elements of q and of k.
+ELEMENTWISE = {"rms_norm_fp32": 28, "rms_norm": 4, "gelu_tanh": 18, "swiglu": 5, "rotary": 10}
+
+
+@dataclass(frozen=True)
+class MicroBatchCompute:
+    """Seconds of one micro-batch on one rank, by kind of operation (forward + backward + recompute)."""
+
+    gemm_s: float
+    attention_s: float
+    elementwise_s: float
+    loss_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.gemm_s + self.attention_s + self.elementwise_s + self.loss_s
+
+    def __add__(self, other: "MicroBatchCompute") -> "MicroBatchCompute":
+        return MicroBatchCompute(self.gemm_s + other.gemm_s, self.attention_s + other.attention_s,
+                                 self.elementwise_s + other.elementwise_s, self.loss_s + other.loss_s)
+
+    def scaled(self, k: float) -> "MicroBatchCompute":
+        return MicroBatchCompute(self.gemm_s * k, self.attention_s * k, self.elementwise_s * k, self.loss_s * k)
+
+
+def layer_compute(shape: ModelShape, *, batch: int, seq_len: int, tp: int, sequence_parallel: bool, recompute: str,
+                  hw: Hardware, peak: float, element_bytes: int) -> MicroBatchCompute:
+    """One layer, one micro-batch of `batch` sequences, on one rank."""
+    tokens = batch * seq_len
+    fwd, bwd = projection_pass_seconds(tokens, projections(shape, tp), hw, peak, element_bytes)
+    att = attention_forward_seconds(shape, batch=batch, seq_len=seq_len, tp=tp, hw=hw, peak=peak)
+    ew = tokens * elementwise_bytes_per_token(shape, tp=tp, sequence_parallel=sequence_parallel,
+                                              element_bytes=element_bytes) / (hw.memory_bw * hw.memory_efficiency)
+    full = recompute == "full"
+    return MicroBatchCompute(
+        gemm_s=fwd * (2 if full else 1) + bwd,
+        attention_s=att * (1 + ATTENTION_BACKWARD + (1 if full else 0)),
+        elementwise_s=ew * (1 + BACKWARD_TRAFFIC + (1 if recompute != "none" else 0)),
+        loss_s=0.0,
+    )
+
+
+def head_compute(shape: ModelShape, *, batch: int, seq_len: int, tp: int, hw: Hardware, peak: float,
+                 element_bytes: int) -> MicroBatchCompute:
+    """The LM head's product and the loss over the vocabulary (split by vocabulary row under tensor parallelism),
+    one micro-batch; never checkpointed."""
+    tokens, vocab = batch * seq_len, shape.vocab_size // tp
+    fwd, bwd = projection_pass_seconds(tokens, [(shape.hidden_size, vocab)], hw, peak, element_bytes)
+    loss = tokens * vocab * LOSS_BYTES_PER_LOGIT / hw.memory_bw
+    return MicroBatchCompute(gemm_s=fwd + bwd, attention_s=0.0, elementwise_s=0.0, loss_s=loss)
+
+
+# ------------------------------------------------------------------ fitting the constants to measured operations
+def _least_log_squares(grid_a: list[float], grid_b: list[float], points: list[tuple[float, float]],
+                       model: Callable[[float, float, int], float]) -> tuple[float, float]:
+    """The (a, b) of the grids whose model(a, b, i) is nearest points[i]'s measured value, in log error."""
+    best: Optional[tuple[float, float, float]] = None
+    for a in grid_a:
+        for b in grid_b:
+            loss = sum(math.log(model(a, b, i) / measured) ** 2 for i, (_, measured) in enumerate(points))
+            if best is None or loss < best[0]:
+                best = (loss, a, b)
+    assert best is not None
+    return best[1], best[2]
+
+
+def fit_gemm(rows: list[dict], *, sms: int, peak: float) -> tuple[float, float]:
+    """(gemm_efficiency, gemm_k_half) from measured products: bench/gpu_calibrate.py's `matmuls` rows (m, k, n of
+    the forward; kind fwd, dgrad or wgrad; flops_per_s)."""
+    shapes = []
+    for r in rows:
+        m, k, n = r["m"], r["k"], r["n"]
+        shapes.append({"fwd": (m, k, n), "dgrad": (m, n, k), "wgrad": (k, m, n)}[r["kind"]])
+    points = [(0.0, r["flops_per_s"] / peak) for r in rows]
+
+    def model(eff: float, k_half: float, i: int) -> float:
+        m, k, n = shapes[i]
+        return eff * wave_utilisation(m, n, sms) * k / (k + k_half)
+
+    return _least_log_squares([x / 1000 for x in range(500, 951, 5)], [float(x) for x in range(0, 1201, 25)],
+                              points, model)
+
+
+def fit_attention(rows: list[dict], *, peak: float) -> tuple[float, float]:
+    """(attention_efficiency, attention_seq_half) from measured SDPA: bench/gpu_calibrate.py's `attention` rows (seq,
+    fwd_bwd_flops_per_s counted as this model counts them: 3.5 x the causal forward)."""
+    points = [(float(r["seq"]), r["fwd_bwd_flops_per_s"] / peak) for r in rows]
+
+    def model(eff: float, seq_half: float, i: int) -> float:
+        seq = points[i][0]
+        return eff * seq / (seq + seq_half)
+
+    return _least_log_squares([x / 1000 for x in range(300, 951, 2)], [float(x) for x in range(0, 8001, 25)],
+                              points, model)
