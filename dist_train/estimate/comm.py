@@ -28,15 +28,16 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from dist_train.parallel.catalog import GRADIENT_NORM
-from dist_train.estimate.memory import (element_bytes, state_bytes, tp_rank_params, zero3_keeps_for_backward,
-                                        zero3_partitioned)
+from dist_train.estimate.memory import (element_bytes, state_bytes, tp_rank_params, with_model,
+                                        zero3_keeps_for_backward, zero3_partitioned)
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
 
 # Buckets that set how many calls carry the bytes: DDP's bucket_cap_mb where a strategy does not set it (torch's
 # default, 25 MiB: pp_dp's replicated stages; strategy=ddp's is Setup.bucket_cap_mb), DeepSpeed ZeRO-1/2's
-# allgather_bucket_size (elements, its default). ZeRO's reduce bucket is Setup.zero_reduce_bucket_size, ZeRO-3's
-# reuse distance (whether backward gathers again) Setup.zero3_max_reuse_distance, as the memory model reads them.
+# allgather_bucket_size (elements, its default, which the training code keeps: parallel/buckets.py). ZeRO's reduce
+# bucket is Setup.zero_reduce_bucket_size (hidden^2 unless the run sets it), ZeRO-3's reuse distance (whether backward
+# gathers again) Setup.zero3_max_reuse_distance, as the memory model reads them.
 DDP_BUCKET_BYTES = 25 * 2**20
 DS_ALLGATHER_BUCKET_SIZE = 5 * 10**8
 
@@ -81,6 +82,7 @@ def predict_comm(shape: ModelShape, setup: Setup) -> list[list[Collective]]:
     """For every rank, the collectives of one optimizer step: those each of the run's parallelisms declares
     (parallel/catalog.py), sized here, over its mesh dimension. A dimension of one rank sends nothing (FSDP2, DDP and
     DeepSpeed issue no collective in a group of one)."""
+    setup = with_model(shape, setup)  # DeepSpeed's buckets, sized from the model as the training code sizes them
     if setup.family == "pipeline":
         stages = [_rank(shape, setup, stage=k) for k in range(setup.num_stages)]
         return [stages[rank // setup.data_parallel_size] for rank in range(setup.world_size)]
