@@ -82,7 +82,6 @@ def predict_comm(shape: ModelShape, setup: Setup) -> list[list[Collective]]:
     """For every rank, the collectives of one optimizer step: those each of the run's parallelisms declares
     (parallel/catalog.py), sized here, over its mesh dimension. A dimension of one rank sends nothing (FSDP2, DDP and
     DeepSpeed issue no collective in a group of one)."""
-    setup = with_model(shape, setup)  # DeepSpeed's buckets, sized from the model as the training code sizes them
     if setup.family == "pipeline":
         stages = [_rank(shape, setup, stage=k) for k in range(setup.num_stages)]
         return [stages[rank // setup.data_parallel_size] for rank in range(setup.world_size)]
@@ -229,6 +228,7 @@ def _zero12(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     """ZeRO-1 and 2: gradients reduced (once per step at stage 1, every micro-batch at stage 2), then the updated
     partitions gathered. The paper reduce-scatters them (Ψ of ring traffic); DeepSpeed 0.19's stage 1/2 all-reduces
     each gradient bucket and keeps its own partition (use_multi_rank_bucket_allreduce=True by default): 2Ψ."""
+    setup = with_model(shape, setup)  # the reduction bucket as the training code sizes it (unless the run sets it)
     num_params, b = shape.num_params, _moved_bytes(setup)
     reduces = setup.microbatches_per_step if setup.zero_stage == 2 else 1
     return {
@@ -245,6 +245,7 @@ def _zero3(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     one gather per micro-batch (measured: tiny model, 2 gathers per 2 micro-batches). For a larger model the blocks
     near the forward/backward turn are reused too; 2x is an upper bound. Parameters under
     stage3_param_persistence_threshold stay whole on every rank: never gathered."""
+    setup = with_model(shape, setup)  # the reduction bucket as the training code sizes it (unless the run sets it)
     m, b = setup.microbatches_per_step, _moved_bytes(setup)
     partitioned, modules = zero3_partitioned(shape, setup)
     reused = setup.resolved_regime == "deepspeed" and zero3_keeps_for_backward(setup, partitioned)
