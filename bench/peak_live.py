@@ -21,7 +21,8 @@ from common import PYTHON, TORCHRUN, md_table, run, write_section  # noqa: E402
 
 KIB = 1024
 CATEGORIES = ("params", "grads", "optimizer", "activations", "weight_copies")
-# DeepSpeed's reduction bucket, small enough that the rest of the peak shows (its default is 2 GB in fp32)
+# DeepSpeed's reduction bucket of 100,000 elements (dist_train's own is hidden^2, 4,096 for model=tiny: the last case;
+# DeepSpeed's default, 5e8, would be 2 GB in fp32 and hide the rest of the peak)
 SMALL_BUCKET = "+strategy.extra.zero_optimization.reduce_bucket_size=100000"
 # (label, processes, overrides): accumulation is two micro-batches per rank and step at 2 ranks.
 CASES = [
@@ -36,7 +37,7 @@ CASES = [
     ("fsdp_tp tp=2 on 4 ranks, 2 micro-batches", 4, ["strategy=fsdp_tp", "strategy.tp=2"]),
     ("zero1, 2 micro-batches, 100,000-element bucket", 2, ["strategy=zero1", SMALL_BUCKET]),
     ("zero2, 2 micro-batches, 100,000-element bucket", 2, ["strategy=zero2", SMALL_BUCKET]),
-    ("zero2, 2 micro-batches", 2, ["strategy=zero2"]),
+    ("zero2, 2 micro-batches, bucket of hidden^2 (4,096 elements)", 2, ["strategy=zero2"]),
 ]
 
 
@@ -68,8 +69,9 @@ def main() -> None:
             "what the rank holds (memory/peak_live_bytes; its composition in MemTracker's categories: params sharded "
             "and gathered, grads sharded and unsharded, temporaries made in backward). Predicted: the estimator's "
             "predicted_memory_bytes.peak_live, where it models the strategy (all but zero3 and the pipelines); '-' where it does not. "
-            "DeepSpeed's peak holds its reduction bucket, reduce_bucket_size (5e8) elements of fp32 allocated whole, "
-            "which a GPU would hold and the CPU never touches.")
+            "DeepSpeed's peak holds its reduction bucket, reduce_bucket_size elements of fp32 allocated whole "
+            "(hidden^2 as dist_train sizes it, dist_train/parallel/buckets.py, unless strategy.extra sets it); "
+            "larger parameters are reduced outside it.")
     write_section("peak-live", "The peak of all live tensors", md_table(headers, rows),
                   command=f"python bench/peak_live.py --steps {args.steps}", note=note)
 

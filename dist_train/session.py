@@ -131,7 +131,7 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     ctx = StrategyContext(
         runtime=runtime, train=t, precision=run.precision, optimizer=OptimizerFactory(run.optimizer, t, device=runtime.device),
         ddp_comm_hook=tracker.ddp_comm_hook if tracker is not None else None,
-        materialize=_materializer(run, runtime, memory) if sharded else None,
+        materialize=_materializer(run, runtime, memory) if sharded else None, model=run.model,
     )
     strategy = build_strategy(run.strategy, ctx)
     empty = strategy.empty_model_context() if sharded else None  # DeepSpeed's is made (and imported) here

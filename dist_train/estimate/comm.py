@@ -28,15 +28,16 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from dist_train.parallel.catalog import GRADIENT_NORM
-from dist_train.estimate.memory import (element_bytes, state_bytes, tp_rank_params, zero3_keeps_for_backward,
-                                        zero3_partitioned)
+from dist_train.estimate.memory import (element_bytes, state_bytes, tp_rank_params, with_model,
+                                        zero3_keeps_for_backward, zero3_partitioned)
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
 
 # Buckets that set how many calls carry the bytes: DDP's bucket_cap_mb where a strategy does not set it (torch's
 # default, 25 MiB: pp_dp's replicated stages; strategy=ddp's is Setup.bucket_cap_mb), DeepSpeed ZeRO-1/2's
-# allgather_bucket_size (elements, its default). ZeRO's reduce bucket is Setup.zero_reduce_bucket_size, ZeRO-3's
-# reuse distance (whether backward gathers again) Setup.zero3_max_reuse_distance, as the memory model reads them.
+# allgather_bucket_size (elements, its default, which the training code keeps: parallel/buckets.py). ZeRO's reduce
+# bucket is Setup.zero_reduce_bucket_size (hidden^2 unless the run sets it), ZeRO-3's reuse distance (whether backward
+# gathers again) Setup.zero3_max_reuse_distance, as the memory model reads them.
 DDP_BUCKET_BYTES = 25 * 2**20
 DS_ALLGATHER_BUCKET_SIZE = 5 * 10**8
 
@@ -227,6 +228,7 @@ def _zero12(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     """ZeRO-1 and 2: gradients reduced (once per step at stage 1, every micro-batch at stage 2), then the updated
     partitions gathered. The paper reduce-scatters them (Ψ of ring traffic); DeepSpeed 0.19's stage 1/2 all-reduces
     each gradient bucket and keeps its own partition (use_multi_rank_bucket_allreduce=True by default): 2Ψ."""
+    setup = with_model(shape, setup)  # the reduction bucket as the training code sizes it (unless the run sets it)
     num_params, b = shape.num_params, _moved_bytes(setup)
     reduces = setup.microbatches_per_step if setup.zero_stage == 2 else 1
     return {
@@ -243,6 +245,7 @@ def _zero3(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     one gather per micro-batch (measured: tiny model, 2 gathers per 2 micro-batches). For a larger model the blocks
     near the forward/backward turn are reused too; 2x is an upper bound. Parameters under
     stage3_param_persistence_threshold stay whole on every rank: never gathered."""
+    setup = with_model(shape, setup)  # the reduction bucket as the training code sizes it (unless the run sets it)
     m, b = setup.microbatches_per_step, _moved_bytes(setup)
     partitioned, modules = zero3_partitioned(shape, setup)
     reused = setup.resolved_regime == "deepspeed" and zero3_keeps_for_backward(setup, partitioned)

@@ -30,8 +30,8 @@ Transient buffers, beside the model state that stays between steps:
 - ZeRO-3 gathers parameters to full size to use them. DeepSpeed keeps a gathered parameter while it will be
   reused within `stage3_max_reuse_distance` parameters (in backward, every parameter is reused: if the
   distance covers the model, nothing is released before backward), holds at most `stage3_max_live_parameters`
-  (but always the module in use), and prefetches `stage3_prefetch_bucket_size` ahead; parameters under
-  `stage3_param_persistence_threshold` stay gathered for good. Measured here, a tiny model with the defaults
+  (but always the module in use), and prefetches `stage3_prefetch_bucket_size` ahead (0.9 x hidden^2 as training
+  sizes it, parallel/buckets.py); parameters under `stage3_param_persistence_threshold` stay gathered for good. Measured here, a tiny model with the defaults
   holds every parameter gathered at its peak, and with no reuse and no prefetch exactly its largest module.
   Backward also holds the largest module's full-size gradients before they are reduce-scattered.
 - ZeRO flattens the rank's gradient partition into a new fp32 buffer for the optimizer step, every stage and
@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from dist_train.config import PRECISIONS
+from dist_train.parallel.buckets import ZERO_BUCKET_FIELDS, zero_bucket_sizes
 from dist_train.parallel.catalog import STATE_CATEGORIES
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
@@ -116,10 +117,14 @@ def shaped_optimizer_bytes(shape: ModelShape, optimizer: str) -> float:
 
 
 def with_model(shape: ModelShape, setup: Setup) -> Setup:
-    """`setup` with the optimizer's bytes per parameter filled in where they depend on the model's shapes."""
-    if setup.optimizer not in SHAPED_OPTIMIZERS or setup.optimizer_bytes_per_param is not None:
-        return setup
-    return replace(setup, optimizer_bytes_per_param=shaped_optimizer_bytes(shape, setup.optimizer) / shape.num_params)
+    """`setup` with what depends on the model filled in where the run did not set it: DeepSpeed's bucket sizes, from
+    the model's width as the training code sizes them (parallel/buckets.py), and the optimizer's bytes per parameter
+    where they depend on the model's shapes."""
+    auto = zero_bucket_sizes(shape.hidden_size)
+    fill: dict[str, Any] = {field: auto[key] for key, field in ZERO_BUCKET_FIELDS.items() if getattr(setup, field) is None}
+    if setup.optimizer in SHAPED_OPTIMIZERS and setup.optimizer_bytes_per_param is None:
+        fill["optimizer_bytes_per_param"] = shaped_optimizer_bytes(shape, setup.optimizer) / shape.num_params
+    return replace(setup, **fill) if fill else setup
 
 
 def state_bytes(*, precision: str, optimizer: str, momentum: float = 0.0, regime: str,
@@ -292,7 +297,8 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     (backward_start_extra), which decide the peak of a model with a large vocabulary. The measurements quoted
     below were made with model=tiny, whose vocabulary makes them small.
     ZeRO 1 and 2: the categories at their peak plus DeepSpeed's reduction bucket, reduce_bucket_size elements of
-    the training dtype allocated whole (2 GB in fp32 by default; measured on 2 CPU ranks, model=tiny, with a
+    the training dtype allocated whole (hidden^2 as training sizes it, parallel/buckets.py; DeepSpeed's own default
+    would be 2 GB in fp32; measured on 2 CPU ranks, model=tiny, with a
     100,000-element bucket so that the rest shows: zero1 -3.6%, zero2 -2.3%; dry runs in bf16 -6.9%, -3.3%).
     single, dp and tp: the categories at their peak, model state plus the working set (`rank.total`; tp's
     micro-batches accumulate into the same sharded gradients; measured on 2 CPU ranks, model=tiny, 4 micro-batches:

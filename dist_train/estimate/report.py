@@ -35,7 +35,7 @@ def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
     kv_batch, kv_ctx = args.kv_batch or setup.micro_batch_size, args.kv_context or shape.max_seq_len
     return {
         "model": {**asdict(shape), "num_params": shape.num_params},
-        "setup": {**asdict(setup), "resolved_regime": setup.resolved_regime,
+        "setup": {**asdict(with_model(shape, setup)), "resolved_regime": setup.resolved_regime,
                   "data_parallel_size": setup.data_parallel_size, "microbatches_per_step": setup.microbatches_per_step,
                   "tensor_parallel_size": setup.tensor_parallel_size},
         "bytes_per_param": asdict(setup_state_bytes(with_model(shape, setup))),

@@ -75,17 +75,19 @@ class Setup:
     activation_checkpointing: bool = False
     regime: str = "auto"
     # ZeRO-3's gathering, as DeepSpeed is configured (zero_optimization.stage3_*; in elements). The persistence
-    # threshold is this project's default (0: every parameter partitioned), the rest are DeepSpeed's defaults.
+    # threshold is this project's default (0: every parameter partitioned), the prefetch follows the model (None:
+    # 0.9 x hidden^2, parallel/buckets.py, filled in by memory.with_model), the rest are DeepSpeed's defaults.
     zero3_persistence_threshold: int = 0
     zero3_max_live_parameters: int = 10**9
     zero3_max_reuse_distance: int = 10**9
-    zero3_prefetch_bucket_size: int = 5 * 10**7
+    zero3_prefetch_bucket_size: Optional[int] = None
     # ZeRO-3 splits each rank's partition into sub-groups of this many elements: the optimizer steps, and the
     # gradient norm is reduced, one sub-group at a time (zero_optimization.sub_group_size; DeepSpeed's default)
     zero3_sub_group_size: int = 10**9
-    # ZeRO 1 and 2's reduction bucket (zero_optimization.reduce_bucket_size, in elements; DeepSpeed's default),
-    # allocated whole in the training dtype at the first reduction
-    zero_reduce_bucket_size: int = 5 * 10**8
+    # ZeRO's reduction bucket (zero_optimization.reduce_bucket_size, in elements), allocated whole in the training
+    # dtype (ZeRO 1 and 2 at the first reduction, 3 at set-up). None: the model's hidden^2, as the training code
+    # configures DeepSpeed (parallel/buckets.py), filled in by memory.with_model
+    zero_reduce_bucket_size: Optional[int] = None
     # ddp: the gradient bucket's size (strategy.bucket_cap_mb, MiB): how many all-reduces carry the gradients
     bucket_cap_mb: float = 25.0
     # strategy=accelerate: what Accelerate wraps the model in (ddp | fsdp)

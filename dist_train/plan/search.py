@@ -18,7 +18,7 @@ from itertools import product
 from typing import Any, Optional
 
 from dist_train.estimate.fit import worst_rank
-from dist_train.estimate.memory import RankMemory, element_bytes, predict_memory
+from dist_train.estimate.memory import RankMemory, element_bytes, predict_memory, with_model
 from dist_train.estimate.setup import Setup, family_of, setup_from_config
 from dist_train.estimate.shapes import ModelShape
 from dist_train.estimate.hardware import GIB, Hardware
@@ -55,7 +55,8 @@ def planning_peak(memory: RankMemory, setup: Setup) -> float:
     """What the plan holds against the device's memory: the estimator's peak of all live tensors where it models
     it; for ZeRO-3, which it does not, the categories at their peak plus DeepSpeed's reduction bucket
     (reduce_bucket_size elements of the training dtype, allocated whole; measured 10-12% above this, see
-    estimate/memory.py); for a pipeline the categories at their peak."""
+    estimate/memory.py); for a pipeline the categories at their peak. `setup` as memory.with_model resolves it: the
+    bucket follows the model."""
     if memory.peak_live is None and setup.family == "zero":
         return memory.total + setup.zero_reduce_bucket_size * element_bytes(setup.precision)
     return memory.peak
@@ -185,8 +186,8 @@ def search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, *, nodes: int, 
                 for ckpt, reduce in product(checkpointing, _accumulations(name, global_batch // (b * dp))):
                     overrides = (strategy_overrides + (("strategy.reduce_every_microbatch=true",) if reduce else ())
                                  + mb + (f"train.activation_checkpointing={str(ckpt).lower()}",) + opt)
-                    setup = replace(base, micro_batch_size=b, activation_checkpointing=ckpt, optimizer=optimizer,
-                                    reduce_every_microbatch=reduce)
+                    setup = with_model(shape, replace(base, micro_batch_size=b, activation_checkpointing=ckpt,
+                                                      optimizer=optimizer, reduce_every_microbatch=reduce))
                     ranks = predict_memory(shape, setup)
                     memory = worst_rank(ranks)
                     peak = planning_peak(memory, setup)

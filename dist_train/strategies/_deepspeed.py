@@ -26,6 +26,7 @@ from torch import nn
 from dist_train.config import PrecisionConfig, RunConfig, TrainConfig, importable, require
 from dist_train.contracts import Batch, ModelState, StepOutput, dtype_name, tensor_bytes
 from dist_train.model import forward_loss
+from dist_train.parallel.buckets import zero_bucket_sizes
 from dist_train.parallel_dims import ParallelDims, layout_dims
 from dist_train.checkpoint.deepspeed_io import DeepSpeedIO
 from dist_train.strategies._deepspeed_env import (
@@ -101,15 +102,24 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def deepspeed_config(
-    *, zero: Any, train: TrainConfig, precision: PrecisionConfig, dims: ParallelDims
+    *, zero: Any, train: TrainConfig, precision: PrecisionConfig, dims: ParallelDims, hidden_size: int | None = None
 ) -> dict[str, Any]:
-    """The DeepSpeed config that trains like every other strategy under the same run config."""
+    """The DeepSpeed config that trains like every other strategy under the same run config.
+
+    `hidden_size`: the model's width, which sizes ZeRO's buckets as transformers' "auto" does (parallel/buckets.py;
+    the estimator reads the same sizes); None keeps DeepSpeed's defaults (5e8 elements for the reduction bucket)."""
     accumulation = dims.microbatches(global_batch_size=train.global_batch_size, micro_batch_size=train.micro_batch_size)
     zero_opt: dict[str, Any] = {"stage": zero.stage}
+    if hidden_size is not None:
+        buckets = zero_bucket_sizes(hidden_size)
+        zero_opt["reduce_bucket_size"] = buckets["reduce_bucket_size"]
+        if zero.stage == 3:
+            zero_opt["stage3_prefetch_bucket_size"] = buckets["stage3_prefetch_bucket_size"]
     if zero.stage == 3:
         # DeepSpeed keeps parameters under 1e5 elements gathered on every rank by default (not worth
-        # a collective each). Here every parameter is partitioned, as the ZeRO paper and FSDP do, so
-        # stage 3 shards what it says; raise it through strategy.extra for speed on large models.
+        # a collective each), transformers' "auto" those under 10 x hidden. Here every parameter is partitioned, as
+        # the ZeRO paper and FSDP do, so stage 3 shards what it says; raise it through strategy.extra for speed on
+        # large models.
         zero_opt["stage3_param_persistence_threshold"] = 0
     if zero.offload_optimizer:
         zero_opt["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -214,6 +224,7 @@ class ZeroStrategy:
             self._config = deepspeed_config(
                 zero=self.cfg, train=self.ctx.train, precision=self.ctx.precision,
                 dims=self.cfg.parallel_dims(rt.world_size),
+                hidden_size=self.ctx.model.hidden_size if self.ctx.model is not None else None,
             )
         return self._config
 
@@ -331,7 +342,7 @@ class ZeroStrategy:
         partition (`averaged_gradients`); stage 2 reduces every micro-batch into its partition
         (`all_grad_tensors` while accumulating, `averaged_gradients` at the boundary); stage 3 keeps one
         persistent flat partition buffer. DeepSpeed's reduction bucket (`reduce_bucket_size` elements,
-        5e8 by default) is a communication staging buffer and is not counted, as FSDP's are not.
+        hidden^2 here: parallel/buckets.py) is a communication staging buffer and is not counted, as FSDP's are not.
         """
         opt = self.engine.optimizer
         # With optimizer offload the fp32 gradient partition lives on the CPU beside the master copy.

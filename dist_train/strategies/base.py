@@ -18,7 +18,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from dist_train.config import ConfigError, PrecisionConfig, RunConfig, TrainConfig, require
+from dist_train.config import ConfigError, ModelConfig, PrecisionConfig, RunConfig, TrainConfig, require
 from dist_train.contracts import Batch, ModelState, Runtime, StepOutput
 from dist_train.faults import overflow_if_injected
 from dist_train.model import forward_loss
@@ -40,6 +40,9 @@ class StrategyContext:
     # A model built on meta (strategy trait builds_on_meta): called on the wrapped model to give it storage and
     # weights, before the optimizer is built.
     materialize: Callable[[nn.Module], None] | None = None
+    # The model's config, resolved (a directory's config.json read in): what a strategy sizes by the model before
+    # the model exists (DeepSpeed's buckets, from its width). None where a test builds a strategy without one.
+    model: ModelConfig | None = None
 
 
 def onto(model: nn.Module, device: torch.device) -> nn.Module:

@@ -51,7 +51,8 @@ def tracked_second_step(run, runtime) -> dict[str, int]:  # type: ignore[no-unty
     dp = run.strategy.data_parallel_size(runtime.world_size)
     batches = GlobalBatches(build_dataset(run.data, vocab_size=run.model.vocab_size, seq_len=t.seq_len, seed=t.seed),
                             global_batch_size=t.global_batch_size, dp_rank=runtime.rank % dp, dp_size=dp)
-    ctx = StrategyContext(runtime=runtime, train=t, precision=run.precision, optimizer=OptimizerFactory(run.optimizer, t))
+    ctx = StrategyContext(runtime=runtime, train=t, precision=run.precision, optimizer=OptimizerFactory(run.optimizer, t),
+                          model=run.model)
     strategy = build_strategy(run.strategy, ctx)
     strategy.setup(build_model(run.model, seed=t.seed))
     strategy.train_step(batches.local_batch(0))

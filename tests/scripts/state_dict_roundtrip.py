@@ -64,7 +64,8 @@ def main() -> None:
     )
 
     def fresh():
-        ctx = StrategyContext(runtime=runtime, train=t, precision=run.precision, optimizer=OptimizerFactory(run.optimizer, t))
+        ctx = StrategyContext(runtime=runtime, train=t, precision=run.precision, optimizer=OptimizerFactory(run.optimizer, t),
+                              model=run.model)
         strategy = build_strategy(run.strategy, ctx)
         strategy.setup(build_model(run.model, seed=t.seed))
         return strategy

@@ -153,11 +153,16 @@ def test_70b_on_128_nodes_ranks_what_fits_and_drops_what_cannot_run():
 def test_zero3_is_planned_with_deepspeeds_reduction_bucket():
     s = _setup("zero3", 8, micro_batch_size=1)
     from dist_train.estimate.fit import worst_rank
-    from dist_train.estimate.memory import predict_memory
+    from dist_train.estimate.memory import predict_memory, with_model
 
     rank = worst_rank(predict_memory(SEVEN_B, s))
     assert rank.peak_live is None  # the estimator does not model zero3's peak of live tensors
-    assert planning_peak(rank, s) == rank.total + 5e8 * 2
+    # the bucket as training sizes it: hidden^2 elements of bf16 (parallel/buckets.py), not DeepSpeed's 5e8
+    assert planning_peak(rank, with_model(SEVEN_B, s)) == rank.total + 4096**2 * 2
+    # the search plans with the setup resolved that way
+    cfg = _cfg("model=7b", "precision=bf16", "train.seq_len=4096")
+    searched = search(SEVEN_B, cfg, H100, nodes=1, strategies=("zero3",), micro_batch_sizes=[1], checkpointing=(True,))
+    assert searched.ranked and all(c.setup.zero_reduce_bucket_size == 4096**2 for c in searched.ranked)
 
 
 def test_cluster_overrides_replace_the_profile_and_say_so():

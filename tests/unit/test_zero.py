@@ -86,3 +86,55 @@ def test_deep_merge_does_not_alias_its_inputs():
     out = deep_merge(base, extra)
     out["a"]["c"].append(2)
     assert base == {"a": {"b": 1}} and extra == {"a": {"c": [1]}}
+
+
+# ------------------------------------------------------------------------------------------------
+# The buckets follow the model (issue 41), as transformers' "auto" sizes them, and the estimator reads the same sizes.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden", [64, 768, 4096])
+def test_buckets_follow_the_models_width(hidden):
+    z1 = deepspeed_config(zero=ZeroConfig(name="zero1", stage=1), train=TrainConfig(global_batch_size=8),
+                          precision=PrecisionConfig(name="fp32"), dims=ParallelDims(1), hidden_size=hidden)
+    assert z1["zero_optimization"] == {"stage": 1, "reduce_bucket_size": hidden**2}  # no stage-3 key below stage 3
+    z3 = deepspeed_config(zero=ZeroConfig(name="zero3", stage=3), train=TrainConfig(global_batch_size=8),
+                          precision=PrecisionConfig(name="fp32"), dims=ParallelDims(1), hidden_size=hidden)["zero_optimization"]
+    assert z3["reduce_bucket_size"] == hidden**2 and z3["stage3_prefetch_bucket_size"] == int(0.9 * hidden**2)
+    assert z3["stage3_param_persistence_threshold"] == 0  # this project's, not transformers' 10 x hidden
+    # allgather_bucket_size allocates nothing (parallel/buckets.py): DeepSpeed's default stays
+    assert "allgather_bucket_size" not in z3
+
+
+def test_without_a_width_deepspeeds_defaults_stay():
+    assert "reduce_bucket_size" not in _ds(ZeroConfig(name="zero3", stage=3))["zero_optimization"]
+
+
+def test_strategy_extra_wins_over_the_sizes_from_the_model():
+    extra = {"zero_optimization": {"reduce_bucket_size": 100000, "stage3_prefetch_bucket_size": 0}}
+    zo = deepspeed_config(zero=ZeroConfig(name="zero3", stage=3, extra=extra), train=TrainConfig(global_batch_size=8),
+                          precision=PrecisionConfig(name="fp32"), dims=ParallelDims(1), hidden_size=768)["zero_optimization"]
+    assert zo["reduce_bucket_size"] == 100000 and zo["stage3_prefetch_bucket_size"] == 0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("extra", [{}, {"zero_optimization": {"reduce_bucket_size": 100000,
+                                                             "stage3_prefetch_bucket_size": 1234}}])
+def test_the_estimator_reads_the_sizes_training_configures(stage, extra):
+    """One source (parallel/buckets.py): the Setup built from a run config, resolved against the model, carries the
+    bucket sizes DeepSpeed is given for that run, with or without strategy.extra."""
+    from dist_train.config import ModelConfig
+    from dist_train.estimate.memory import with_model
+    from dist_train.estimate.setup import setup_from_config
+    from dist_train.estimate.shapes import ModelShape
+
+    model = ModelConfig(hidden_size=768, num_heads=12)
+    run = {"strategy": {"name": f"zero{stage}", "stage": stage, "extra": extra}, "precision": {"name": "fp32"},
+           "train": {"micro_batch_size": 2, "global_batch_size": 8}, "optimizer": {}}
+    setup = with_model(ModelShape.from_config(model), setup_from_config(run, world_size=2))
+    zo = deepspeed_config(zero=ZeroConfig(name=f"zero{stage}", stage=stage, extra=extra),
+                          train=TrainConfig(global_batch_size=8), precision=PrecisionConfig(name="fp32"),
+                          dims=ParallelDims(2, dp_shard=2), hidden_size=model.hidden_size)["zero_optimization"]
+    assert setup.zero_reduce_bucket_size == zo["reduce_bucket_size"]
+    if stage == 3:
+        assert setup.zero3_prefetch_bucket_size == zo["stage3_prefetch_bucket_size"]

@@ -52,7 +52,8 @@ def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, A
     runtime = Runtime(rank, rank, world_size, world_size, cpu, "fake", 600.0, "dryrun", ("dryrun",) * world_size)
     tracker = CommTracker().install()
     ctx = StrategyContext(runtime=runtime, train=t, precision=run.precision,
-                          optimizer=OptimizerFactory(run.optimizer, t, device=cpu), ddp_comm_hook=tracker.ddp_comm_hook)
+                          optimizer=OptimizerFactory(run.optimizer, t, device=cpu), ddp_comm_hook=tracker.ddp_comm_hook,
+                          model=run.model)
     strategy = build_strategy(run.strategy, ctx)
     dp = run.strategy.data_parallel_size(world_size)
     local = t.global_batch_size // dp
