@@ -1,8 +1,9 @@
 """Step time of one configuration: compute, exposed communication, pipeline bubble, optimizer step, framework.
 
-- **Compute**: the matrix products' FLOPs of the busiest rank (6 per parameter and token for forward and
-  backward, 12 L H T for attention scores; a recomputed forward adds 2 per parameter under activation
-  checkpointing), at `efficiency` x the profile's peak for the compute dtype.
+- **Compute**: the busiest rank's micro-batches, operation by operation (estimate/ops.py: matrix products by shape,
+  causal attention by sequence length, memory-bound kernels at the memory bandwidth, the loss over the vocabulary;
+  forward, backward and what checkpointing recomputes), divided by the profile's `efficiency` (1 on the GPU
+  profiles; what a CPU step loses beyond its kernels, refit by plan.verify).
 - **Communication**: each collective of the estimator's per-step list (estimate/comm.py), as a ring: its
   latency per call plus the bytes the rank sends (buffer x nccl-tests bus factor) at the bus bandwidth of the
   link its group uses: within a node, or between nodes where the group spans them.
