@@ -191,5 +191,8 @@ def describe(hw: Hardware) -> str:
     return (f"{hw.name}: {hw.memory_bytes / GIB:.1f} GiB, {peak}, memory {hw.memory_bw / 1e9:.3g} GB/s, "
             f"intra {hw.intra.busbw / 1e9:.3g} GB/s + {hw.intra.latency_s * 1e6:.0f} us, "
             f"inter {hw.inter.busbw / 1e9:.3g} GB/s + {hw.inter.latency_s * 1e6:.0f} us, "
-            f"efficiency {hw.efficiency:.3g}, overlap {hw.overlap:.3g}"
+            + (f"products {hw.gemm_efficiency:.3g} of the peak (half at k={hw.gemm_k_half:.0f}, {hw.sm_count} SMs), "
+               f"attention {hw.attention_efficiency:.3g} (half at seq {hw.attention_seq_half:.0f}), memory-bound "
+               f"{hw.memory_efficiency:.3g} of the bandwidth, " if hw.sm_count else "")
+            + f"efficiency {hw.efficiency:.3g}, overlap {hw.overlap:.3g}"
             + "".join(f", {k} {v * 1e3:.3g} ms/block" for k, v in sorted(hw.overhead_s.items()) if v))

@@ -365,4 +365,6 @@ def _describe(hw: Hardware) -> str:
     from dist_train.plan.calibrate import describe
 
     assumed = sorted(k for k, v in hw.source.items() if v.startswith("assumed"))
-    return describe(hw) + (f" (assumed, never measured here: {', '.join(assumed)})" if assumed else "")
+    fitted = sorted({v.split("(", 1)[-1].rstrip(")") for v in hw.source.values() if v.startswith("fitted")})
+    return describe(hw) + (f" (assumed, never measured here: {', '.join(assumed)})" if assumed else "") + \
+        (f" (fitted to published runs: {'; '.join(fitted)})" if fitted else "")
