@@ -103,7 +103,7 @@ dims = ParallelDims(4, dp_shard=2, tp=2)
 model = build_model(ModelConfig(arch="llama", num_heads=4, num_kv_heads=2), seed=0)
 mesh = build_mesh(dims, "cpu")
 parallelize(model, mesh=mesh, dims=dims, precision=PrecisionConfig(name="fp32"), sharding=Sharding(),
-            checkpointing=True)
+            checkpointing="full")
 block = transformer_blocks(model)[0]
 inner = block._checkpoint_wrapped_module
 q = inner.self_attn.q_proj.weight
