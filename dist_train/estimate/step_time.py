@@ -108,7 +108,7 @@ def predict_step(shape: ModelShape, setup: Setup, hw: Hardware, *, allow_tf32: b
     """`model_state_bytes`: the busiest rank's (estimate.predict_memory's), when the caller has it already."""
     peak = hw.peak(setup.precision, allow_tf32=allow_tf32)
     tokens = tokens_per_step(setup)
-    recompute = setup.activation_checkpointing
+    recompute = setup.activation_checkpointing == "full"  # selective keeps the matmuls' outputs
     if setup.family == "pipeline":
         k, m = setup.num_stages, setup.microbatches_per_step
         split = list(setup.split_points) if setup.split_points else None

@@ -48,6 +48,8 @@ def test_compute_is_flops_at_the_efficiency_and_checkpointing_adds_a_forward():
     assert t.compute_s == pytest.approx(per_token * tokens / 8 / (989e12 * 0.5))
     recomputed = predict_step(SEVEN_B, replace(base, activation_checkpointing=True), H100)
     assert recomputed.compute_s == pytest.approx(t.compute_s * 4 / 3)
+    # selective checkpointing keeps the matrix products' outputs: no matmul is recomputed
+    assert predict_step(SEVEN_B, replace(base, activation_checkpointing="selective"), H100).compute_s == t.compute_s
     # MFU is telemetry's: 6 N (no embedding lookups) + 12 L H T per token, no recompute counted
     assert t.model_flops_per_token == model_flops_per_token(SEVEN_B, 4096)
     assert t.mfu == pytest.approx(t.model_flops_per_token * t.tokens_per_s / (8 * 989e12))
@@ -263,7 +265,7 @@ def test_explicit_micro_batch_and_checkpointing_narrow_the_search():
     plan = PlanOptions()
     kept = _searched_overrides(["model=tiny", "train.micro_batch_size=2", "train.activation_checkpointing=true",
                                 "train.global_batch_size=8"], plan)
-    assert kept == ["model=tiny"] and plan.micro_batch_sizes == [2] and plan.checkpointing == [True]
+    assert kept == ["model=tiny"] and plan.micro_batch_sizes == [2] and plan.checkpointing == ["full"]
 
 
 # ------------------------------------------------------------------ the comparison report's predicted step
