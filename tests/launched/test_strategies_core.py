@@ -96,6 +96,11 @@ def test_selective_checkpointing_trains_as_one_process_and_keeps_less_than_none(
     run_dir, s = fast_run(f"strategy={strategy}", "train.activation_checkpointing=selective", nproc=2)
     assert_same_losses(single, s)
     assert "activation_checkpointing: selective" in (run_dir / "config.yaml").read_text()
+    if strategy == "tp":  # the row-parallel all-reduces are kept, not sent again when a block is recomputed
+        activation = 2 * 64 * 64 * 4  # one micro-batch's hidden states (2 x 64 tokens, hidden 64, fp32)
+        vocab_split = 2 * activation + 3 * (2 * 64 * 4)  # as tests/launched/test_tensor_parallel.py's VOCAB_SPLIT
+        for rec in last_step(run_dir):  # 4 layers x 4 all-reduces x 4 micro-batches: as without checkpointing
+            assert rec["comm/all_reduce/bytes"] <= 4 * 4 * 4 * activation + 4 * vocab_split + 1024, rec
     if strategy != "fsdp":
         return
     none = {r["rank"]: r["memory/activations_bytes"] for r in last_step(fast_run("strategy=fsdp", nproc=2)[0])}
