@@ -38,13 +38,13 @@ CHECKPOINTING = ("none", "full", "selective")
 _CHECKPOINTING_ALIASES = {"true": "full", "false": "none"}
 
 
-def checkpointing_mode(value: Any) -> str:
+def checkpointing_mode(value: Any, key: str = "train.activation_checkpointing") -> str:
     """train.activation_checkpointing as one of CHECKPOINTING: true and false (a bool, a YAML string of one, or the
     "True" OmegaConf makes of a bool given to the string field) are full and none. Torch-free: the estimator reads
     a run's config.yaml, old ones with a bool, through it."""
     text = str(value).strip().lower()
     mode = _CHECKPOINTING_ALIASES.get(text, text)
-    require(mode in CHECKPOINTING, f"train.activation_checkpointing={value!r} is not supported; allowed: "
+    require(mode in CHECKPOINTING, f"{key}={value!r} is not supported; allowed: "
                                    f"{', '.join(CHECKPOINTING)} (true = full, false = none)")
     return mode
 

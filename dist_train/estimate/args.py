@@ -181,7 +181,8 @@ def checkpointing_option(option: Optional[str], train: dict[str, Any]) -> dict[s
     has none, but not silently change the run's own train.activation_checkpointing (full or selective)."""
     if option is None:
         return {}
-    mode, own = checkpointing_mode(option), checkpointing_mode(train.get("activation_checkpointing", "none"))
+    mode = checkpointing_mode(option, "activation_checkpointing")
+    own = checkpointing_mode(train.get("activation_checkpointing", "none"))
     if own not in ("none", mode):
         raise ValueError(f"activation_checkpointing={mode} contradicts train.activation_checkpointing={own}; "
                          "give one of them")

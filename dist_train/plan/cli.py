@@ -332,7 +332,7 @@ def _search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, args: PlanArgs
     train = cfg["train"]
     global_batch = int(train.get("global_batch_size") or int(train["micro_batch_size"]) * world)
     return search(shape, cfg, hw, nodes=args.cluster.nodes, strategies=tuple(p.strategies),
-                  micro_batch_sizes=list(p.micro_batch_sizes) or None, checkpointing=tuple(map(checkpointing_mode, p.checkpointing)),
+                  micro_batch_sizes=list(p.micro_batch_sizes) or None, checkpointing=tuple(checkpointing_mode(c, "plan.checkpointing") for c in p.checkpointing),
                   optimizers=list(p.optimizers) or None, memory_fraction=p.memory_fraction,
                   check=candidate_check(training, global_batch, world, here=args.cluster.gpu == "cpu"),
                   top=max(p.top, p.verify),

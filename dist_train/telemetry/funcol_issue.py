@@ -39,18 +39,24 @@ def _process_group(group: Any, tag: str) -> Any:
 
 def _eager(tensor: Any) -> bool:
     """Whether a call on `tensor` can be issued here: a plain dense real tensor, no tracing, no autograd recorded,
-    no dispatch mode active. Selective activation checkpointing runs a block's forward under one that keeps the
-    outputs of the ops it sees by name: torch's functional all-reduce is one it keeps (dist_train.model
-    _SAVED_OPS), a copy reduced in place here would be recomputed, and backward would communicate again."""
+    not in the forward of a block under selective activation checkpointing. That forward runs under a dispatch mode
+    that keeps the outputs of the ops it knows by name: torch's functional all-reduce is one it keeps
+    (dist_train.model._SAVED_OPS), a copy reduced in place here would be recomputed, and backward would send it
+    again."""
     return (type(tensor) is torch.Tensor and not tensor.is_complex() and not tensor.is_sparse
             and not (torch.is_grad_enabled() and tensor.requires_grad) and not funcol._are_we_tracing()
-            and _current_dispatch_mode() is None)
+            and _selective_mode("_CachingTorchDispatchMode") is None)
 
 
-def _current_dispatch_mode() -> Any:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
+def _selective_mode(kind: str) -> Any:
+    """Selective activation checkpointing's dispatch mode of this kind (torch.utils.checkpoint's: the forward's
+    `_CachingTorchDispatchMode`, the recomputation's `_CachedTorchDispatchMode`) where one is active, else None;
+    another mode (torch's MemTracker on a measured step) may sit above it."""
+    from torch.utils import checkpoint
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return _get_current_dispatch_mode()
+    cls = getattr(checkpoint, kind, None)
+    return next((m for m in _get_current_dispatch_mode_stack() if cls is not None and isinstance(m, cls)), None)
 
 
 def _registered(output: torch.Tensor, work: Any) -> torch.Tensor:
@@ -124,9 +130,8 @@ def served_from_cache(name: str) -> bool:
     for this call (its next entry for the op, by call order, is a kept output, not a marker to recompute)."""
     from torch.utils import checkpoint
 
-    mode = _current_dispatch_mode()
-    cached = getattr(checkpoint, "_CachedTorchDispatchMode", None)
-    if cached is None or not isinstance(mode, cached) or name not in _OPS:
+    mode = _selective_mode("_CachedTorchDispatchMode")
+    if mode is None or name not in _OPS:
         return False
     op = getattr(torch.ops._c10d_functional, _OPS[name]).default
     entry = mode.storage.get(op, {}).get(mode.func_counter[op])

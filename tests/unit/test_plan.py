@@ -108,6 +108,21 @@ def test_70b_on_one_node_fits_nowhere_and_says_why():
     assert "out of memory" in reasons["zero3"] and "GiB usable" in reasons["zero3"]
 
 
+def test_the_three_checkpointing_modes_are_searched_and_selective_sits_between():
+    """plan.checkpointing's default searches none, full and selective: Llama-2-7B on 8 H100s, fsdp, micro-batch 2.
+    Selective's memory lies between the other two, its time is none's (no matmul recomputed), and at that equal
+    time none is ranked first."""
+    cfg = _cfg("model=7b", "precision=bf16", "train.seq_len=2048", "train.global_batch_size=16")
+    ranked = search(ModelShape.from_config(cfg["model"]), cfg, H100, nodes=1, strategies=("fsdp",),
+                    micro_batch_sizes=[2], distinct=False).ranked
+    by_mode = {c.setup.activation_checkpointing: c for c in ranked}
+    assert set(by_mode) == {"none", "full", "selective"}
+    assert "train.activation_checkpointing=selective" in by_mode["selective"].overrides
+    assert by_mode["full"].peak_bytes < by_mode["selective"].peak_bytes < by_mode["none"].peak_bytes
+    assert by_mode["selective"].time.step_s == by_mode["none"].time.step_s < by_mode["full"].time.step_s
+    assert ranked.index(by_mode["none"]) < ranked.index(by_mode["selective"])
+
+
 def test_fsdp_accumulation_is_searched_both_ways_and_shows_the_trade():
     """Llama-2-70B on 64 H100s, micro-batch 2, 4 micro-batches a step (MosaicML's MPT-70B layout): FSDP holding every
     unsharded fp32 gradient across the micro-batches needs 4 B/param on every rank and does not fit; reduce-scattering
