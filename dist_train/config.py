@@ -33,6 +33,22 @@ def choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     require(value in allowed, f"{key}={value!r} is not supported; allowed: {', '.join(allowed)}")
 
 
+# train.activation_checkpointing's modes (TrainConfig), and the booleans it took before them.
+CHECKPOINTING = ("none", "full", "selective")
+_CHECKPOINTING_ALIASES = {"true": "full", "false": "none"}
+
+
+def checkpointing_mode(value: Any, key: str = "train.activation_checkpointing") -> str:
+    """train.activation_checkpointing as one of CHECKPOINTING: true and false (a bool, a YAML string of one, or the
+    "True" OmegaConf makes of a bool given to the string field) are full and none. Torch-free: the estimator reads
+    a run's config.yaml, old ones with a bool, through it."""
+    text = str(value).strip().lower()
+    mode = _CHECKPOINTING_ALIASES.get(text, text)
+    require(mode in CHECKPOINTING, f"{key}={value!r} is not supported; allowed: "
+                                   f"{', '.join(CHECKPOINTING)} (true = full, false = none)")
+    return mode
+
+
 # --------------------------------------------------------------------------------------------------
 # Strategies. The base of every strategy schema; each family's schema lives in its own module under
 # dist_train/strategies/ (see strategies/registry.py), the YAML files in conf/strategy/ pick one and set `name`.
@@ -172,8 +188,10 @@ class TrainConfig:
     lr_schedule: str = "constant"
     lr_warmup_steps: int = 0
     min_lr_ratio: float = 0.1
-    # Recompute each transformer block in backward instead of keeping its activations.
-    activation_checkpointing: bool = False
+    # none: keep every block's activations for backward; full: keep each block's input and recompute the block in
+    # backward; selective: keep what its matrix products and attention produce and recompute the rest (norms,
+    # activations, residuals, casts), torchtitan's per-op policy. true and false are full and none.
+    activation_checkpointing: str = "none"
     # torch.compile each transformer block (after checkpointing, before the strategy wraps it, as torchtitan).
     compile: bool = False
     # NEFTune (Jain et al. 2023): uniform noise of scale alpha / sqrt(seq_len * hidden) on the token embeddings
@@ -423,6 +441,7 @@ def validate_fields(run: RunConfig) -> None:
     require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     require(t.neftune_alpha >= 0, f"train.neftune_alpha={t.neftune_alpha} must be >= 0 (0 = off)")
     choice("train.lr_schedule", t.lr_schedule, ("constant", "cosine"))
+    t.activation_checkpointing = checkpointing_mode(t.activation_checkpointing)  # normalised: true -> full
     require(t.lr_warmup_steps >= 0, f"train.lr_warmup_steps={t.lr_warmup_steps} must be >= 0")
     require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
 

@@ -5,6 +5,7 @@ This module knows nothing of distribution: strategies wrap, shard or split what 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from collections.abc import Callable
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_train.config import ModelConfig
+from dist_train.config import ModelConfig, checkpointing_mode
 from dist_train.contracts import local_tensor, whole_numel
 
 
@@ -287,8 +288,11 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
                         f"its _no_split_modules {sorted(whole)})") from None
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each transformer block's activations in backward instead of keeping them.
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> None:
+    """Recompute each transformer block's activations in backward instead of keeping them: all of them (`full`:
+    the block keeps its input), or all but what its matrix products and attention produce (`selective`, torchtitan's
+    per-op policy: those are kept, the cheap ops between them, norms, activations, residuals, rotary, casts, are
+    recomputed; `selective_policy`). `none` changes nothing.
 
     Applied before FSDP shards the blocks, as torchtitan does: after tensor parallelism and before FSDP2 by
     dist_train.parallel.apply (fsdp, hsdp, tp, fsdp_tp), as a model transform before the others wrap the model
@@ -298,11 +302,53 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
     from dist_train.telemetry.activations import metered_checkpoint
 
+    mode = checkpointing_mode(mode)  # true and false stay full and none
+    if mode == "none":
+        return
+    kwargs: dict[str, Any] = {}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_policy(saved_ops()))
     blocks = transformer_blocks(model)
     for i, block in enumerate(blocks):
         # torch's non-reentrant checkpoint, through a function that lets the activation meter see the
-        # recomputation (telemetry/activations.py); the wrapper keeps the state dict's keys unchanged.
-        blocks[i] = checkpoint_wrapper(block, checkpoint_fn=metered_checkpoint)
+        # recomputation and selective checkpointing's kept outputs (telemetry/activations.py); the wrapper keeps
+        # the state dict's keys unchanged.
+        blocks[i] = checkpoint_wrapper(block, checkpoint_fn=metered_checkpoint, **kwargs)
+
+
+# What selective checkpointing keeps (torchtitan's `_save_list`, by name: an op this torch lacks is skipped): the
+# outputs of the matrix products and of attention, the expensive ops; every other op of a block is recomputed in
+# backward. Tensor parallelism's all-reduce (a row-parallel projection's output) and sequence parallelism's
+# reduce-scatter are kept too, so that backward does not communicate again to recompute them.
+_SAVED_OPS = (
+    "aten.mm", "aten.addmm", "aten.bmm", "aten.linear",
+    "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_cudnn_attention",
+    "_c10d_functional.all_reduce", "_c10d_functional.reduce_scatter_tensor",
+)
+
+
+def saved_ops() -> frozenset[Any]:
+    """The ops of _SAVED_OPS this torch has (their default overloads)."""
+    found = []
+    for name in _SAVED_OPS:
+        namespace, op = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None:
+            found.append(packet.default)
+    return frozenset(found)
+
+
+def selective_policy(saved: frozenset[Any]) -> Any:
+    """torch's per-op checkpoint policy: keep (MUST_SAVE) what an op of `saved` returns, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
 def compile_blocks(model: nn.Module) -> None:

@@ -47,6 +47,7 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
         check_device(run)
         # The derived global batch (train.global_batch_size=null) is what config.yaml, W&B and checkpoints record.
         cfg.train.global_batch_size = run.train.global_batch_size
+        cfg.train.activation_checkpointing = run.train.activation_checkpointing  # none | full | selective, not true
         for f in dataclasses.fields(run.model):  # model=hf: what the directory's config.json said
             cfg.model[f.name] = getattr(run.model, f.name)
         for group, key in PATH_KEYS:  # absolute, as validate made them

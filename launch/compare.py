@@ -46,7 +46,7 @@ def _help() -> str:
         examples=[
             "python launch/compare.py compare.strategies=[single,ddp,fsdp] compare.nproc=2 model=tiny train.steps=5",
             "python launch/compare.py compare.strategies=[single,fsdp] model=tiny train.steps=5 "
-            "'compare.sweep={precision:[fp32,bf16],train.activation_checkpointing:[false,true]}'",
+            "'compare.sweep={precision:[fp32,bf16],train.activation_checkpointing:[none,full]}'",
             "python launch/compare.py compare.from=[sweeps/demo/two,sweeps/demo/one]   # a report of finished runs",
         ],
     )

@@ -19,7 +19,7 @@ class CompareConfig:
     # e.g. fsdp+strategy.reshard_after_forward=false.
     strategies: list[str] = field(default_factory=lambda: list(DEFAULT_STRATEGIES))
     # Knobs to sweep besides the strategy, {key: [values]}: every strategy runs once per combination, e.g.
-    # compare.sweep='{precision:[fp32,bf16],train.activation_checkpointing:[false,true]}' (see sweep.py).
+    # compare.sweep='{precision:[fp32,bf16],train.activation_checkpointing:[none,full]}' (see sweep.py).
     sweep: dict[str, Any] = field(default_factory=dict)
     # Processes per multi-process strategy (single and dp always run one process); with launcher=slurm, per node.
     nproc: int = 2

@@ -1,7 +1,7 @@
 """Sweeping knobs besides the strategy (`compare.sweep`), and what each knob changed.
 
-`compare.sweep='{precision:[fp32,bf16],train.activation_checkpointing:[false,true]}'` runs every strategy once
-per combination of the values, as rows `ddp+precision=bf16+train.activation_checkpointing=true` (the same
+`compare.sweep='{precision:[fp32,bf16],train.activation_checkpointing:[none,full]}'` runs every strategy once
+per combination of the values, as rows `ddp+precision=bf16+train.activation_checkpointing=full` (the same
 per-row overrides `compare.strategies` takes). Each row is judged against the single run of the same training
 config (verdict.py matches config hashes), so a bf16 ddp row is compared with bf16 single.
 

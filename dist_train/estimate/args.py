@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from dist_train.config import checkpointing_mode
 from dist_train.estimate.fit import DEFAULT_FIT_GPUS, DEFAULT_FIT_STRATEGIES
 from dist_train.estimate.setup import KNOWN_STRATEGIES, REGIMES, family_of
 from dist_train.estimate.shapes import preset_names
@@ -55,7 +56,7 @@ class EstimateArgs:
     world_size: int = 8
     gpu_gib: float = 80.0
     regime: str = "auto"
-    activation_checkpointing: Optional[bool] = None  # None = train.activation_checkpointing
+    activation_checkpointing: Optional[str] = None  # none | full | selective; None = train.activation_checkpointing
     kv_batch: Optional[int] = None  # None = train.micro_batch_size
     kv_context: Optional[int] = None  # None = model.max_seq_len
     fit: FitArgs = field(default_factory=FitArgs)
@@ -80,8 +81,9 @@ OPTION_HELP = {
     "gpu_gib": "memory per GPU in GiB (2^30 bytes) that the fit table checks against",
     "regime": f"which bytes per parameter: {' | '.join(REGIMES)} (auto: what this code does for the strategy; "
               "mixed: the ZeRO paper's 2+2+12; pure: all state in 16 bits)",
-    "activation_checkpointing": "predict with activation checkpointing or without (null: as "
-                                "train.activation_checkpointing says; the breakdown shows the other case too)",
+    "activation_checkpointing": "predict with activation checkpointing none | full | selective (true = full, "
+                                "false = none; null: as train.activation_checkpointing says; the breakdown shows "
+                                "none or full beside it)",
     "kv_batch": "batch of the inference KV-cache line (null: train.micro_batch_size)",
     "kv_context": "context of the inference KV-cache line (null: the model's max_seq_len)",
     "format": "text: tables for a person; json: the same figures in bytes, for tools",
@@ -174,15 +176,17 @@ def help_text() -> str:
     ])
 
 
-def checkpointing_option(option: Optional[bool], train: dict[str, Any]) -> dict[str, bool]:
+def checkpointing_option(option: Optional[str], train: dict[str, Any]) -> dict[str, str]:
     """The estimator's activation_checkpointing option where it is given; it may add checkpointing to a run that
-    has none, but not silently drop the run's own train.activation_checkpointing=true."""
+    has none, but not silently change the run's own train.activation_checkpointing (full or selective)."""
     if option is None:
         return {}
-    if not option and train.get("activation_checkpointing"):
-        raise ValueError("activation_checkpointing=false contradicts train.activation_checkpointing=true; "
+    mode = checkpointing_mode(option, "activation_checkpointing")
+    own = checkpointing_mode(train.get("activation_checkpointing", "none"))
+    if own not in ("none", mode):
+        raise ValueError(f"activation_checkpointing={mode} contradicts train.activation_checkpointing={own}; "
                          "give one of them")
-    return {"activation_checkpointing": option}
+    return {"activation_checkpointing": mode}
 
 
 _OWN_KEYS = ("world_size", "gpu_gib", "regime", "activation_checkpointing", "kv_batch", "kv_context", "fit", "format",

@@ -13,7 +13,11 @@ dropout > 0, the MLP and q/k/v sizes follow the model (GPT-2's unfused tanh GELU
 tensors where Korthikanti's fused GELU keeps 2, SwiGLU keeps 4, GQA has smaller k/v), and attention scores only when they are materialised: with SDPA / flash attention (what
 `transformers` uses by default) only the output and log-sum-exp are kept, so the a·s² term is dropped.
 Full activation checkpointing keeps each layer's input (s·b·h·e) plus one layer's activations while it
-is recomputed. The LM head adds its input and the fp32 log-softmax of the logits (s·b·V·4).
+is recomputed. Selective checkpointing (torchtitan's per-op policy) keeps, beside each layer's input, what its
+matrix products and attention return (q/k/v, attention's output and log-sum-exp, the attention and MLP output
+projections', the MLP's up (and gate) projection; tensor parallelism's all-reduced outputs) and recomputes the
+rest; in backward, one layer's activations are held in full again while it is recomputed, its kept outputs among
+them (`selective_kept_bytes`). The LM head adds its input and the fp32 log-softmax of the logits (s·b·V·4).
 
 Under bf16/fp16 autocast over fp32 weights (single, dp, ddp, pipelines) norms run in fp32, so their inputs
 are kept in 4 bytes; and every matrix product keeps a 16-bit copy of its weight for backward, counted apart
@@ -407,7 +411,7 @@ def weight_copy_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_
         return 0.0
     layer = shape.layer_matmul_weights() / setup.tensor_parallel_size
     head = shape.head_matmul_weights() / setup.tensor_parallel_size if with_head else 0
-    if setup.activation_checkpointing:
+    if setup.activation_checkpointing != "none":  # selective recomputes the casts too
         # the blocks' copies exist only while one block is recomputed, after its micro-batch's head is released
         return float(((in_flight - 1) * head + max(head, layer)) * element_bytes(setup.precision))
     return float(in_flight * (num_layers * layer + head) * element_bytes(setup.precision))
@@ -458,6 +462,23 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len:
     return s * b * per_token + scores
 
 
+def selective_kept_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len: int, elem: int, tp: int = 1,
+                         sequence_parallel: bool = False) -> float:
+    """Bytes one layer keeps for one micro-batch under selective checkpointing, beside its input: the outputs of
+    its matrix products and attention (dist_train.model._SAVED_OPS), measured with the activation meter. The
+    projections into q/k/v, the MLP's up (and gate) projection and attention's output are split by tensor
+    parallelism; attention's log-sum-exp (fp32, one per head and token) too; the two output projections return
+    whole partial sums, which tensor parallelism then all-reduces into another whole tensor each (sequence
+    parallelism reduce-scatters them into the rank's share of the sequence)."""
+    f = shape.features
+    split = shape.q_dim + 2 * shape.kv_dim + shape.q_dim + (2 if f.gated_mlp else 1) * shape.ffn
+    whole = 2 * shape.hidden_size
+    if tp > 1:
+        whole += 2 * shape.hidden_size / (tp if sequence_parallel else 1)
+    per_token = (split / tp + whole) * elem + shape.num_heads / tp * 4
+    return seq_len * micro_batch_size * per_token
+
+
 def norm_saved_bytes(shape: ModelShape, residual_elem: int) -> int:
     """Bytes a norm keeps per hidden unit: LayerNorm its input; Llama's RMSNorm (and the other architectures')
     an fp32 copy of its input and its normalized output in the residual stream's dtype (Gemma's in fp32)."""
@@ -494,10 +515,21 @@ def backward_start_extra(shape: ModelShape, setup: Setup) -> float:
     """What the start of backward holds above the activation category (whose peak is the end of forward, or
     under checkpointing the first recomputed layer): the loss's backward temporaries, with the head's tensors."""
     extra = loss_backward_bytes(shape, setup)
-    if not setup.activation_checkpointing:
+    if setup.activation_checkpointing == "none":
         return extra
     layer, head = _layer_and_head_bytes(shape, setup, with_head=True)
-    return max(0.0, head + extra - max(head, layer))
+    return max(0.0, head + extra - max(head, layer - _kept_bytes(shape, setup)))
+
+
+def _kept_bytes(shape: ModelShape, setup: Setup) -> float:
+    """What one layer keeps for one micro-batch beside its input: its selective checkpointing's outputs, nothing
+    under full checkpointing."""
+    if setup.activation_checkpointing != "selective":
+        return 0.0
+    tp = setup.tensor_parallel_size
+    return selective_kept_bytes(shape, micro_batch_size=setup.micro_batch_size, seq_len=setup.seq_len,
+                                elem=element_bytes(setup.precision), tp=tp,
+                                sequence_parallel=setup.sequence_parallel and tp > 1)
 
 
 def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int) -> float:
@@ -506,15 +538,17 @@ def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_h
     s, b = setup.seq_len, setup.micro_batch_size
     tp, sp = setup.tensor_parallel_size, setup.sequence_parallel and setup.tensor_parallel_size > 1
     layer, head = _layer_and_head_bytes(shape, setup, with_head=with_head)
-    if setup.activation_checkpointing:
-        # Each micro-batch in flight keeps its layers' inputs (the residual stream: fp32 under autocast). The
-        # peak is either the end of the last forward (its head's tensors alive) or the first recomputation in
-        # backward, by when that micro-batch's head has been released: one layer is then held in full.
+    if setup.activation_checkpointing != "none":
+        # Each micro-batch in flight keeps its layers' inputs (the residual stream: fp32 under autocast), and under
+        # selective checkpointing their kept outputs. The peak is either the end of the last forward (its head's
+        # tensors alive) or the first recomputation in backward, by when that micro-batch's head has been
+        # released: one layer is then held in full, which takes over that layer's kept outputs.
         # Under sequence parallelism the blocks after the first take (and keep) their rank's share of the
         # sequence; the first block's input is the whole sequence, split inside it.
         kept_layers = 1 + (num_layers - 1) / tp if sp and num_layers > 0 else num_layers
         inputs = in_flight * kept_layers * s * b * shape.hidden_size * norm_elem
-        return inputs + (in_flight - 1) * head + max(head, layer)
+        kept = _kept_bytes(shape, setup)
+        return inputs + in_flight * num_layers * kept + (in_flight - 1) * head + max(head, layer - kept)
     return in_flight * (num_layers * layer + head)
 
 

@@ -31,7 +31,7 @@ def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
                 models: Optional[list[FitModel]] = None) -> dict[str, Any]:
     """What `report` prints, as numbers: bytes, per rank; memory categories as in RankMemory. The fit cells'
     activations are those of `fit_base(setup, args)` (the breakdown's train.seq_len)."""
-    other = predict_memory(shape, replace(setup, activation_checkpointing=not setup.activation_checkpointing))
+    other = predict_memory(shape, replace(setup, activation_checkpointing=_other_checkpointing(setup)))
     kv_batch, kv_ctx = args.kv_batch or setup.micro_batch_size, args.kv_context or shape.max_seq_len
     return {
         "model": {**asdict(shape), "num_params": shape.num_params},
@@ -52,6 +52,12 @@ def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
         "fit_micro_batch": {"micro_batch_size": fit_base(setup, args).micro_batch_size, "seq_len": setup.seq_len},
         "gpu_gib": args.gpu_gib,
     }
+
+
+def _other_checkpointing(setup: Setup) -> str:
+    """The checkpointing the breakdown shows beside the run's own: full beside none, none beside full or
+    selective."""
+    return "full" if setup.activation_checkpointing == "none" else "none"
 
 
 def _rank_json(rank: RankMemory) -> dict[str, float]:
@@ -82,12 +88,12 @@ def header(shape: ModelShape, setup: Setup, *, unlisted: bool) -> str:
 
 def memory_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> str:
     ranks = predict_memory(shape, setup)
-    ckpt = predict_memory(shape, replace(setup, activation_checkpointing=not setup.activation_checkpointing))
+    ckpt = predict_memory(shape, replace(setup, activation_checkpointing=_other_checkpointing(setup)))
     b = setup_state_bytes(with_model(shape, setup))
     sh = shards(setup)
     show = list(range(len(ranks))) if len(set(ranks)) > 1 and len(ranks) <= 8 else [0]
     cols = [f"rank {r}" for r in show] if len(show) > 1 else ["per rank"]
-    other = "with" if not setup.activation_checkpointing else "without"
+    other = "with full" if _other_checkpointing(setup) == "full" else "without"
     t = setup.tensor_parallel_size
     rows: list[list[object]] = [
         ["weights", b.weights, split_over(sh.weights, t), *(human_bytes(ranks[r].params) for r in show)],
@@ -195,7 +201,8 @@ def fit_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
         f"{base.micro_batch_size} x {setup.seq_len} tokens ({mb} x train.seq_len, every model), plus what the peak "
         "of live tensors adds where it is predicted (gathered parameters, DeepSpeed's reduction bucket, "
         "the loss's backward), "
-        f"{'with' if setup.activation_checkpointing else 'no'} activation checkpointing; "
+        f"{'no' if setup.activation_checkpointing == 'none' else setup.activation_checkpointing} activation "
+        "checkpointing; "
         "pipeline: one stage per GPU, M = K micro-batches; * = model state only",
         text_table(["model", "strategy", *(f"N={n}" for n in f.gpus)], rows),
         *([f"predicted at {setup.seq_len} tokens beyond the max_seq_len of: {', '.join(short)}"] if short else []),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from dist_train.config import PrecisionConfig
+from dist_train.config import PrecisionConfig, checkpointing_mode
 from dist_train.parallel.catalog import Parallelism, composition
 from dist_train.parallel_dims import ParallelDims, layout_dims, nodes_of_launch
 
@@ -72,7 +72,7 @@ class Setup:
     reshard_after_forward: bool = True
     # fsdp: reduce-scatter after every micro-batch instead of once a step (strategy.reduce_every_microbatch)
     reduce_every_microbatch: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # none | full | selective (config.CHECKPOINTING)
     regime: str = "auto"
     # ZeRO-3's gathering, as DeepSpeed is configured (zero_optimization.stage3_*; in elements). The persistence
     # threshold is this project's default (0: every parameter partitioned), the prefetch follows the model (None:
@@ -112,6 +112,8 @@ class Setup:
             raise ValueError(f"regime={self.regime!r} unknown; allowed: {', '.join(REGIMES)}")
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size} must be >= 1")
+        # True and False (the bool it was) stay full and none
+        object.__setattr__(self, "activation_checkpointing", checkpointing_mode(self.activation_checkpointing))
         self.dims  # noqa: B018 - the degrees must multiply to the world (ConfigError, one line)
 
     @property
@@ -298,7 +300,7 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         optimizer=str(optimizer.get("name", "adamw")), momentum=float(optimizer.get("momentum", 0.0) or 0.0),
         micro_batch_size=int(train.get("micro_batch_size", 1)), seq_len=int(train.get("seq_len", 2048)),
         global_batch_size=train.get("global_batch_size"),
-        activation_checkpointing=bool(train.get("activation_checkpointing", False)),
+        activation_checkpointing=checkpointing_mode(train.get("activation_checkpointing", "none")),
         num_microbatches=strategy.get("num_microbatches"),
         split_points=tuple(split) if split else None,
         reshard_after_forward=bool(strategy.get("reshard_after_forward", True)),

@@ -2,7 +2,8 @@
 
 1. tensor parallelism over the mesh's `tp` dimension (parallel/tensor_parallel.py);
 2. activation checkpointing of each block (dist_train.model.apply_activation_checkpointing), around the
-   tensor-parallel block, so that its recomputation re-runs the split projections and their collectives;
+   tensor-parallel block: `full` recomputation re-runs the split projections and their collectives, `selective`
+   keeps their outputs and all-reduces and re-runs the rest;
 3. torch.compile of each block (train.compile), the checkpointing with it;
 4. FSDP2 over the data-parallel dimensions (parallel/fsdp.py): `dp_shard`, or HSDP over
    (`dp_replicate`, `dp_shard`); each (checkpointed, compiled) block is one all-gather unit.
@@ -36,7 +37,7 @@ def data_parallel_mesh(mesh: Any, dims: ParallelDims) -> Any:
 
 
 def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: PrecisionConfig | None,
-                sharding: Sharding | None, sequence_parallel: bool = False, checkpointing: bool = False,
+                sharding: Sharding | None, sequence_parallel: bool = False, checkpointing: str = "none",
                 compile: bool = False, blocks: list[nn.Module] | None = None) -> nn.Module:
     """`model` (on this rank's device, or on meta) parallelized in place over `mesh` by the degrees of `dims`, in the
     order above: tensor parallelism where the mesh has `tp`, checkpointing and compile where asked, then FSDP2 where
@@ -48,8 +49,7 @@ def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: P
         from dist_train.parallel.tensor_parallel import parallelize as apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
-    if checkpointing:
-        apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model, checkpointing)  # none | full | selective
     if compile:
         compile_blocks(model)
     if sharding is not None:

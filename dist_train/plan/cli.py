@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 
+from dist_train.config import CHECKPOINTING, checkpointing_mode
 from dist_train.estimate.args import parse_options, split_options
 from dist_train.estimate.render import human_bytes, human_count, human_seconds, text_table
 from dist_train.estimate.shapes import ModelShape
@@ -28,7 +29,8 @@ class PlanOptions:
     profile_dir: Optional[str] = None  # where measured profiles are kept; null: ~/.cache/dist_train/profiles
     strategies: list[str] = field(default_factory=lambda: list(SEARCHED))  # the strategies searched
     micro_batch_sizes: list[int] = field(default_factory=list)  # tried; empty: every power of two that fits
-    checkpointing: list[bool] = field(default_factory=lambda: [False, True])  # activation checkpointing, tried
+    # activation checkpointing, tried: none | full | selective (true = full, false = none)
+    checkpointing: list[str] = field(default_factory=lambda: list(CHECKPOINTING))
     optimizers: list[str] = field(default_factory=list)  # empty: the training config's optimizer only
     distinct: bool = True  # one configuration per strategy and degrees (its fastest); false: every one
     memory_fraction: float = 0.9  # the share of a device's memory a configuration may fill at its peak
@@ -94,11 +96,12 @@ def help_text() -> str:
 ABOUT = """Which configuration for this model on this cluster: predicted memory and step time, best first.
 
 Searches strategies and their degrees (ddp, zero1-3, fsdp; tp within a node; fsdp_tp; 1f1b, gpipe; pp_dp), micro-batch
-sizes and activation checkpointing for the training config's model, global batch and sequence length; predicts each
-one's peak memory per device (the estimator) and step time (compute, exposed communication, pipeline bubble, optimizer
-step, the framework's per-block work); drops what does not fit or cannot run, with the reason; prints the best as
-commands. plan.verify=K runs the best K here for a few steps and prints predicted beside measured. Bad input is one
-line on stderr, exit code 2; exit code 1 when nothing fits (the reasons are printed) or a verified run failed.
+sizes and activation checkpointing (none, full, selective) for the training config's model, global batch and sequence
+length; predicts each one's peak memory per device (the estimator) and step time (compute, exposed communication,
+pipeline bubble, optimizer step, the framework's per-block work); drops what does not fit or cannot run, with the
+reason; prints the best as commands. plan.verify=K runs the best K here for a few steps and prints predicted beside
+measured. Bad input is one line on stderr, exit code 2; exit code 1 when nothing fits (the reasons are printed) or a
+verified run failed.
 """
 
 
@@ -304,8 +307,8 @@ def _searched_overrides(training: list[str], plan: PlanOptions) -> list[str]:
                              "the search")
         if key == "train.micro_batch_size" and not plan.micro_batch_sizes:
             plan.micro_batch_sizes = [int(value)]
-        elif key == "train.activation_checkpointing" and plan.checkpointing == [False, True]:
-            plan.checkpointing = [value.lower() == "true"]
+        elif key == "train.activation_checkpointing" and plan.checkpointing == list(CHECKPOINTING):
+            plan.checkpointing = [checkpointing_mode(value)]
         if key not in ("train.global_batch_size", "train.micro_batch_size", "train.activation_checkpointing"):
             kept.append(arg)
     return kept
@@ -329,7 +332,7 @@ def _search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, args: PlanArgs
     train = cfg["train"]
     global_batch = int(train.get("global_batch_size") or int(train["micro_batch_size"]) * world)
     return search(shape, cfg, hw, nodes=args.cluster.nodes, strategies=tuple(p.strategies),
-                  micro_batch_sizes=list(p.micro_batch_sizes) or None, checkpointing=tuple(p.checkpointing),
+                  micro_batch_sizes=list(p.micro_batch_sizes) or None, checkpointing=tuple(checkpointing_mode(c, "plan.checkpointing") for c in p.checkpointing),
                   optimizers=list(p.optimizers) or None, memory_fraction=p.memory_fraction,
                   check=candidate_check(training, global_batch, world, here=args.cluster.gpu == "cpu"),
                   top=max(p.top, p.verify),

@@ -3,7 +3,7 @@
 The space: the strategies and their degrees (ddp, zero1-3, fsdp on all ranks; tp within a node; fsdp_tp with
 tp = 2, 4, ... up to a node; one stage per rank for 1f1b and gpipe; pp_dp for every pp that divides the ranks,
 replicated or FSDP-sharded, GPipe or 1F1B), every micro-batch size that divides the global batch, activation
-checkpointing on and off, FSDP's two ways to accumulate gradients over several micro-batches (held unsharded, or
+checkpointing none, full and selective, FSDP's two ways to accumulate gradients over several micro-batches (held unsharded, or
 reduce-scattered after each), and the optimizers the user allows. The global batch and the sequence length are the
 user's: every candidate trains the same samples. A configuration that cannot hold (out of memory at the
 profile's memory x plan.memory_fraction) or cannot run (tp that does not divide the heads, more stages than
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Any, Optional
 
+from dist_train.config import CHECKPOINTING, checkpointing_mode
 from dist_train.estimate.fit import worst_rank
 from dist_train.estimate.memory import RankMemory, element_bytes, predict_memory, with_model
 from dist_train.estimate.setup import Setup, family_of, setup_from_config
@@ -143,7 +144,7 @@ def _accumulations(name: str, microbatches: int) -> tuple[bool, ...]:
 
 
 def search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, *, nodes: int, strategies: tuple[str, ...] = SEARCHED,
-           micro_batch_sizes: Optional[list[int]] = None, checkpointing: tuple[bool, ...] = (False, True),
+           micro_batch_sizes: Optional[list[int]] = None, checkpointing: tuple[str, ...] = CHECKPOINTING,
            optimizers: Optional[list[str]] = None, memory_fraction: float = 0.9,
            check: Optional[Callable[[Candidate], Optional[str]]] = None, top: int = 0,
            distinct: bool = False) -> Search:
@@ -183,9 +184,10 @@ def search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, *, nodes: int, 
                                              f"global batch {global_batch} is not a multiple of micro-batch {b} x "
                                              f"{dp} data-parallel ranks"))
                     continue
-                for ckpt, reduce in product(checkpointing, _accumulations(name, global_batch // (b * dp))):
+                modes = [checkpointing_mode(c) for c in checkpointing]  # true and false stay full and none
+                for ckpt, reduce in product(modes, _accumulations(name, global_batch // (b * dp))):
                     overrides = (strategy_overrides + (("strategy.reduce_every_microbatch=true",) if reduce else ())
-                                 + mb + (f"train.activation_checkpointing={str(ckpt).lower()}",) + opt)
+                                 + mb + (f"train.activation_checkpointing={ckpt}",) + opt)
                     setup = with_model(shape, replace(base, micro_batch_size=b, activation_checkpointing=ckpt,
                                                       optimizer=optimizer, reduce_every_microbatch=reduce))
                     ranks = predict_memory(shape, setup)
@@ -198,7 +200,8 @@ def search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, *, nodes: int, 
                     step = predict_step(shape, setup, hw, allow_tf32=allow_tf32,
                                         model_state_bytes=max(r.model_state for r in ranks))
                     ranked.append(Candidate(name, overrides, setup, memory, step))
-    ranked.sort(key=lambda c: (c.time.step_s, c.peak_bytes))
+    # At equal predicted time (a CPU profile with no memory-bound term), less recomputation first.
+    ranked.sort(key=lambda c: (c.time.step_s, CHECKPOINTING.index(c.setup.activation_checkpointing), c.peak_bytes))
     if distinct:
         seen: set[tuple[str, ...]] = set()
         ranked = [c for c in ranked if not (c.layout in seen or seen.add(c.layout))]  # the fastest of each layout

@@ -19,10 +19,16 @@ forward saves nothing the meter sees but its input; in backward, the block is re
 saved-tensors hooks, which hide the recomputed tensors from an outer hook. `metered_checkpoint` chains the
 meter in front of those hooks during the recomputation, so the one block recomputed in full is counted
 (released once the recomputation's graph is dropped: the peak is the point, and it is reached right then).
+
+Selective checkpointing (torch's `create_selective_checkpoint_contexts`, passed as the checkpoint's `context_fn`)
+keeps the outputs of the ops its policy saves in a cache of its own, not through saved-tensors hooks. The meter
+counts each cached output from forward until the recomputation takes it from the cache (from then on the
+recomputed graph holds it, and the meter sees that as above) or the cache is dropped.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -195,9 +201,50 @@ class _Recomputed:
             return self.fn(*args, **kwargs)
 
 
+class _MeteredCache(dict):
+    """One op's entries in selective checkpointing's cache (call index -> what the call returned, wrapped, or a
+    marker): the meter counts the tensors of an entry while the entry holds them."""
+
+    def __init__(self, meter: ActivationMeter) -> None:
+        super().__init__()
+        self.meter = meter
+        self.handles: dict[int, list[_Saved]] = {}
+
+    def __setitem__(self, index: int, entry: Any) -> None:
+        from torch.utils._pytree import tree_leaves
+
+        super().__setitem__(index, entry)
+        handles = []  # the entry's previous handles (if any) are dropped, and with them its count
+        for leaf in tree_leaves(entry):
+            tensor = getattr(leaf, "val", None)  # torch's _VersionWrapper around a cached output
+            key = self.meter._track(tensor) if isinstance(tensor, torch.Tensor) else None
+            if key is not None:
+                handles.append(_Saved(None, key, self.meter))
+        self.handles[index] = handles
+
+
+def _metered_contexts(context_fn: Any) -> Any:
+    """`context_fn` whose selective-checkpointing cache the active meter counts: torch's two dispatch modes (the
+    forward's, which fills the cache, and the recomputation's, which empties it) share one `storage`, a
+    dict of op -> _MeteredCache here. Any other context_fn is left as it is."""
+
+    def contexts() -> tuple[Any, Any]:
+        forward, recompute = context_fn()
+        meter = _ACTIVE
+        storage = getattr(forward, "storage", None)
+        if meter is not None and isinstance(storage, dict) and storage is getattr(recompute, "storage", None):
+            forward.storage = recompute.storage = collections.defaultdict(lambda: _MeteredCache(meter))
+        return forward, recompute
+
+    return contexts
+
+
 def metered_checkpoint(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """torch.utils.checkpoint (non-reentrant) whose recomputation the activation meter sees; the
-    `checkpoint_fn` that dist_train.model hands to torch's checkpoint_wrapper."""
+    """torch.utils.checkpoint (non-reentrant) whose recomputation the activation meter sees, and with a selective
+    policy's `context_fn`, what that keeps; the `checkpoint_fn` that dist_train.model hands to torch's
+    checkpoint_wrapper (which passes its own keyword arguments, `context_fn`, on with the block's)."""
     from torch.utils.checkpoint import checkpoint
 
+    if kwargs.get("context_fn") is not None:
+        kwargs["context_fn"] = _metered_contexts(kwargs["context_fn"])
     return checkpoint(_Recomputed(fn), *args, use_reentrant=False, **kwargs)

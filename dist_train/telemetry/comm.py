@@ -56,7 +56,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from dist_train.telemetry.bandwidth import COMM_OPS, busbw_gbps
 from dist_train.telemetry.cuda_timing import CudaTimer, cuda_device
-from dist_train.telemetry.funcol_issue import ISSUERS
+from dist_train.telemetry.funcol_issue import ISSUERS, served_from_cache
 
 def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
@@ -451,12 +451,14 @@ class CommTracker:
     def _wrap_funcol(self, original: Callable, op: str, sizer: Callable[[dict[str, Any]], int],
                      issuer: Callable | None) -> Callable:
         """A functional collective: issued from Python by `issuer` (funcol_issue.py) and timed where it can be,
-        else by torch's own op, counted and sized but untimed (its completion is a `wait_tensor` we cannot see)."""
+        else by torch's own op, counted and sized but untimed (its completion is a `wait_tensor` we cannot see).
+        Not counted where selective checkpointing's recomputation hands back the output it kept: nothing is sent."""
         sig = inspect.signature(original)
+        name = original.__name__
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not self._should_record():
+            if not self._should_record() or served_from_cache(name):
                 return original(*args, **kwargs)
             arguments = sig.bind(*args, **kwargs).arguments
             _, ranks, size = funcol._expand_group(arguments["group"])

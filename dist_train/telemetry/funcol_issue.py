@@ -38,9 +38,25 @@ def _process_group(group: Any, tag: str) -> Any:
 
 
 def _eager(tensor: Any) -> bool:
-    """Whether a call on `tensor` can be issued here: a plain dense real tensor, no tracing, no autograd recorded."""
+    """Whether a call on `tensor` can be issued here: a plain dense real tensor, no tracing, no autograd recorded,
+    not in the forward of a block under selective activation checkpointing. That forward runs under a dispatch mode
+    that keeps the outputs of the ops it knows by name: torch's functional all-reduce is one it keeps
+    (dist_train.model._SAVED_OPS), a copy reduced in place here would be recomputed, and backward would send it
+    again."""
     return (type(tensor) is torch.Tensor and not tensor.is_complex() and not tensor.is_sparse
-            and not (torch.is_grad_enabled() and tensor.requires_grad) and not funcol._are_we_tracing())
+            and not (torch.is_grad_enabled() and tensor.requires_grad) and not funcol._are_we_tracing()
+            and _selective_mode("_CachingTorchDispatchMode") is None)
+
+
+def _selective_mode(kind: str) -> Any:
+    """Selective activation checkpointing's dispatch mode of this kind (torch.utils.checkpoint's: the forward's
+    `_CachingTorchDispatchMode`, the recomputation's `_CachedTorchDispatchMode`) where one is active, else None;
+    another mode (torch's MemTracker on a measured step) may sit above it."""
+    from torch.utils import checkpoint
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    cls = getattr(checkpoint, kind, None)
+    return next((m for m in _get_current_dispatch_mode_stack() if cls is not None and isinstance(m, cls)), None)
 
 
 def _registered(output: torch.Tensor, work: Any) -> torch.Tensor:
@@ -100,6 +116,26 @@ def reduce_scatter_single(issue: Callable[..., Any], a: dict[str, Any]) -> Issue
     out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
     work = issue(getattr(dist, _REDUCE_SCATTER), out, x, op=op, group=group, async_op=True)
     return _registered(out, work), work, [x, out]
+
+
+# funcol's name -> the op of torch's own that it calls (what a dispatch mode sees)
+_OPS = {"all_reduce": "all_reduce", "all_gather_tensor": "all_gather_into_tensor",
+        "all_gather_single": "all_gather_into_tensor", "reduce_scatter_tensor": "reduce_scatter_tensor",
+        "reduce_scatter_single": "reduce_scatter_tensor", "broadcast": "broadcast"}
+
+
+def served_from_cache(name: str) -> bool:
+    """Whether this call of funcol's `name` sends nothing: selective activation checkpointing is recomputing a
+    block (torch's _CachedTorchDispatchMode is the dispatch mode) and hands back the output it kept in forward
+    for this call (its next entry for the op, by call order, is a kept output, not a marker to recompute)."""
+    from torch.utils import checkpoint
+
+    mode = _selective_mode("_CachedTorchDispatchMode")
+    if mode is None or name not in _OPS:
+        return False
+    op = getattr(torch.ops._c10d_functional, _OPS[name]).default
+    entry = mode.storage.get(op, {}).get(mode.func_counter[op])
+    return entry is not None and entry is not getattr(checkpoint, "_RECOMPUTE", None)
 
 
 # funcol's name -> how to issue it here; the torch helpers each one relies on must exist in this torch

@@ -73,18 +73,41 @@ def test_compile_is_refused_where_it_is_not_wired():
         validate(run, 2)
 
 
-def test_checkpointing_is_applied_inside_the_one_parallelize_and_trains_as_one_process(single_run, fast_run, tmp_path):
+def test_checkpointing_is_applied_inside_the_one_parallelize_and_trains_as_one_process(single_run, fast_run):
     """fsdp with train.activation_checkpointing=true: checkpointing applied by dist_train.parallel.apply between tensor
     parallelism and FSDP2 (not as a transform before the strategy), the same losses as one process, fewer saved
     activations than the same fsdp run without it."""
     _, single = single_run
     plain_dir, _ = fast_run("strategy=fsdp", nproc=2)
-    s = train_ok(["strategy=fsdp", "train.activation_checkpointing=true", "logger=none", *FAST], run_dir=tmp_path,
-                 nproc=2)
+    full_dir, s = fast_run("strategy=fsdp", "train.activation_checkpointing=true", nproc=2)  # true: full
     assert_same_losses(single, s)
     plain = {r["rank"]: r["memory/activations_bytes"] for r in last_step(plain_dir)}
-    for rec in last_step(tmp_path):
+    for rec in last_step(full_dir):
         assert 0 < rec["memory/activations_bytes"] < plain[rec["rank"]]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp", "1f1b"])
+def test_selective_checkpointing_trains_as_one_process_and_keeps_less_than_none(single_run, fast_run, strategy):
+    """train.activation_checkpointing=selective (torchtitan's per-op policy: what the matrix products and attention
+    return is kept, the rest recomputed), applied before the strategy wraps the model (ddp, a pipeline) or inside
+    parallelize (fsdp, tp): the same losses as one process without checkpointing. Under fsdp the saved activations
+    lie strictly between full checkpointing's and none's (the same fsdp runs as the test above)."""
+    _, single = single_run
+    run_dir, s = fast_run(f"strategy={strategy}", "train.activation_checkpointing=selective", nproc=2)
+    assert_same_losses(single, s)
+    assert "activation_checkpointing: selective" in (run_dir / "config.yaml").read_text()
+    if strategy == "tp":  # the row-parallel all-reduces are kept, not sent again when a block is recomputed
+        activation = 2 * 64 * 64 * 4  # one micro-batch's hidden states (2 x 64 tokens, hidden 64, fp32)
+        vocab_split = 2 * activation + 3 * (2 * 64 * 4)  # as tests/launched/test_tensor_parallel.py's VOCAB_SPLIT
+        for rec in last_step(run_dir):  # 4 layers x 4 all-reduces x 4 micro-batches: as without checkpointing
+            assert rec["comm/all_reduce/bytes"] <= 4 * 4 * 4 * activation + 4 * vocab_split + 1024, rec
+    if strategy != "fsdp":
+        return
+    none = {r["rank"]: r["memory/activations_bytes"] for r in last_step(fast_run("strategy=fsdp", nproc=2)[0])}
+    full_dir, _ = fast_run("strategy=fsdp", "train.activation_checkpointing=true", nproc=2)
+    full = {r["rank"]: r["memory/activations_bytes"] for r in last_step(full_dir)}
+    for rec in last_step(run_dir):
+        assert full[rec["rank"]] < rec["memory/activations_bytes"] < none[rec["rank"]], (full, rec, none)
 
 
 PARALLELIZED = """
@@ -103,7 +126,7 @@ dims = ParallelDims(4, dp_shard=2, tp=2)
 model = build_model(ModelConfig(arch="llama", num_heads=4, num_kv_heads=2), seed=0)
 mesh = build_mesh(dims, "cpu")
 parallelize(model, mesh=mesh, dims=dims, precision=PrecisionConfig(name="fp32"), sharding=Sharding(),
-            checkpointing=True)
+            checkpointing="full")
 block = transformer_blocks(model)[0]
 inner = block._checkpoint_wrapped_module
 q = inner.self_attn.q_proj.weight

@@ -37,6 +37,8 @@ def test_defaults_validate_for_one_and_two_processes():
         (["peft=lora", "peft.quant_type=fp4"], 1, "peft.quant_type=fp4 is read only by peft=qlora"),
         (["strategy.name=banana"], 1, "strategy.name='banana' is not supported; allowed:"),
         (["precision.name=fp8"], 1, "precision.name='fp8'"),
+        (["train.activation_checkpointing=some"], 1,
+         "train.activation_checkpointing='some' is not supported; allowed: none, full, selective (true = full"),
         (["train.seq_len=4096"], 1, "train.seq_len=4096 exceeds model.max_seq_len"),
         (["model.num_heads=5"], 1, "model.hidden_size=64 must be divisible by model.num_heads=5"),
         (["strategy=tp"], 3, "strategy=tp splits model.num_heads=4 3 ways"),
@@ -52,6 +54,14 @@ def test_bad_values_are_one_clear_line(overrides, world, needle):
         validate(run, world)
     message = str(err.value)
     assert needle in message and "\n" not in message
+
+
+@pytest.mark.parametrize(("given", "mode"), [("true", "full"), ("false", "none"), ("True", "full"), ("none", "none"),
+                                             ("full", "full"), ("selective", "selective")])
+def test_checkpointing_takes_three_modes_and_the_booleans_as_aliases(given, mode):
+    _, run = run_config(f"train.activation_checkpointing={given}")
+    validate(run, 1)
+    assert run.train.activation_checkpointing == mode
 
 
 def test_textfile_needs_a_byte_vocab(tmp_path):

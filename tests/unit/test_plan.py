@@ -47,6 +47,10 @@ def test_compute_is_the_per_operation_model_and_checkpointing_adds_a_forward():
     # a recomputed forward: a third more matrix products, never more than a whole forward more
     assert recomputed.ops.gemm_s == pytest.approx(t.ops.gemm_s * 4 / 3, rel=0.02)
     assert t.compute_s < recomputed.compute_s < t.compute_s * 4 / 3
+    # selective checkpointing keeps the matrix products' and attention's outputs: only memory-bound work is redone
+    selective = predict_step(SEVEN_B, replace(base, activation_checkpointing="selective"), H100)
+    assert (selective.ops.gemm_s, selective.ops.attention_s) == (t.ops.gemm_s, t.ops.attention_s)
+    assert t.compute_s < selective.compute_s < recomputed.compute_s
     # MFU is telemetry's: 6 N (no embedding lookups) + 12 L H T per token, no recompute counted
     assert t.model_flops_per_token == model_flops_per_token(SEVEN_B, 4096)
     assert t.mfu == pytest.approx(t.model_flops_per_token * t.tokens_per_s / (8 * 989e12))
@@ -103,6 +107,22 @@ def test_70b_on_one_node_fits_nowhere_and_says_why():
     reasons = {r.strategy: r.reason for r in result.rejected}
     assert set(reasons) >= {"ddp", "zero3", "fsdp", "tp", "fsdp_tp", "1f1b", "gpipe", "pp_dp"}
     assert "out of memory" in reasons["zero3"] and "GiB usable" in reasons["zero3"]
+
+
+def test_the_three_checkpointing_modes_are_searched_and_selective_sits_between():
+    """plan.checkpointing's default searches none, full and selective: Llama-2-7B on 8 H100s, fsdp, micro-batch 2.
+    Selective's memory and time lie between the other two (it recomputes the memory-bound kernels, no matrix
+    product)."""
+    cfg = _cfg("model=7b", "precision=bf16", "train.seq_len=2048", "train.global_batch_size=16")
+    ranked = search(ModelShape.from_config(cfg["model"]), cfg, H100, nodes=1, strategies=("fsdp",),
+                    micro_batch_sizes=[2], distinct=False).ranked
+    by_mode = {c.setup.activation_checkpointing: c for c in ranked}
+    assert set(by_mode) == {"none", "full", "selective"}
+    assert "train.activation_checkpointing=selective" in by_mode["selective"].overrides
+    assert by_mode["full"].peak_bytes < by_mode["selective"].peak_bytes < by_mode["none"].peak_bytes
+    # selective recomputes the memory-bound kernels only: between none's step and full's
+    assert by_mode["none"].time.step_s < by_mode["selective"].time.step_s < by_mode["full"].time.step_s
+    assert ranked.index(by_mode["none"]) < ranked.index(by_mode["selective"])
 
 
 def test_fsdp_accumulation_is_searched_both_ways_and_shows_the_trade():
@@ -267,7 +287,7 @@ def test_explicit_micro_batch_and_checkpointing_narrow_the_search():
     plan = PlanOptions()
     kept = _searched_overrides(["model=tiny", "train.micro_batch_size=2", "train.activation_checkpointing=true",
                                 "train.global_batch_size=8"], plan)
-    assert kept == ["model=tiny"] and plan.micro_batch_sizes == [2] and plan.checkpointing == [True]
+    assert kept == ["model=tiny"] and plan.micro_batch_sizes == [2] and plan.checkpointing == ["full"]
 
 
 # ------------------------------------------------------------------ the comparison report's predicted step
