@@ -94,7 +94,8 @@ def add_step_prediction(row: dict[str, Any], *, shape: ModelShape, setup: Any, t
     step = predict_step(shape, setup, hw, allow_tf32=bool(train.get("allow_tf32", False)))
     row["pred_step_s"] = step.step_s
     row["err_step_s"] = rel_error(step.step_s, row.get("step_s", 0.0))
-    row["pred_step_profile"] = f"{hw.name}, {how}"
+    fitted = hw.fitted_to()
+    row["pred_step_profile"] = f"{hw.name}, {how}" + (f"; fitted to {'; '.join(fitted)}" if fitted else "")
 
 
 def add_comm_prediction(row: dict[str, Any], *, shape: ModelShape, setup: Any) -> None:

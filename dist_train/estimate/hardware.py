@@ -56,6 +56,10 @@ class Hardware:
     attention_efficiency: float = 1.0  # flash/SDPA forward + backward, of the peak, at long sequences
     attention_seq_half: float = 0.0  # the sequence length at which attention runs at half that
     memory_efficiency: float = 1.0  # the fraction of memory_bw that memory-bound kernels reach
+    # Eager PyTorch's own cost of one block's forward and backward (dispatching its ops, autograd), whatever the
+    # strategy, per block and micro-batch. It adds to a CPU's compute (the same cores run both); a GPU runs it ahead
+    # of its kernels, so the GPU profiles leave it 0. plan.calibrate measures it on a CPU.
+    layer_overhead_s: float = 0.0
     # The fraction of the compute that data-parallel collectives can hide behind (1: a GPU's copy engines and
     # NCCL's own SMs run beside the kernels; 0: a CPU, where gloo and the matmuls share the cores).
     overlap: float = 1.0
@@ -73,6 +77,11 @@ class Hardware:
 
     def link(self, *, spans_nodes: bool) -> Link:
         return self.inter if spans_nodes else self.intra
+
+    def fitted_to(self) -> list[str]:
+        """The published runs this profile's constants were fitted to (their `source`s that say "fitted"), in
+        words: what a prediction with it rests on beyond datasheets and measurements."""
+        return sorted({v.split("(", 1)[-1].rstrip(")") for v in self.source.values() if v.startswith("fitted")})
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

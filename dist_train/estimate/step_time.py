@@ -3,7 +3,8 @@
 - **Compute**: the busiest rank's micro-batches, operation by operation (estimate/ops.py: matrix products by shape,
   causal attention by sequence length, memory-bound kernels at the memory bandwidth, the loss over the vocabulary;
   forward, backward and what checkpointing recomputes), divided by the profile's `efficiency` (1 on the GPU
-  profiles; what a CPU step loses beyond its kernels, refit by plan.verify).
+  profiles; what a CPU step loses beyond its kernels), plus eager PyTorch's own cost per block and micro-batch
+  (`layer_overhead_s`: measured on a CPU by plan.calibrate, 0 on a GPU, which runs it ahead of its kernels).
 - **Communication**: each collective of the estimator's per-step list (estimate/comm.py), as a ring: its
   latency per call plus the bytes the rank sends (buffer x nccl-tests bus factor) at the bus bandwidth of the
   link its group uses: within a node, or between nodes where the group spans them.
@@ -11,8 +12,9 @@
   bucketed all-reduce, FSDP's and ZeRO-3's gathers and reduce-scatters, ZeRO-2's per-micro-batch reduction) hides
   behind up to `overlap` x the compute; tensor-parallel all-reduces, pipeline sends, ZeRO-1's reduction after the
   last backward and ZeRO-1/2's all-gather after the step sit on the critical path.
-- **Bubble**: a pipeline of K stages and M micro-batches idles (K - 1) / M of its stage's compute (GPipe and
-  1F1B alike).
+- **Bubble**: a pipeline runs M micro-batches through K stages in M x the busiest stage's micro-batch plus one
+  micro-batch of every other stage (filling and draining; GPipe and 1F1B alike): (K - 1) / M of the stage's compute
+  when the stages are balanced, less when the busiest one (the LM head's) outweighs the rest.
 - **Optimizer step**: the rank's model state read and written once at the memory bandwidth.
 - **Framework**: the strategy's own work per block and micro-batch where it hooks every block (FSDP's and
   ZeRO-3's gathers, DTensor's dispatch, a pipeline's schedule): the profile's `overhead_s` for the strategy,
@@ -51,6 +53,7 @@ class StepTime:
     overhead_key: str = ""  # which of the profile's overhead_s applies ("": none)
     overhead_units: int = 0  # blocks x micro-batches it applies to
     ops: Optional[MicroBatchCompute] = None  # compute_s by kind of operation (estimate/ops.py), a step's worth
+    layer_units: int = 0  # blocks x micro-batches the busiest rank runs: what layer_overhead_s applies to
 
     @property
     def step_s(self) -> float:
@@ -136,13 +139,17 @@ def predict_step(shape: ModelShape, setup: Setup, hw: Hardware, *, allow_tf32: b
         layers = stage_layers(shape, num_stages=k, split_points=split)
         per_stage = [micro_batch_compute(shape, setup, hw, peak=peak, layers=n, head=i == k - 1)
                      for i, n in enumerate(layers)]
-        ops = max(per_stage, key=lambda c: c.total_s).scaled(m / hw.efficiency)
-        compute = ops.total_s
-        bubble = compute * (k - 1) / m
+        one = [c.total_s / hw.efficiency + n * hw.layer_overhead_s for c, n in zip(per_stage, layers)]
+        busiest = max(range(k), key=lambda i: one[i])
+        ops = per_stage[busiest].scaled(m / hw.efficiency)
+        layer_units = m * layers[busiest]
+        compute = ops.total_s + layer_units * hw.layer_overhead_s
+        bubble = sum(one) - one[busiest]  # filling and draining: one micro-batch of every other stage
     else:
         ops = micro_batch_compute(shape, setup, hw, peak=peak, layers=shape.num_layers, head=True)
         ops = ops.scaled(m / hw.efficiency)
-        compute = ops.total_s
+        layer_units = m * shape.num_layers
+        compute = ops.total_s + layer_units * hw.layer_overhead_s
         bubble = 0.0
     # Ranks share their lists (one per pipeline stage, one for everyone else): time each distinct list once.
     distinct = {id(colls): colls for colls in predict_comm(shape, setup)}.values()
@@ -158,15 +165,16 @@ def predict_step(shape: ModelShape, setup: Setup, hw: Hardware, *, allow_tf32: b
         compute_s=compute, comm_s=sum(t for _, t in colls), exposed_comm_s=exposed, bubble_s=bubble,
         optimizer_s=2 * state / hw.memory_bw, framework_s=units * hw.overhead_s.get(key, 0.0), tokens_per_step=tokens,
         world_size=setup.world_size, model_flops_per_token=model_flops_per_token(shape, setup.seq_len),
-        peak_flops=peak, overhead_key=key, overhead_units=units, ops=ops,
+        peak_flops=peak, overhead_key=key, overhead_units=units, ops=ops, layer_units=layer_units,
     )
 
 
 def overhead_key(setup: Setup) -> str:
-    """The strategies whose framework hooks every block: fsdp, fsdp_tp, tp, zero3, pipeline; "" for the rest
-    (ddp, zero1, zero2, single: a bucketed reduction after backward, no per-block work)."""
+    """The strategies with work of their own beside the bytes they move: fsdp, fsdp_tp, tp (DTensor), zero1-3
+    (DeepSpeed's engine: its gradient hooks, buckets and partitioned step; ZeRO-3's gathers), pipeline; "" for the
+    rest (ddp, single: a bucketed reduction after backward, nothing per block)."""
     if setup.family == "zero":
-        return "zero3" if setup.zero_stage >= 3 else ""
+        return f"zero{setup.zero_stage}"
     if setup.family in ("fsdp", "fsdp_tp", "tp", "pipeline"):
         return setup.family
     return "fsdp" if setup.kind == "fsdp" else ""

@@ -146,7 +146,8 @@ def host_memory_bytes() -> float:
 
 def calibrate(name: str, shape: ModelShape, *, tokens: int, precision: str, procs: int,
               measure_links: bool = True) -> Hardware:
-    """The profile `name` (the datasheet one, or a bare CPU one) with what was measured here in its place."""
+    """The profile `name` (the datasheet one, or a bare CPU one) with what was measured here in its place (on a CPU,
+    plan/probe.py then measures what separates the strategies)."""
     import torch
 
     when = datetime.date.today().isoformat()
@@ -195,4 +196,5 @@ def describe(hw: Hardware) -> str:
                f"attention {hw.attention_efficiency:.3g} (half at seq {hw.attention_seq_half:.0f}), memory-bound "
                f"{hw.memory_efficiency:.3g} of the bandwidth, " if hw.sm_count else "")
             + f"efficiency {hw.efficiency:.3g}, overlap {hw.overlap:.3g}"
+            + (f", {hw.layer_overhead_s * 1e3:.3g} ms/block eager" if hw.layer_overhead_s else "")
             + "".join(f", {k} {v * 1e3:.3g} ms/block" for k, v in sorted(hw.overhead_s.items()) if v))

@@ -7,6 +7,7 @@ import json
 import re
 import shlex
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -24,7 +25,7 @@ from dist_train.plan.search import SEARCHED, Candidate, Search, search
 class PlanOptions:
     top: int = 5  # configurations shown, best first
     verify: int = 0  # run the best K here for plan.steps steps, predicted beside measured, then refit the profile
-    steps: int = 6  # steps of each verified run (the first are warm-up, not timed)
+    steps: int = 10  # steps of each verified or calibrating run (the first are warm-up, not timed)
     calibrate: bool = False  # measure this machine first (cpu: done by itself when no profile is stored)
     profile_dir: Optional[str] = None  # where measured profiles are kept; null: ~/.cache/dist_train/profiles
     strategies: list[str] = field(default_factory=lambda: list(SEARCHED))  # the strategies searched
@@ -113,8 +114,10 @@ def parse_args(own: list[str]) -> PlanArgs:
     return parse_options(PlanArgs, own)
 
 
-def profile(args: PlanArgs, shape: ModelShape, cfg: dict[str, Any]) -> tuple[Hardware, str]:
-    """The hardware profile and how it was obtained: stored, datasheet, or measured now."""
+def profile(args: PlanArgs, shape: ModelShape, cfg: dict[str, Any],
+            run_overrides: Optional[list[str]] = None) -> tuple[Hardware, str]:
+    """The hardware profile and how it was obtained: stored, datasheet, or measured now (`run_overrides`: the run's
+    training overrides, whose model a CPU calibration times)."""
     from dist_train.plan.calibrate import calibrate
 
     c = args.cluster
@@ -133,6 +136,13 @@ def profile(args: PlanArgs, shape: ModelShape, cfg: dict[str, Any]) -> tuple[Har
         train = cfg["train"]
         hw = calibrate(c.gpu, shape, tokens=int(train["micro_batch_size"]) * int(train["seq_len"]),
                        precision=str(cfg["precision"]["name"]), procs=procs)
+        if c.gpu == "cpu" and run_overrides is not None:  # what separates the strategies here (plan/probe.py)
+            from dist_train.plan.probe import probe
+
+            p = args.plan
+            out = Path(p.out_dir or f"outputs/plan-{time.strftime('%Y%m%d-%H%M%S')}") / "calibration"
+            hw = probe(hw, shape, cfg, training=run_overrides, procs=procs, steps=p.steps, out_dir=out,
+                       timeout_s=p.timeout_s, strategies=tuple(p.strategies))
         path = save_profile(hw, profile_dir)
         how = f"measured now, stored in {path}"
     return apply_overrides(hw, c), how
@@ -255,7 +265,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "(plan.strategies= limits the search)")
         training = _searched_overrides(training, args.plan)
         shape = ModelShape.from_config(cfg["model"])
-        hw, how = profile(args, shape, cfg)
+        hw, how = profile(args, shape, cfg, training)
         world = args.cluster.nodes * hw.gpus_per_node
         if args.plan.verify:
             _check_verifiable(args, world)
@@ -368,6 +378,6 @@ def _describe(hw: Hardware) -> str:
     from dist_train.plan.calibrate import describe
 
     assumed = sorted(k for k, v in hw.source.items() if v.startswith("assumed"))
-    fitted = sorted({v.split("(", 1)[-1].rstrip(")") for v in hw.source.values() if v.startswith("fitted")})
+    fitted = hw.fitted_to()
     return describe(hw) + (f" (assumed, never measured here: {', '.join(assumed)})" if assumed else "") + \
         (f" (fitted to published runs: {'; '.join(fitted)})" if fitted else "")

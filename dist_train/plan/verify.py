@@ -138,9 +138,13 @@ def refit(hw: Hardware, verified: list[Verified], *, predict: Any) -> tuple[Hard
     for v in plain:
         t: StepTime = v.candidate.time
         rest = t.step_s - t.compute_s - t.bubble_s
-        compute = v.step_s - rest  # type: ignore[operator]
-        if compute > 0 and t.compute_s + t.bubble_s > 0:
-            ratios.append((t.compute_s + t.bubble_s) / compute)
+        if t.compute_s <= 0:
+            continue
+        # what the measured step leaves for the operations, the bubble's share and eager PyTorch's per block aside
+        with_bubble = (t.compute_s + t.bubble_s) / t.compute_s
+        ops = (v.step_s - rest) / with_bubble - t.layer_units * hw.layer_overhead_s  # type: ignore[operator]
+        if ops > 0 and t.ops is not None:
+            ratios.append(t.ops.total_s / ops)
     if ratios:
         new = replace(new, efficiency=min(1.0, hw.efficiency * statistics.median(ratios)))
         moved["efficiency"] = (hw.efficiency, new.efficiency)

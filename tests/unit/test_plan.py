@@ -56,11 +56,20 @@ def test_compute_is_the_per_operation_model_and_checkpointing_adds_a_forward():
     assert t.mfu == pytest.approx(t.model_flops_per_token * t.tokens_per_s / (8 * 989e12))
 
 
-def test_pipeline_bubble_is_k_minus_1_over_m_of_the_stage():
+def test_pipeline_bubble_is_one_micro_batch_of_every_other_stage():
+    from dist_train.estimate.shapes import stage_layers
+    from dist_train.estimate.step_time import micro_batch_compute
+
     for m in (4, 16):
         s = _setup("1f1b", 4, micro_batch_size=1, global_batch_size=m)
         t = predict_step(SEVEN_B, s, H100)
-        assert t.bubble_s == pytest.approx(t.compute_s * 3 / m)
+        layers = stage_layers(SEVEN_B, num_stages=4)
+        one = [micro_batch_compute(SEVEN_B, s, H100, peak=989e12, layers=n, head=i == 3).total_s
+               for i, n in enumerate(layers)]
+        assert t.compute_s == pytest.approx(m * max(one))
+        assert t.bubble_s == pytest.approx(sum(one) - max(one))
+        # near-balanced stages (7B's 32 blocks in 4): about (K - 1) / M of the stage's compute
+        assert t.bubble_s == pytest.approx(t.compute_s * 3 / m, rel=0.1)
 
 
 def test_overlap_hides_data_parallel_traffic_but_never_tensor_parallel():
@@ -303,7 +312,8 @@ def test_the_comparison_row_gets_the_predicted_step_of_its_device(tmp_path):
            "device_name": "NVIDIA H100 80GB HBM3", "pred_comm_bytes_per_step": 123.0}
     add_step_prediction(row, shape=shape, setup=setup, train=cfg["train"], profile_dir=tmp_path)
     expected = predict_step(shape, setup, replace(H100, gpus_per_node=2)).step_s
-    assert row["pred_step_s"] == pytest.approx(expected) and row["pred_step_profile"] == "h100, datasheet"
+    assert row["pred_step_s"] == pytest.approx(expected)
+    assert row["pred_step_profile"] == "h100, datasheet; fitted to MosaicML's H100 rows of ../shared/GPU-PUBLISHED.md"
     assert row["err_step_s"] == pytest.approx((expected - 0.5) / 0.5)
     cpu_row = {**row, "device_name": "cpu"}
     del cpu_row["pred_step_s"]
@@ -359,3 +369,26 @@ def test_the_published_rows_go_through_the_advisor_pinned_to_each_run(tmp_path):
     # a row with no composition here is said so, not predicted
     megatron_70b = next(r for r in published.ROWS if r.name == "GPT 70B")
     assert published.predict(megatron_70b) == {"composition": "none (TP 8 x PP 2 x DP)"}
+
+
+def test_calibration_probes_fit_the_efficiency_and_eager_cost_per_block_from_two_ddp_runs():
+    """plan/probe.py: ddp at micro-batches 1 and 8, measured as the model says at efficiency 0.5 and 2 ms a block and
+    micro-batch, gives those two back; each family has one probe, ddp always."""
+    from dist_train.plan.probe import fit_ddp, probes_for
+
+    cfg = _cfg("model=tiny", "train.seq_len=128", "train.global_batch_size=16")
+    shape = ModelShape.from_config(cfg["model"])
+    hw = _cpu()
+    ranked = search(shape, cfg, hw, nodes=1, strategies=("ddp",), micro_batch_sizes=[1, 8], checkpointing=("none",),
+                    distinct=False).ranked
+    truth = replace(hw, efficiency=0.5, layer_overhead_s=2e-3)
+    predict = lambda c, h: predict_step(shape, c.setup, h)  # noqa: E731
+    runs = [(c, predict(c, truth).step_s) for c in ranked]
+    assert sorted(c.setup.micro_batch_size for c, _ in runs) == [1, 8]
+    eff, per_block = fit_ddp(hw, runs, predict=predict)
+    assert eff == pytest.approx(0.5) and per_block == pytest.approx(2e-3)
+    # faster than the products alone: efficiency stays 1, the rest goes to the blocks
+    fast = [(c, predict(c, replace(hw, layer_overhead_s=1e-3)).step_s * 0.9) for c in ranked]
+    assert fit_ddp(hw, fast, predict=predict)[0] == 1.0
+    assert probes_for(("ddp", "hsdp", "1f1b", "pp_dp", "zero3")) == ("ddp", "fsdp", "zero3", "gpipe")
+    assert probes_for(("ddp",)) == ("ddp",)

@@ -112,6 +112,9 @@ def test_a_steps_compute_is_its_micro_batches_of_layers_and_head_over_the_effici
     assert t.compute_s == pytest.approx(3 * one / 0.5)
     assert t.ops.total_s == pytest.approx(t.compute_s)
     assert math.isclose(t.ops.gemm_s + t.ops.attention_s + t.ops.elementwise_s + t.ops.loss_s, t.compute_s)
+    # eager PyTorch's own cost: per block and micro-batch, 4 blocks x 3 micro-batches
+    dispatched = predict_step(GPT2, setup, replace(HW, efficiency=0.5, layer_overhead_s=1e-3))
+    assert dispatched.compute_s == pytest.approx(t.compute_s + 12e-3)
 
 
 def test_every_datasheet_profile_names_the_source_of_each_per_operation_constant():
