@@ -209,6 +209,8 @@ def candidate_json(c: Candidate, cmd: str) -> dict[str, Any]:
         "predicted": {"step_s": t.step_s, "peak_bytes": c.peak_bytes, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
                       "compute_s": t.compute_s, "exposed_comm_s": t.exposed_comm_s, "comm_s": t.comm_s,
                       "bubble_s": t.bubble_s, "optimizer_s": t.optimizer_s, "framework_s": t.framework_s,
+                      # compute_s by kind of operation (estimate/ops.py), eager PyTorch's per-block cost apart
+                      "compute_ops": {**asdict(t.ops), "per_block_s": t.compute_s - t.ops.total_s} if t.ops else {},
                       "memory": {**asdict(c.memory), "total": c.memory.total}},
     }
 

@@ -264,6 +264,9 @@ def test_json_answer_for_70b_on_16_nodes():
         p = c["predicted"]
         assert p["step_s"] > 0 and 0 < p["mfu"] < 1 and p["peak_bytes"] <= 0.9 * 79.1 * 2**30
         assert p["tokens_per_s"] == pytest.approx(512 * 4096 / p["step_s"])
+        ops = p["compute_ops"]  # the compute by kind of operation adds up to it
+        assert ops["gemm_s"] > ops["attention_s"] > 0 and ops["elementwise_s"] > 0 and ops["loss_s"] >= 0
+        assert sum(ops.values()) == pytest.approx(p["compute_s"])
         assert c["command"].startswith("sbatch --nodes=16 --gpus-per-node=8 launch/slurm.sbatch ")
         assert f"strategy={c['strategy']}" in c["overrides"]
         # the preset is a model option of its own (conf/model/70b.yaml), not twenty model.* overrides
