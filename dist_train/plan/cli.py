@@ -26,7 +26,9 @@ class PlanOptions:
     top: int = 5  # configurations shown, best first
     verify: int = 0  # run the best K here for plan.steps steps, predicted beside measured, then refit the profile
     steps: int = 10  # steps of each verified or calibrating run (the first are warm-up, not timed)
-    calibrate: bool = False  # measure this machine first (cpu: done by itself when no profile is stored)
+    # measure this machine first (cpu: done by itself when no profile is stored, with short runs of the model under
+    # ddp and each strategy family searched, in <out_dir>/calibration)
+    calibrate: bool = False
     profile_dir: Optional[str] = None  # where measured profiles are kept; null: ~/.cache/dist_train/profiles
     strategies: list[str] = field(default_factory=lambda: list(SEARCHED))  # the strategies searched
     micro_batch_sizes: list[int] = field(default_factory=list)  # tried; empty: every power of two that fits
@@ -35,8 +37,8 @@ class PlanOptions:
     optimizers: list[str] = field(default_factory=list)  # empty: the training config's optimizer only
     distinct: bool = True  # one configuration per strategy and degrees (its fastest); false: every one
     memory_fraction: float = 0.9  # the share of a device's memory a configuration may fill at its peak
-    out_dir: Optional[str] = None  # plan.verify's runs; null: outputs/plan-<time>
-    timeout_s: float = 900.0  # per verified run
+    out_dir: Optional[str] = None  # plan.verify's and a cpu calibration's runs; null: outputs/plan-<time>
+    timeout_s: float = 900.0  # per verified or calibrating run
 
     def __post_init__(self) -> None:
         if self.top < 1:
@@ -98,8 +100,8 @@ ABOUT = """Which configuration for this model on this cluster: predicted memory 
 
 Searches strategies and their degrees (ddp, zero1-3, fsdp; tp within a node; fsdp_tp; 1f1b, gpipe; pp_dp), micro-batch
 sizes and activation checkpointing (none, full, selective) for the training config's model, global batch and sequence
-length; predicts each one's peak memory per device (the estimator) and step time (compute, exposed communication,
-pipeline bubble, optimizer step, the framework's per-block work); drops what does not fit or cannot run, with the
+length; predicts each one's peak memory per device (the estimator) and step time (compute operation by operation,
+exposed communication, pipeline bubble, optimizer step, the framework's per-block work); drops what does not fit or cannot run, with the
 reason; prints the best as commands. plan.verify=K runs the best K here for a few steps and prints predicted beside
 measured. Bad input is one line on stderr, exit code 2; exit code 1 when nothing fits (the reasons are printed) or a
 verified run failed.
