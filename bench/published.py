@@ -134,6 +134,12 @@ def _profile(row: Row):  # noqa: ANN202
     return replace(PROFILES[row.gpu], gpus_per_node=8)
 
 
+def offered(timed: list, usable: float) -> tuple:  # noqa: ANN001 - [(candidate, step_s)] -> (candidate, step_s)
+    """What the advisor offers among a row's candidates (FSDP accumulating either way): the fastest that fits in
+    `usable` bytes, else the fastest."""
+    return min(timed, key=lambda ct: (ct[0].peak_bytes > usable, ct[1]))
+
+
 def predict(row: Row) -> dict[str, object]:
     """The advisor's search pinned to the row; its one candidate's prediction."""
     from dist_train.estimate.hardware import GIB
@@ -148,8 +154,7 @@ def predict(row: Row) -> dict[str, object]:
         out["why"] = "; ".join(r.reason for r in found.rejected)[:120]
         return out
     usable = hw.memory_bytes * 0.9
-    fits = [c for c in picked if c.peak_bytes <= usable]
-    c = (fits or picked)[0]  # what the advisor offers: the fastest that fits (FSDP accumulating either way)
+    c, _ = offered([(c, c.time.step_s) for c in picked], usable)
     if c.setup.reduce_every_microbatch:
         out["composition"] = f"{named}, reduce every micro-batch"
     out.update(tokens=c.time.tokens_per_s / c.setup.world_size, peak_gib=c.peak_bytes / GIB,
@@ -187,8 +192,7 @@ def fit(rows: list[Row]) -> dict[str, dict[str, float]]:
             hw = replace(base, **dict(zip(grid, values)))
             usable, loss, errors = hw.memory_bytes * 0.9, 0.0, []
             for r, shape, cands in pinned:
-                timed = [(c.peak_bytes > usable, predict_step(shape, c.setup, hw).step_s, c) for c in cands]
-                _, step, c = min(timed, key=lambda t: t[:2])
+                c, step = offered([(c, predict_step(shape, c.setup, hw).step_s) for c in cands], usable)
                 err = c.setup.micro_batch_size * c.setup.seq_len * c.setup.microbatches_per_step / step / r.published
                 loss += math.log(err) ** 2
                 errors.append(err - 1)

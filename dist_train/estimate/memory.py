@@ -35,8 +35,8 @@ Transient buffers, beside the model state that stays between steps:
   reused within `stage3_max_reuse_distance` parameters (in backward, every parameter is reused: if the
   distance covers the model, nothing is released before backward), holds at most `stage3_max_live_parameters`
   (but always the module in use), and prefetches `stage3_prefetch_bucket_size` ahead (0.9 x hidden^2 as training
-  sizes it, parallel/buckets.py); parameters under `stage3_param_persistence_threshold` stay gathered for good. Measured here, a tiny model with the defaults
-  holds every parameter gathered at its peak, and with no reuse and no prefetch exactly its largest module.
+  sizes it, parallel/buckets.py); parameters under `stage3_param_persistence_threshold` stay gathered for good.
+  Measured here, a tiny model with the defaults holds every parameter gathered at its peak, and with no reuse and no prefetch exactly its largest module.
   Backward also holds the largest module's full-size gradients before they are reduce-scattered.
 - ZeRO flattens the rank's gradient partition into a new fp32 buffer for the optimizer step, every stage and
   precision (measured here: 4 B x Psi / N for zero1-3 in fp32 and bf16).
@@ -125,7 +125,8 @@ def with_model(shape: ModelShape, setup: Setup) -> Setup:
     the model's width as the training code sizes them (parallel/buckets.py), and the optimizer's bytes per parameter
     where they depend on the model's shapes."""
     auto = zero_bucket_sizes(shape.hidden_size)
-    fill: dict[str, Any] = {field: auto[key] for key, field in ZERO_BUCKET_FIELDS.items() if getattr(setup, field) is None}
+    fill: dict[str, Any] = {field: auto[key] for key, field in ZERO_BUCKET_FIELDS.items()
+                            if getattr(setup, field) is None}
     if setup.optimizer in SHAPED_OPTIMIZERS and setup.optimizer_bytes_per_param is None:
         fill["optimizer_bytes_per_param"] = shaped_optimizer_bytes(shape, setup.optimizer) / shape.num_params
     return replace(setup, **fill) if fill else setup

@@ -7,7 +7,6 @@ import json
 import re
 import shlex
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -101,10 +100,10 @@ ABOUT = """Which configuration for this model on this cluster: predicted memory 
 Searches strategies and their degrees (ddp, zero1-3, fsdp; tp within a node; fsdp_tp; 1f1b, gpipe; pp_dp), micro-batch
 sizes and activation checkpointing (none, full, selective) for the training config's model, global batch and sequence
 length; predicts each one's peak memory per device (the estimator) and step time (compute operation by operation,
-exposed communication, pipeline bubble, optimizer step, the framework's per-block work); drops what does not fit or cannot run, with the
-reason; prints the best as commands. plan.verify=K runs the best K here for a few steps and prints predicted beside
-measured. Bad input is one line on stderr, exit code 2; exit code 1 when nothing fits (the reasons are printed) or a
-verified run failed.
+exposed communication, pipeline bubble, optimizer step, the framework's per-block work); drops what does not fit or
+cannot run, with the reason; prints the best as commands. plan.verify=K runs the best K here for a few steps and
+prints predicted beside measured. Bad input is one line on stderr, exit code 2; exit code 1 when nothing fits (the
+reasons are printed) or a verified run failed.
 """
 
 
@@ -140,11 +139,11 @@ def profile(args: PlanArgs, shape: ModelShape, cfg: dict[str, Any],
                        precision=str(cfg["precision"]["name"]), procs=procs)
         if c.gpu == "cpu" and run_overrides is not None:  # what separates the strategies here (plan/probe.py)
             from dist_train.plan.probe import probe
+            from dist_train.plan.verify import plan_out_dir
 
             p = args.plan
-            out = Path(p.out_dir or f"outputs/plan-{time.strftime('%Y%m%d-%H%M%S')}") / "calibration"
-            hw = probe(hw, shape, cfg, training=run_overrides, procs=procs, steps=p.steps, out_dir=out,
-                       timeout_s=p.timeout_s, strategies=tuple(p.strategies))
+            hw = probe(hw, shape, cfg, training=run_overrides, procs=procs, steps=p.steps,
+                       out_dir=plan_out_dir(p) / "calibration", timeout_s=p.timeout_s, strategies=tuple(p.strategies))
         path = save_profile(hw, profile_dir)
         how = f"measured now, stored in {path}"
     return apply_overrides(hw, c), how
@@ -346,7 +345,8 @@ def _search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, args: PlanArgs
     train = cfg["train"]
     global_batch = int(train.get("global_batch_size") or int(train["micro_batch_size"]) * world)
     return search(shape, cfg, hw, nodes=args.cluster.nodes, strategies=tuple(p.strategies),
-                  micro_batch_sizes=list(p.micro_batch_sizes) or None, checkpointing=tuple(checkpointing_mode(c, "plan.checkpointing") for c in p.checkpointing),
+                  micro_batch_sizes=list(p.micro_batch_sizes) or None,
+                  checkpointing=tuple(checkpointing_mode(c, "plan.checkpointing") for c in p.checkpointing),
                   optimizers=list(p.optimizers) or None, memory_fraction=p.memory_fraction,
                   check=candidate_check(training, global_batch, world, here=args.cluster.gpu == "cpu"),
                   top=max(p.top, p.verify),

@@ -16,7 +16,6 @@ plan.verify's refit then corrects these from the user's own candidates; it is no
 
 from __future__ import annotations
 
-import statistics
 import sys
 from dataclasses import replace
 from datetime import date
@@ -51,7 +50,8 @@ def _candidates(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, *, strateg
         found = search(shape, cfg, hw, nodes=1, strategies=(strategy,), micro_batch_sizes=sizes,
                        checkpointing=("none",), memory_fraction=float("inf"), distinct=False)
         for size in dict.fromkeys(sizes):
-            picked = [c for c in found.ranked if c.setup.micro_batch_size == size and not c.setup.reduce_every_microbatch]
+            picked = [c for c in found.ranked
+                      if c.setup.micro_batch_size == size and not c.setup.reduce_every_microbatch]
             if picked:
                 out.append(picked[0])
     return out
@@ -85,7 +85,7 @@ def probe(hw: Hardware, shape: ModelShape, cfg: dict[str, Any], *, training: lis
     """`hw` with efficiency, layer_overhead_s and the overhead_s of each family among `strategies` (the search's;
     None: all) fitted from short runs here."""
     from dist_train.estimate.step_time import predict_step
-    from dist_train.plan.verify import run_candidates
+    from dist_train.plan.verify import fit_overheads, run_candidates
 
     train = cfg["train"]
     global_batch = int(train.get("global_batch_size") or int(train["micro_batch_size"]) * procs)
@@ -114,14 +114,8 @@ def probe(hw: Hardware, shape: ModelShape, cfg: dict[str, Any], *, training: lis
         eff, per_block = fit_ddp(hw, ddp, predict=predict)
         new = replace(new, efficiency=eff, layer_overhead_s=per_block)
         source["efficiency"] = source["layer_overhead_s"] = f"{where}: ddp at two micro-batch sizes, fitted"
-    overhead: dict[str, list[float]] = {}
-    for c, measured in ok:
-        key = c.time.overhead_key
-        if not key:
-            continue
-        without = predict(c, replace(new, overhead_s={**new.overhead_s, key: 0.0}))
-        overhead.setdefault(key, []).append(max(0.0, (measured - without.step_s) / without.overhead_units))
+    overhead = fit_overheads(new, ok, predict=predict)
     if overhead:
-        new = replace(new, overhead_s={**new.overhead_s, **{k: statistics.median(v) for k, v in overhead.items()}})
+        new = replace(new, overhead_s={**new.overhead_s, **overhead})
         source["overhead_s"] = f"{where}: each family's step beyond the rest of the prediction"
     return replace(new, source=source)

@@ -126,6 +126,29 @@ def summary(verified: list[Verified]) -> dict[str, Any]:
     return {"runs": rows, "rank_correlation": rho}
 
 
+def fit_overheads(hw: Hardware, runs: list[tuple[Candidate, float]], *, predict: Any) -> dict[str, float]:
+    """Each overhead key's `overhead_s` from runs [(candidate, measured step)] of strategies with work of their own:
+    the median over its runs of what the measured step takes beyond the rest of the prediction under `hw`, per
+    block and micro-batch (never below 0). Keys with no run are absent."""
+    per_unit: dict[str, list[float]] = {}
+    for c, measured in runs:
+        key = c.time.overhead_key
+        if key:
+            without = predict(c, replace(hw, overhead_s={**hw.overhead_s, key: 0.0}))
+            per_unit.setdefault(key, []).append(max(0.0, (measured - without.step_s) / c.time.overhead_units))
+    return {key: statistics.median(values) for key, values in per_unit.items()}
+
+
+def plan_out_dir(p: Any) -> Path:
+    """Where plan.verify's and a cpu calibration's runs go: plan.out_dir, or outputs/plan-<time>, chosen once for
+    the command (both land in the same directory)."""
+    import time as clock
+
+    if not p.out_dir:
+        p.out_dir = f"outputs/plan-{clock.strftime('%Y%m%d-%H%M%S')}"
+    return Path(p.out_dir)
+
+
 def refit(hw: Hardware, verified: list[Verified], *, predict: Any) -> tuple[Hardware, dict[str, tuple[float, float]]]:
     """The profile with `efficiency` and `overhead_s` fitted to the runs, and {factor: (before, after)}.
 
@@ -148,18 +171,11 @@ def refit(hw: Hardware, verified: list[Verified], *, predict: Any) -> tuple[Hard
     if ratios:
         new = replace(new, efficiency=min(1.0, hw.efficiency * statistics.median(ratios)))
         moved["efficiency"] = (hw.efficiency, new.efficiency)
-    per_unit: dict[str, list[float]] = {}
-    for v in ok:
-        t = v.candidate.time
-        if t.overhead_key:
-            without = predict(v.candidate, replace(new, overhead_s={**new.overhead_s, t.overhead_key: 0.0}))
-            per_unit.setdefault(t.overhead_key, []).append(max(0.0, (v.step_s - without.step_s) / t.overhead_units))  # type: ignore[operator]
-    if per_unit:
-        overhead = dict(new.overhead_s)
-        for key, values in per_unit.items():
-            overhead[key] = statistics.median(values)
-            moved[f"overhead_s.{key}"] = (hw.overhead_s.get(key, 0.0), overhead[key])
-        new = replace(new, overhead_s=overhead)
+    fitted = fit_overheads(new, [(v.candidate, v.step_s) for v in ok], predict=predict)  # type: ignore[misc]
+    if fitted:
+        for key, value in fitted.items():
+            moved[f"overhead_s.{key}"] = (hw.overhead_s.get(key, 0.0), value)
+        new = replace(new, overhead_s={**new.overhead_s, **fitted})
     if moved:
         from datetime import date
 
@@ -175,13 +191,12 @@ def verify(shown: list[Candidate], plan: dict[str, Any], *, shape: Any, cfg: dic
     """plan.verify=K: run, compare, refit, store the refit profile; prints the tables when `text`."""
     import json
     import sys
-    import time as clock
 
     from dist_train.estimate.hardware import default_profile_dir, save_profile
     from dist_train.estimate.step_time import predict_step
 
     p = args.plan
-    out_dir = Path(p.out_dir or f"outputs/plan-{clock.strftime('%Y%m%d-%H%M%S')}")
+    out_dir = plan_out_dir(p)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan.json").write_text(json.dumps(plan, indent=1, default=str))
     allow_tf32 = bool(cfg["train"].get("allow_tf32", False))

@@ -29,7 +29,8 @@ PEAK = 1e15
 HW = Hardware(name="test", memory_bytes=80 * 2**30, flops={"bf16": PEAK, "fp32": PEAK / 10}, memory_bw=2e12,
               intra=Link(1e11, 1e-5), inter=Link(1e10, 1e-5), sm_count=132, gemm_efficiency=0.8, gemm_k_half=256,
               attention_efficiency=0.6, attention_seq_half=1024, memory_efficiency=0.5)
-GPT2 = ModelShape(name="g", arch="gpt2", num_layers=4, hidden_size=1024, num_heads=8, vocab_size=32000, max_seq_len=2048)
+GPT2 = ModelShape(name="g", arch="gpt2", num_layers=4, hidden_size=1024, num_heads=8, vocab_size=32000,
+                  max_seq_len=2048)
 LLAMA = ModelShape(name="l", arch="llama", num_layers=4, hidden_size=1024, num_heads=8, num_kv_heads=2,
                    vocab_size=32000, max_seq_len=2048, ffn_hidden_size=2816)
 

@@ -99,7 +99,8 @@ def test_buckets_follow_the_models_width(hidden):
                           precision=PrecisionConfig(name="fp32"), dims=ParallelDims(1), hidden_size=hidden)
     assert z1["zero_optimization"] == {"stage": 1, "reduce_bucket_size": hidden**2}  # no stage-3 key below stage 3
     z3 = deepspeed_config(zero=ZeroConfig(name="zero3", stage=3), train=TrainConfig(global_batch_size=8),
-                          precision=PrecisionConfig(name="fp32"), dims=ParallelDims(1), hidden_size=hidden)["zero_optimization"]
+                          precision=PrecisionConfig(name="fp32"), dims=ParallelDims(1),
+                          hidden_size=hidden)["zero_optimization"]
     assert z3["reduce_bucket_size"] == hidden**2 and z3["stage3_prefetch_bucket_size"] == int(0.9 * hidden**2)
     assert z3["stage3_param_persistence_threshold"] == 0  # this project's, not transformers' 10 x hidden
     # allgather_bucket_size allocates nothing (parallel/buckets.py): DeepSpeed's default stays
@@ -113,7 +114,8 @@ def test_without_a_width_deepspeeds_defaults_stay():
 def test_strategy_extra_wins_over_the_sizes_from_the_model():
     extra = {"zero_optimization": {"reduce_bucket_size": 100000, "stage3_prefetch_bucket_size": 0}}
     zo = deepspeed_config(zero=ZeroConfig(name="zero3", stage=3, extra=extra), train=TrainConfig(global_batch_size=8),
-                          precision=PrecisionConfig(name="fp32"), dims=ParallelDims(1), hidden_size=768)["zero_optimization"]
+                          precision=PrecisionConfig(name="fp32"), dims=ParallelDims(1),
+                          hidden_size=768)["zero_optimization"]
     assert zo["reduce_bucket_size"] == 100000 and zo["stage3_prefetch_bucket_size"] == 0
 
 
