@@ -17,10 +17,9 @@ A setting the source does not state is an input, said in the table: Megatron's m
 models are, with their vocabulary; MPT's ALiBi has no position table, which GPT-2's learned positions add (under
 0.2% of the parameters here). Megatron's rows map to the nearest dist_train composition, named in the table: data
 parallelism alone as ddp (its distributed optimizer's reduce-scatter and gather overlap backward and the next
-forward, as DDP's all-reduce does; zero1 here reduces after backward), tensor x data parallelism as fsdp_tp, which
-gathers the parameters over the data-parallel ranks for every micro-batch where Megatron all-reduces once a step
-(dist_train has no tensor x DDP composition, so these rows measure that difference, not the time model's tensor-
-parallel term); tensor x pipeline x data parallelism has no composition here and is not predicted.
+forward, as DDP's all-reduce does; zero1 here reduces after backward), tensor x data parallelism as ddp_tp (whole
+replicas of each TP slice, its gradients all-reduced once a step, as Megatron's are); tensor x pipeline x data
+parallelism has no composition here and is not predicted.
 
 Targets (issue 41): MosaicML's rows within 10%, Megatron's within 20%. The time model is per operation
 (dist_train/estimate/ops.py). Its Hopper matrix-product and memory constants were measured on an H200; the H100's
@@ -106,7 +105,7 @@ def composition(row: Row) -> tuple[Optional[str], tuple[str, ...], str]:
         return "fsdp", (), "fsdp"
     if row.tp == 1:  # the distributed optimizer's reduce-scatter and gather overlap backward and forward
         return "ddp", (), "ddp (overlapped data parallelism)"
-    return "fsdp_tp", (f"strategy.tp={row.tp}",), f"fsdp_tp tp={row.tp} (gathers every micro-batch)"
+    return "ddp_tp", (f"strategy.tp={row.tp}",), f"ddp_tp tp={row.tp}"
 
 
 def _pinned(row: Row, hw):  # noqa: ANN001, ANN202 - (shape, the advisor's candidates for the row)
@@ -123,7 +122,7 @@ def _pinned(row: Row, hw):  # noqa: ANN001, ANN202 - (shape, the advisor's candi
     shape = ModelShape.from_config(cfg["model"])
     found = search(shape, cfg, hw, nodes=row.gpus // 8, strategies=(strategy,), micro_batch_sizes=[row.micro],
                    checkpointing=(row.checkpointing,), memory_fraction=float("inf"))
-    return shape, [c for c in found.ranked if strategy != "fsdp_tp" or c.setup.tp == row.tp], found
+    return shape, [c for c in found.ranked if strategy != "ddp_tp" or c.setup.tp == row.tp], found
 
 
 def _profile(row: Row):  # noqa: ANN202

@@ -140,7 +140,7 @@ class ParallelDims:
 # ---------------------------------------------------------------------------------------------- the layouts, declared
 # How each kind of strategy lays its ranks out, declared once: the strategies' `parallel_dims` and the estimator's
 # `Setup.dims` (which must not import torch) both return `layout_dims(...)`, so the two cannot drift apart.
-LAYOUTS = ("one", "replicate", "shard", "fsdp", "tp", "fsdp_tp", "pipeline")
+LAYOUTS = ("one", "replicate", "shard", "fsdp", "tp", "fsdp_tp", "ddp_tp", "pipeline")
 
 
 def layout_dims(layout: str, world_size: int, *, replicas: int = 1, tp: int = 1, stages: int = 1,
@@ -153,6 +153,8 @@ def layout_dims(layout: str, world_size: int, *, replicas: int = 1, tp: int = 1,
         fsdp       `replicas` replicas, each sharded over world / replicas ranks (fsdp: 1 replica; hsdp)
         tp         every rank a tensor-parallel slice
         fsdp_tp    tensor-parallel groups of `tp`, FSDP over the world / tp groups (kept at degree 1)
+        ddp_tp     tensor-parallel groups of `tp`, whole replicas of each across the world / tp groups (Megatron's
+                   TP x DP; kept at degree 1)
         pipeline   `stages` stages, world / stages replicas of the pipeline over `stage_dp` (dp_replicate: whole
                    stages, DDP; dp_shard: FSDP-sharded stages)
     """
@@ -169,6 +171,8 @@ def layout_dims(layout: str, world_size: int, *, replicas: int = 1, tp: int = 1,
         return ParallelDims(w, tp=w)
     if layout == "fsdp_tp":
         return ParallelDims(w, dp_shard=max(w // tp, 1), tp=tp, kept=("dp_shard",))
+    if layout == "ddp_tp":
+        return ParallelDims(w, dp_replicate=max(w // tp, 1), tp=tp, kept=("dp_replicate",))
     if layout == "pipeline":
         require(stage_dp in ("dp_replicate", "dp_shard"), f"a pipeline's replicas run over dp_replicate or dp_shard, "
                                                           f"not {stage_dp!r}")

@@ -163,7 +163,8 @@ Sizes = dict[tuple[str, str], Sized]  # keyed by the declaration's (op, moves)
 
 def _replicate(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     """DDP's gradient all-reduce; a pipeline stage's replicas (its fp32 gradients, torch's default 25 MiB buckets);
-    HSDP's replicas (each rank's fp32 gradient shard, as often as the reduce-scatter inside the replica runs)."""
+    HSDP's replicas (each rank's fp32 gradient shard, as often as the reduce-scatter inside the replica runs);
+    ddp_tp's (FSDP2's replicate: each block's, then the root's, fp32 gradients of the TP slice, once a step)."""
     key = ("all_reduce", "gradients")
     if stage is not None:
         params = _stage_params(shape, setup, stage)
@@ -175,6 +176,9 @@ def _replicate(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
         return {key: Sized(reduces * shape.num_params * 4 / dims.dp_shard,
                            f"fp32 gradient shards across the {dims.dp_replicate} replicas", 4,
                            reduces * (shape.num_layers + 1))}
+    if setup.family == "fsdp_tp":
+        return {key: Sized(tp_rank_params(shape, setup) * 4, "the TP slice's fp32 gradients, once per step", 4,
+                           shape.num_layers + 1)}
     grads = _moved_bytes(setup).grads
     size = shape.num_params * grads
     return {key: Sized(size, "gradients, once per step (no_sync while accumulating)", int(grads),

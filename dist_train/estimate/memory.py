@@ -314,7 +314,8 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     every gradient at the peak). From the second step on: DDP makes the gradients bucket views at its first
     reduction, and the first step, without optimizer state yet, holds less anyway (fp32 AdamW: 2 B/param less).
     Measured on 2 CPU ranks, model=tiny: +3.7% over this with one micro-batch and with two.
-    fsdp (FSDP2), and fsdp_tp, whose FSDP shards each rank's tensor-parallel slice: at the start of backward it also
+    fsdp (FSDP2), and fsdp_tp, whose FSDP shards each rank's tensor-parallel slice (ddp_tp: FSDP2's replicate, which
+    holds it whole and never reshards after forward): at the start of backward it also
     holds gathered parameters, in the compute dtype: the root's (embeddings, final norm, head), kept from forward
     to backward, and the last block's (with reshard_after_forward=false, every parameter). While it accumulates
     gradients (more than one micro-batch a step, gradient sync off until the last), every parameter's unsharded
@@ -340,7 +341,9 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
         return with_loss(rank.total, rank.grads)
     slice_params = tp_rank_params(shape, setup)  # all of them without tensor parallelism
     block = shape.layer_params_tp(setup.tensor_parallel_size)
-    gathered = slice_params - (shape.num_layers - 1) * block if setup.reshard_after_forward else slice_params
+    # ddp_tp's replicas (FSDP2's replicate) keep every block's compute copy from its forward to its backward
+    reshards = setup.reshard_after_forward and setup.shard_with == "fsdp"
+    gathered = slice_params - (shape.num_layers - 1) * block if reshards else slice_params
     accumulates_unsharded = setup.microbatches_per_step > 1 and not setup.reduce_every_microbatch
     grads = 4.0 * slice_params if accumulates_unsharded else rank.grads
     return with_loss(rank.params + grads + rank.master + rank.optimizer + rank.working_set

@@ -35,7 +35,10 @@ KNOWN_STRATEGIES: dict[str, tuple[str, int, str]] = {
     "tp": ("tp", 0, ""),
     "accelerate": ("accelerate", 0, ""),
     "fsdp_tp": ("fsdp_tp", 0, ""),
+    "ddp_tp": ("fsdp_tp", 0, ""),
 }
+# What a name implies beside its family (the strategy registry's names, which import torch; a test checks they agree)
+IMPLIED: dict[str, dict[str, Any]] = {"ddp_tp": {"dp_mode": "replicate"}}
 
 # How model state is stored (bytes per parameter; see memory.state_bytes):
 #   autocast  - fp32 weights, gradients and optimizer state; 16-bit only inside forward/backward. What
@@ -92,7 +95,7 @@ class Setup:
     bucket_cap_mb: float = 25.0
     # strategy=accelerate: what Accelerate wraps the model in (ddp | fsdp)
     plugin: str = "ddp"
-    # strategy=fsdp_tp: ranks per tensor-parallel group
+    # strategy=fsdp_tp, ddp_tp: ranks per tensor-parallel group
     tp: int = 2
     # strategy=tp: Megatron's sequence parallelism
     sequence_parallel: bool = False
@@ -101,7 +104,9 @@ class Setup:
     optimizer_bytes_per_param: Optional[float] = None
     # pipelines: stages (None = one per rank); world / pp replicas, each stage replicated or FSDP-sharded
     pp: Optional[int] = None
-    dp_mode: str = "replicate"
+    # how each data-parallel group holds a pipeline stage's or a TP slice's state: replicate | fsdp; "" = the
+    # strategy's default (pipelines and ddp_tp: replicate; fsdp_tp: fsdp)
+    dp_mode: str = ""
     # fsdp/hsdp: replicas of the sharded state (strategy.replicate; HSDP's dp_replicate degree), 1 = plain FSDP
     replicate: int = 1
 
@@ -129,7 +134,9 @@ class Setup:
         that the two agree for every strategy and world size)."""
         if self.family in ("single", "dp"):
             layout = "one"
-        elif self.family in ("tp", "fsdp_tp", "pipeline", "fsdp"):
+        elif self.family == "fsdp_tp":
+            layout = "fsdp_tp" if self.shards_tp else "ddp_tp"
+        elif self.family in ("tp", "pipeline", "fsdp"):
             layout = self.family
         else:  # ZeRO; Accelerate's DDP, FSDP or DeepSpeed
             layout = "replicate" if self.kind == "ddp" else "shard"
@@ -143,8 +150,14 @@ class Setup:
         nothing does."""
         if self.family == "zero":
             return f"zero{self.zero_stage}"
-        fsdp = self.kind in ("fsdp", "fsdp_tp") or (self.family == "pipeline" and self.dp_mode == "fsdp")
+        fsdp = self.kind == "fsdp" or self.shards_tp or (self.family == "pipeline" and self.dp_mode == "fsdp")
         return "fsdp" if fsdp else None
+
+    @property
+    def shards_tp(self) -> bool:
+        """fsdp_tp: FSDP2 shards each TP slice over the data-parallel groups; not ddp_tp, whose replicas hold it
+        whole (FSDP2's replicate)."""
+        return self.family == "fsdp_tp" and self.dp_mode != "replicate"
 
     @property
     def parallelisms(self) -> tuple[Parallelism, ...]:
@@ -309,10 +322,11 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         tp=int(strategy.get("tp") or 2),
         sequence_parallel=bool(strategy.get("sequence_parallel", False)),
         pp=int(strategy["pp"]) if strategy.get("pp") is not None else None,
-        dp_mode=str(strategy.get("dp_mode") or "replicate"),
+        dp_mode=str(strategy.get("dp_mode") or ""),
         replicate=_replicas(strategy, world_size),
         bucket_cap_mb=float(strategy.get("bucket_cap_mb") or 25.0),
         **_zero3_fields(strategy),
     )
+    fields.update(IMPLIED.get(name, {}) if not strategy else {})
     fields.update(overrides)
     return Setup(**fields)

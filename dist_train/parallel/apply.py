@@ -6,10 +6,12 @@
    keeps their outputs and all-reduces and re-runs the rest;
 3. torch.compile of each block (train.compile), the checkpointing with it;
 4. FSDP2 over the data-parallel dimensions (parallel/fsdp.py): `dp_shard`, or HSDP over
-   (`dp_replicate`, `dp_shard`); each (checkpointed, compiled) block is one all-gather unit.
+   (`dp_replicate`, `dp_shard`); each (checkpointed, compiled) block is one all-gather unit. Where the mesh's only
+   data-parallel dimension is `dp_replicate` (ddp_tp), FSDP2's replicate instead: whole replicas, each block's
+   gradients all-reduced once a step, nothing gathered.
 
-fsdp, hsdp, tp and fsdp_tp are presets of degrees over this one function (strategies/parallelized.py); a pipeline
-applies it to each of its stages (pp_dp with dp_mode=fsdp). A new axis is one more step here, in its place in the order.
+fsdp, hsdp, tp, fsdp_tp and ddp_tp are presets of degrees over this one function (strategies/parallelized.py); a
+pipeline applies it to each of its stages (pp_dp with dp_mode=fsdp). A new axis is one more step here, in its place in the order.
 """
 
 from __future__ import annotations
@@ -52,7 +54,12 @@ def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: P
     apply_activation_checkpointing(model, checkpointing)  # none | full | selective
     if compile:
         compile_blocks(model)
-    if sharding is not None:
+    if sharding is not None and "dp_shard" not in dims.mesh_dim_names:
+        from dist_train.parallel.fsdp import replicate
+
+        assert blocks is None, "a pipeline's stages replicate through the schedule (strategies/pipeline.py)"
+        replicate(model, mesh["dp_replicate"], precision=precision)
+    elif sharding is not None:
         from dist_train.parallel.fsdp import shard
 
         shard(model, data_parallel_mesh(mesh, dims), reshard_after_forward=sharding.reshard_after_forward,

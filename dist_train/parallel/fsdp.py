@@ -1,5 +1,6 @@
 """FSDP2 (`fully_shard`) applied to a model: one of the functions dist_train.parallel.apply runs in its fixed order
-(fsdp, hsdp, fsdp_tp, and pp_dp's sharded stages). Imported only by the runs that use it.
+(fsdp, hsdp, fsdp_tp, and pp_dp's sharded stages); and FSDP2's `replicate` (ddp_tp). Imported only by the runs that
+use it.
 
 Over a 1-D mesh (dp_shard) each rank holds 1/N of every parameter, gradient and optimizer state. Over a 2-D mesh
 (dp_replicate, dp_shard) it is HSDP: each replica shards the state over its dp_shard ranks, and after the
@@ -39,6 +40,20 @@ def shard(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool, pr
     # gathered after forward; passing True would gather them twice per micro-batch for nothing (measured:
     # 2 extra all-gathers per step on the tiny model). With reshard_after_forward=false nothing reshards.
     fully_shard(model, **{**kwargs, "reshard_after_forward": None if reshard_after_forward else False})
+    return model
+
+
+def replicate(model: nn.Module, mesh: DeviceMesh, *, precision: PrecisionConfig | None) -> nn.Module:
+    """Whole replicas over `mesh` (dp_replicate): DDP on FSDP2's machinery (torch's `replicate_with_fsdp`), which
+    takes the DTensor shards tensor parallelism leaves (torch's DDP does not). Each block, then the root, is one
+    all-reduce unit: its fp32 gradients are all-reduced as its backward ends, once a step (held back while
+    accumulating, as DDP's no_sync), and nothing is gathered. In place."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_module
+
+    policy = mixed_precision(precision)
+    for block in transformer_blocks(model):
+        replicate_module(block, mesh=mesh, mp_policy=policy)
+    replicate_module(model, mesh=mesh, mp_policy=policy)
     return model
 
 

@@ -27,7 +27,8 @@ from dist_train.estimate.step_time import StepTime, predict_step
 
 # What the search enumerates. dp (torch DataParallel: one process drives every GPU) and accelerate (the user's
 # own Accelerate set-up) are left out: neither is a configuration to choose by degrees.
-SEARCHED = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "fsdp_tp", "1f1b", "gpipe", "pp_dp")
+SEARCHED = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "fsdp_tp", "ddp_tp", "1f1b", "gpipe",
+            "pp_dp")
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
             elif heads % w or kv % w:
                 why = f"{w} does not divide the {heads} heads and {kv} kv heads"
             yield name, {}, (f"strategy={name}",), why
-        elif name == "fsdp_tp":
+        elif name in ("fsdp_tp", "ddp_tp"):
             for tp in _degrees(min(w, gpus_per_node)):
                 if tp == 1 or tp == w or gpus_per_node % tp:
                     continue

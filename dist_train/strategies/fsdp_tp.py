@@ -1,4 +1,5 @@
-"""2-D parallelism: tensor parallelism inside groups of `strategy.tp` ranks, FSDP2 across those groups.
+"""2-D parallelism: tensor parallelism inside groups of `strategy.tp` ranks, FSDP2 across those groups (fsdp_tp), or
+whole replicas across them (ddp_tp: `strategy.dp_mode=replicate`, Megatron-LM's TP x DP).
 
 The processes form a (dp_shard, tp) device mesh, rank = dp_index * tp + tp_index (torchtitan's layout: a TP
 group is consecutive ranks, i.e. one node's GPUs). Each block is first split Megatron-style over the `tp`
@@ -7,6 +8,11 @@ over the `dp_shard` dimension: a preset of degrees over dist_train.parallel.appl
 order. The TP ranks of one group train on the same slice of the global batch; the dp_shard groups split it.
 Collectives are counted per mesh dimension too: `comm/tp/all_reduce/...` (activations) and
 `comm/dp_shard/all_gather/...`, `comm/dp_shard/reduce_scatter/...` (parameters and gradients).
+
+ddp_tp keeps each TP rank's slice whole on every replica, a (dp_replicate, tp) mesh: FSDP2's replicate all-reduces
+each block's gradients over `dp_replicate` once a step (`comm/dp_replicate/all_reduce/...`) and gathers nothing.
+It holds tp-times less than ddp and moves a TP slice's gradients once a step, where fsdp_tp gathers every
+block's parameters every micro-batch: the layout of Megatron-LM's published TP x DP runs.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 
-from dist_train.config import RunConfig, StrategyConfig, require
+from dist_train.config import RunConfig, StrategyConfig, choice, require
 from dist_train.parallel_dims import ParallelDims, layout_dims
 from dist_train.contracts import StrategyFamily
 from dist_train.parallel.apply import Sharding
@@ -23,15 +29,19 @@ from dist_train.strategies.base import StrategyContext, check_tensor_parallel
 from dist_train.strategies.parallelized import MeshWrapper
 from dist_train.strategies.torch_strategy import TorchStrategy
 
+DP_MODES = ("fsdp", "replicate")
+
 
 @dataclass
 class FSDPTPConfig(StrategyConfig):
-    """FSDP2 over data-parallel groups, tensor parallelism of degree `tp` inside each."""
+    """FSDP2 (or replicas) over data-parallel groups, tensor parallelism of degree `tp` inside each."""
 
     name: str = "fsdp_tp"
-    # ranks per tensor-parallel group; world size / tp is the data-parallel (FSDP) size
+    # ranks per tensor-parallel group; world size / tp is the data-parallel size
     tp: int = 2
     reshard_after_forward: bool = True
+    # how the data-parallel groups hold each TP slice: fsdp (sharded, fsdp_tp) | replicate (whole, ddp_tp)
+    dp_mode: str = "fsdp"
 
     splits_projections: ClassVar[bool] = True  # DTensor-sharded projections (config.StrategyConfig)
     transforms_in_parallelize: ClassVar[bool] = True  # parallel/apply.py: TP, checkpointing, compile, FSDP2
@@ -39,9 +49,10 @@ class FSDPTPConfig(StrategyConfig):
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         # FSDP over dp_shard even where it is one rank (world = tp): the same wrapping at every size
-        return layout_dims("fsdp_tp", world_size, tp=self.tp)
+        return layout_dims("ddp_tp" if self.dp_mode == "replicate" else "fsdp_tp", world_size, tp=self.tp)
 
     def check(self, world_size: int) -> None:
+        choice("strategy.dp_mode", self.dp_mode, DP_MODES)
         require(self.tp >= 1, f"strategy.tp={self.tp} must be >= 1")
         require(
             world_size % self.tp == 0,
@@ -51,7 +62,7 @@ class FSDPTPConfig(StrategyConfig):
 
     def check_run(self, run: RunConfig, world_size: int) -> None:
         super().check_run(run, world_size)
-        check_tensor_parallel(run, self.tp, what=f"strategy=fsdp_tp with strategy.tp={self.tp}")
+        check_tensor_parallel(run, self.tp, what=f"strategy={self.name} with strategy.tp={self.tp}")
 
 
 def build(cfg: FSDPTPConfig, ctx: StrategyContext) -> TorchStrategy:
@@ -61,4 +72,5 @@ def build(cfg: FSDPTPConfig, ctx: StrategyContext) -> TorchStrategy:
     return TPStrategy(cfg.name, ctx, wrapper)
 
 
-FAMILY = StrategyFamily(family="fsdp_tp", schema=FSDPTPConfig, names={"fsdp_tp": {}}, build=build)
+FAMILY = StrategyFamily(family="fsdp_tp", schema=FSDPTPConfig,
+                        names={"fsdp_tp": {}, "ddp_tp": {"dp_mode": "replicate"}}, build=build)

@@ -24,7 +24,7 @@ def dry_run(overrides: list[str], *, world_size: int, ranks: list[int]) -> subpr
 
 
 @pytest.mark.parametrize(("strategy", "nproc"), [("ddp", 2), ("fsdp", 2), ("hsdp", 4), ("tp", 2), ("fsdp_tp", 4),
-                                                  ("pp_dp", 4), ("1f1b", 2), ("zero2", 2), ("zero3", 2)])
+                                                  ("ddp_tp", 4), ("pp_dp", 4), ("1f1b", 2), ("zero2", 2), ("zero3", 2)])
 def test_dry_run_equals_a_real_run(strategy, nproc, fast_run):
     # ddp with 0.2 MB buckets: tiny's 0.96 MB of gradients go in several all-reduces, not one. DeepSpeed's reduction
     # bucket as training sizes it, hidden^2 (4,096 elements; parallel/buckets.py): several reductions too, the larger

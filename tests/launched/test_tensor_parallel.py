@@ -94,6 +94,39 @@ def test_sequence_parallel_splits_the_norms_and_trades_each_all_reduce_for_a_gat
     assert row["prediction_ok"] is True and row["err_comm_bytes"] == pytest.approx(0, abs=1e-3), row
 
 
+def test_ddp_tp_on_a_2x2_mesh_matches_single_holds_a_whole_tp_slice_and_all_reduces_it_once_a_step(straight_run,
+                                                                                                    tmp_path):
+    """Megatron's TP x DP: tp=2 inside, whole replicas of each TP slice over the 2 groups (FSDP2's replicate). Same
+    losses as one process; each rank holds TP's slice (not halved again, unlike fsdp_tp), all-reduces its fp32
+    gradients over dp_replicate once a step (one call per block and the root) and gathers nothing; the estimator
+    agrees (compare.from); its checkpoint resumes bit-exact on the same mesh and reads in one process."""
+    single_dir, single = straight_run("single")
+    run_dir = tmp_path / "ddp_tp"
+    s = train_ok(["strategy=ddp_tp", "strategy.tp=2", *CHECKPOINTED], run_dir=run_dir, nproc=4)
+    assert_same_losses(single, s, steps=8)
+    assert s["world_size"] == 4 and s["data_parallel_size"] == 2 and s["accumulation_steps"] == 2
+    tp_rank = s["num_params"] - _split_elements(ModelConfig()) // 2  # what one rank of a TP pair holds
+    layers = ModelConfig().num_layers
+    for rec in last_step(run_dir):
+        assert rec["memory/params_bytes"] == rec["memory/grads_bytes"] == 4 * tp_rank
+        assert rec["comm/dp_replicate/all_reduce/bytes"] == 4 * tp_rank  # once a step, not per micro-batch
+        assert rec["comm/dp_replicate/all_reduce/count"] == layers + 1
+        assert rec["comm/all_gather/count"] == rec["comm/reduce_scatter/count"] == 0
+        assert rec["comm/dp_replicate/all_reduce/time_s"] > 0
+    rows = compare_from(tmp_path / "compare", single_dir, run_dir)
+    assert rows["ddp_tp"]["prediction_ok"] is True, rows["ddp_tp"]
+    assert rows["ddp_tp"]["agrees"] is True, rows["ddp_tp"]["verdict"]
+
+    step4 = run_dir / "checkpoints" / step_dir_name(4)
+    resumed = train_ok(["strategy=ddp_tp", "logger=none", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
+                       run_dir=tmp_path / "resumed", nproc=4)
+    assert resumed["losses"] == s["losses"]
+    alone = train_ok(["strategy=single", "logger=none", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
+                     run_dir=tmp_path / "alone")
+    for step in range(4, 8):
+        assert rel_diff(alone["losses"][step], s["losses"][step]) < 1e-6, step
+
+
 def test_checkpointing_under_sequence_parallelism_keeps_each_blocks_share_of_the_sequence(tmp_path):
     """16 blocks, TP=2, fp32, activation checkpointing with sequence parallelism: each block after the first keeps
     its rank's half of the sequence as its saved input (the first keeps the whole sequence, split inside it). The

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dist_train.config import ConfigError
-from dist_train.estimate.setup import setup_from_config
+from dist_train.estimate.setup import IMPLIED, setup_from_config
 from dist_train.parallel_dims import ParallelDims
 from dist_train.strategies.registry import available, default_config
 
@@ -69,6 +69,8 @@ def test_the_estimator_reads_the_same_degrees_as_training(name, monkeypatch):
             continue  # degrees that do not fit this world (fsdp_tp's tp=2 on 1 rank, ...)
         got = setup_from_config({"strategy": _strategy_dict(name)}, world_size=world).dims
         assert got == want, (name, world, got, want)
+        if name in IMPLIED:  # named without its config (the advisor's candidates): what the name implies
+            assert setup_from_config({}, world_size=world, strategy=name).dims == want, (name, world)
         assert config.data_parallel_size(world) == got.data_parallel
         checked += 1
     assert checked, name
