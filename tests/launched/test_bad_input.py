@@ -82,6 +82,7 @@ def test_bad_input_is_one_line_and_exit_2(entry, args, says, outcomes):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
+@pytest.mark.beside  # balances the two sessions of tests/suite.sh; no fixture shared with the launched session
 def test_config_error_shows_exactly_once_in_4_torchrun_launches(tmp_path):
     """Whichever rank exits first: one line, every time, and compare's failure reason is that line.
 

@@ -35,8 +35,9 @@ def _resume(strategy: str, checkpoint: Path, run_dir: Path, nproc: int, *extra: 
 
 # zero1 saves and loads through the same DeepSpeed optimizer class as zero2, 1f1b through the same stage
 # checkpoints as gpipe (its resume is exercised by the reshard test below): their straight runs stay (the
-# prediction tests read them), their resumed twins are left out for the suite's time. ddp, fsdp and zero2 resume
-# bit-exact from step 4 in tests/launched/test_checkpoint_damage.py, past a damaged step-8 checkpoint.
+# prediction tests read them), their resumed twins are left out for the suite's time. fsdp and zero2 resume
+# bit-exact from step 4 in tests/launched/test_checkpoint_damage.py, past a damaged step-8 checkpoint; ddp, which
+# writes fsdp's format (DCP), resumes bit-exact after a restart in tests/launched/test_failures.py.
 BIT_EXACT = [s for s in RESUMABLE if s not in ("zero1", "1f1b", "ddp", "fsdp", "zero2")]
 
 
