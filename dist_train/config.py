@@ -38,6 +38,21 @@ CHECKPOINTING = ("none", "full", "selective")
 _CHECKPOINTING_ALIASES = {"true": "full", "false": "none"}
 
 
+def _validate_experts(m: "ModelConfig") -> None:
+    """An MoE model's sizes: top-k within the experts, and the 16-byte strides torch's grouped matrix product needs."""
+    if not m.num_experts:
+        return
+    choice("model.experts_implementation", m.experts_implementation, EXPERTS_IMPLEMENTATIONS)
+    require(1 <= m.experts_per_token <= m.num_experts,
+            f"model.experts_per_token={m.experts_per_token} must be between 1 and model.num_experts={m.num_experts}")
+    width = m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size
+    if m.experts_implementation == "grouped_mm":
+        require(m.hidden_size % 8 == 0 and width % 8 == 0,
+                f"model.experts_implementation=grouped_mm needs model.hidden_size ({m.hidden_size}) and the experts' "
+                f"width ({width}) to be multiples of 8 (torch's grouped matrix product takes 16-byte strides); "
+                "use model.experts_implementation=eager, or sizes that are")
+
+
 def checkpointing_mode(value: Any, key: str = "train.activation_checkpointing") -> str:
     """train.activation_checkpointing as one of CHECKPOINTING: true and false (a bool, a YAML string of one, or the
     "True" OmegaConf makes of a bool given to the string field) are full and none. Torch-free: the estimator reads
@@ -133,7 +148,11 @@ class StrategyConfig:
 # The other groups.
 # --------------------------------------------------------------------------------------------------
 
-MODEL_ARCHS = ("gpt2", "llama")
+MODEL_ARCHS = ("gpt2", "llama", "qwen3_moe")
+# transformers' implementations of a layer of stacked experts (its ExpertsInterface): pinned by model.experts_implementation
+# so that every strategy runs the same arithmetic (transformers' own default, grouped_mm where it can dispatch, is not
+# eager's, and it needs 16-byte strides)
+EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
 
 @dataclass
@@ -160,6 +179,16 @@ class ModelConfig:
     max_seq_len: int = 128
     tie_embeddings: bool = False
     dropout: float = 0.0
+    # Mixture-of-Experts (Qwen3-MoE, Mixtral, OLMoE: transformers' stacked experts; 0 = a dense model): experts per
+    # MoE layer, experts each token is routed to, each expert's MLP width (None: ffn_hidden_size), which layers are
+    # MoE (None: every one; a directory's decoder_sparse_step / mlp_only_layers), a shared expert's width (Qwen2-MoE),
+    # and the experts' implementation, the same under every strategy
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_layers: Optional[list[int]] = None
+    shared_expert_ffn_hidden_size: Optional[int] = None
+    experts_implementation: str = "eager"
     # model=hf: a local transformers model directory (config.json, and weights if any); its config.json fills
     # the fields above (dist_train/pretrained.py). None: a preset built from the fields above.
     path: Optional[str] = None
@@ -460,6 +489,7 @@ def validate_fields(run: RunConfig) -> None:
             f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}",
         )
     require(0 <= m.dropout < 1, f"model.dropout={m.dropout} must be in [0, 1)")
+    _validate_experts(m)
     require(
         t.seq_len <= m.max_seq_len,
         f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; lower one or raise the other",

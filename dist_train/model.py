@@ -73,9 +73,12 @@ def _constructor(cfg: ModelConfig) -> Callable[[], nn.Module]:
     modelling code imported now: zero.Init patches torch.Tensor.__new__, and an import under it (transformers' lazy
     modules import torch._dynamo) fails."""
     if cfg.path is None:
-        from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
+        from transformers import GPT2LMHeadModel, LlamaForCausalLM, Qwen3MoeForCausalLM  # noqa: F401
 
-        make = (lambda: _build_gpt2(cfg)) if cfg.arch == "gpt2" else (lambda: _build_llama(cfg))
+        build = {"gpt2": _build_gpt2, "qwen3_moe": _build_qwen3_moe}.get(cfg.arch, _build_llama)
+
+        def make() -> nn.Module:
+            return build(cfg)
     else:
         from transformers import AutoModelForCausalLM
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -83,6 +86,7 @@ def _constructor(cfg: ModelConfig) -> Callable[[], nn.Module]:
         from dist_train.pretrained import ModelDir
 
         hf = ModelDir.open(cfg.path).config(trust_remote_code=cfg.trust_remote_code, dropout=cfg.dropout)
+        pin_experts(hf, cfg)
         if type(hf) in MODEL_FOR_CAUSAL_LM_MAPPING:
             MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
 
@@ -132,6 +136,45 @@ def _build_gpt2(cfg: ModelConfig) -> nn.Module:
         eos_token_id=None,
     )
     return GPT2LMHeadModel(hf)
+
+
+def pin_experts(hf: Any, cfg: ModelConfig) -> None:
+    """An MoE config's experts implementation, pinned to model.experts_implementation (transformers would choose
+    grouped_mm where it can dispatch, eager elsewhere: arithmetic that differs between machines)."""
+    if cfg.num_experts:
+        hf._experts_implementation = cfg.experts_implementation
+
+
+def _build_qwen3_moe(cfg: ModelConfig) -> nn.Module:
+    """Qwen3-MoE from the preset's fields: every layer MoE, top-k weights renormalised, no auxiliary loss (transformers
+    adds it only with output_router_logits), experts as model.experts_implementation computes them."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    hf = Qwen3MoeConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        moe_intermediate_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.experts_per_token,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        output_router_logits=False,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+        head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        attention_dropout=cfg.dropout,
+        tie_word_embeddings=cfg.tie_embeddings,
+        use_cache=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    pin_experts(hf, cfg)
+    return Qwen3MoeForCausalLM(hf)
 
 
 def _build_llama(cfg: ModelConfig) -> nn.Module:

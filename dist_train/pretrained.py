@@ -195,3 +195,20 @@ def resolve_model(model: ModelConfig) -> None:
     model.vocab_size = int(text.vocab_size)
     model.max_seq_len = int(getattr(text, "max_position_embeddings", 0) or model.max_seq_len)
     model.tie_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+    _read_experts(model, text)
+
+
+def _read_experts(model: ModelConfig, text: Any) -> None:
+    """An MoE config's experts (transformers' stacked experts: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): how many, the
+    top-k, each expert's width, which layers are MoE (decoder_sparse_step, mlp_only_layers) and a shared expert."""
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
+    model.num_experts = int(experts)
+    if not experts:
+        return
+    model.experts_per_token = int(getattr(text, "num_experts_per_tok", 0) or 0)
+    model.moe_ffn_hidden_size = getattr(text, "moe_intermediate_size", None) or model.ffn_hidden_size
+    step = int(getattr(text, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(text, "mlp_only_layers", None) or [])
+    moe = [i for i in range(model.num_layers) if i not in dense and (i + 1) % step == 0]
+    model.moe_layers = None if len(moe) == model.num_layers else moe
+    model.shared_expert_ffn_hidden_size = getattr(text, "shared_expert_intermediate_size", None) or None

@@ -121,7 +121,8 @@ def shape_overrides(shape: Any) -> list[str]:
         "head_dim": shape.head_size, "qkv_bias": shape.qkv_bias, "out_bias": shape.out_bias,
         "mlp_bias": shape.mlp_bias, "qk_norm": shape.qk_norm, "vocab_size": shape.vocab_size,
         "max_seq_len": shape.max_seq_len, "tie_embeddings": shape.tie_embeddings, "dropout": shape.dropout,
-        "path": None,
+        "num_experts": shape.num_experts, "experts_per_token": shape.experts_per_token,
+        "moe_ffn_hidden_size": shape.moe_ffn_hidden_size, "path": None,
     }
 
     def value(v: Any) -> str:

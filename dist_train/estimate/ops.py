@@ -73,6 +73,9 @@ def projections(shape: ModelShape, tp: int) -> list[tuple[int, int]]:
     h, q, kv, f = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.ffn
     feats = shape.features
     attention = [(h, (q + 2 * kv) // tp)] if feats.fused_qkv else [(h, q // tp), (h, kv // tp), (h, kv // tp)]
+    if shape.num_experts:  # the router, then each token's top-k experts (priced as k dense products of their width)
+        i, k = shape.moe_ffn, shape.experts_per_token
+        return [*attention, (q // tp, h), (h, shape.num_experts), *[(h, 2 * i)] * k, *[(i, h)] * k]
     if not feats.gated_mlp:
         mlp = [(h, f // tp)]
     else:
@@ -99,7 +102,7 @@ def attention_forward_seconds(shape: ModelShape, *, batch: int, seq_len: int, tp
 
 def elementwise_bytes_per_token(shape: ModelShape, *, tp: int, sequence_parallel: bool, element_bytes: int) -> float:
     """Forward bytes one token's memory-bound kernels read and write in one layer, on one rank (ELEMENTWISE)."""
-    e, h, f = element_bytes, shape.hidden_size, shape.ffn
+    e, h, f = element_bytes, shape.hidden_size, shape.routed_ffn
     q, kv = shape.q_dim // tp, shape.kv_dim // tp
     feats = shape.features
     token_parallel = tp if sequence_parallel else 1  # norms and residuals run on this rank's tokens only

@@ -40,11 +40,22 @@ class ModelShape:
     out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # Mixture-of-Experts (ModelConfig's fields): experts per layer (0 = dense), top-k, each expert's width (None: ffn)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn_hidden_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.num_experts and self.features.biased_projections:
+            raise ValueError(f"model.arch={self.arch}: experts are counted for Llama-like blocks only")
 
     @classmethod
     def from_config(cls, model: Any) -> "ModelShape":
         """From a ModelConfig, a DictConfig or a plain dict of the `model` group."""
         get = model.get if isinstance(model, Mapping) else lambda k, d=None: getattr(model, k, d)
+        why = cls.unsupported(model)
+        if why:
+            raise ValueError(why)
         return cls(
             name=str(get("name", "model")), arch=str(get("arch", ModelConfig.arch)),
             num_layers=int(get("num_layers")), hidden_size=int(get("hidden_size")), num_heads=int(get("num_heads")),
@@ -53,7 +64,23 @@ class ModelShape:
             tie_embeddings=bool(get("tie_embeddings", False)), dropout=float(get("dropout", 0.0) or 0.0),
             head_size=get("head_dim"), qkv_bias=bool(get("qkv_bias", False)), out_bias=bool(get("out_bias", False)),
             mlp_bias=bool(get("mlp_bias", False)), qk_norm=bool(get("qk_norm", False)),
+            num_experts=int(get("num_experts", 0) or 0), experts_per_token=int(get("experts_per_token", 0) or 0),
+            moe_ffn_hidden_size=get("moe_ffn_hidden_size"),
         )
+
+    @staticmethod
+    def unsupported(model: Any) -> Optional[str]:
+        """Why the estimator cannot count `model` (a ModelConfig or its dict), or None: MoE models whose layers are
+        not all MoE, or with a shared expert, are not modelled yet."""
+        get = model.get if isinstance(model, Mapping) else lambda k, d=None: getattr(model, k, d)
+        if not get("num_experts", 0):
+            return None
+        if get("moe_layers") is not None:
+            return (f"model {get('name', '')}: MoE layers {list(get('moe_layers'))} of {get('num_layers')} (dense MLP "
+                    "layers between them) are not modelled yet; the estimator counts models whose every layer is MoE")
+        if get("shared_expert_ffn_hidden_size"):
+            return f"model {get('name', '')}: a shared expert (Qwen2-MoE's) is not modelled yet"
+        return None
 
     @property
     def features(self) -> BlockFeatures:
@@ -82,6 +109,33 @@ class ModelShape:
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
+    @property
+    def moe_ffn(self) -> int:
+        """One expert's MLP width."""
+        return self.moe_ffn_hidden_size or self.ffn
+
+    @property
+    def routed_ffn(self) -> int:
+        """The MLP width one token passes through: its top-k experts' together in an MoE layer, else the MLP's."""
+        return self.experts_per_token * self.moe_ffn if self.num_experts else self.ffn
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one layer's experts, all of them (transformers' stacked gate_up_proj and down_proj)."""
+        return self.num_experts * 3 * self.hidden_size * self.moe_ffn if self.num_experts else 0
+
+    @property
+    def dense_params(self) -> int:
+        """Everything but the experts: attention, norms, routers, embeddings, head."""
+        return self.num_params - self.num_layers * self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: the dense ones and its top-k experts' (the N of 6·N·tokens)."""
+        if not self.num_experts:
+            return self.num_params
+        return self.dense_params + self.num_layers * self.experts_per_token * 3 * self.hidden_size * self.moe_ffn
+
     # ------------------------------------------------------------------ parameter counts
     def layer_modules(self) -> list[list[tuple[int, ...]]]:
         """One transformer layer's modules, each as its parameter tensors' shapes, in forward order
@@ -100,8 +154,18 @@ class ModelShape:
             linear(q, h, self.qkv_bias), *qk_norm, linear(kv, h, self.qkv_bias), *qk_norm, linear(kv, h, self.qkv_bias),
             linear(h, q, self.out_bias),
             [(h,)],
-            linear(f, h, self.mlp_bias), linear(f, h, self.mlp_bias), linear(h, f, self.mlp_bias),  # gate, up, down
+            *self._mlp_modules(),
         ]
+
+    def _mlp_modules(self) -> list[list[tuple[int, ...]]]:
+        """The MLP: gate, up and down projections; an MoE layer's router (E x h) and its stacked experts
+        (gate_up_proj E x 2I x h, down_proj E x h x I: transformers' layout), one module."""
+        h, f = self.hidden_size, self.ffn
+        if self.num_experts:
+            e, i = self.num_experts, self.moe_ffn
+            return [[(e, h)], [(e, 2 * i, h), (e, h, i)]]
+        bias = [(f,)] if self.mlp_bias else []
+        return [[(f, h), *bias], [(f, h), *bias], [(h, f), *([(h,)] if self.mlp_bias else [])]]
 
     def layer_params(self) -> int:
         return sum(math.prod(dims) for module in self.layer_modules() for dims in module)
@@ -128,7 +192,7 @@ class ModelShape:
     # ------------------------------------------------------------------ what autocast and ZeRO-3 see
     def layer_matmul_weights(self) -> int:
         """Weights of one layer's matrix products: what autocast copies to 16 bits and keeps for backward."""
-        return sum(math.prod(dims) for module in self.layer_modules() for dims in module if len(dims) == 2)
+        return sum(math.prod(dims) for module in self.layer_modules() for dims in module if len(dims) >= 2)
 
     def layer_tp_sharded(self) -> int:
         """Elements of one layer that tensor parallelism splits across ranks: the matmul weights and the

@@ -72,6 +72,10 @@ def check_tensor_parallel(run: RunConfig, tp: int, *, what: str) -> None:
     """ConfigError unless the model can be split `tp` ways by tensor parallelism: a plan for its blocks, and heads,
     KV heads and MLP width that divide."""
     m = run.model
+    require(not m.num_experts,
+            f"{what}: model.num_experts={m.num_experts}: tensor parallelism here splits dense blocks only (transformers' "
+            "plan for stacked experts, moe_tp_experts and packed_colwise, is not applied); use fsdp, ddp, a ZeRO stage "
+            "or a pipeline")
     if m.path is not None:
         from dist_train.pretrained import ModelDir
 

@@ -43,6 +43,16 @@ def test_defaults_validate_for_one_and_two_processes():
         (["model.num_heads=5"], 1, "model.hidden_size=64 must be divisible by model.num_heads=5"),
         (["strategy=tp"], 3, "strategy=tp splits model.num_heads=4 3 ways"),
         (["strategy=tp", "model.arch=llama", "model.num_kv_heads=1"], 2, "model.num_kv_heads=1 2 ways"),
+        (["strategy=tp", "model=tiny_moe"], 2, "strategy=tp: model.num_experts=8: tensor parallelism here splits dense "
+         "blocks only"),
+        (["strategy=ddp_tp", "model=tiny_moe"], 4, "strategy=ddp_tp with strategy.tp=2: model.num_experts=8"),
+        (["model=tiny_moe", "model.experts_per_token=9"], 1,
+         "model.experts_per_token=9 must be between 1 and model.num_experts=8"),
+        (["model=tiny_moe", "model.experts_implementation=grouped_mm", "model.moe_ffn_hidden_size=36"], 1,
+         "model.experts_implementation=grouped_mm needs model.hidden_size (64) and the experts' width (36) to be "
+         "multiples of 8"),
+        (["model=tiny_moe", "model.experts_implementation=fused"], 1,
+         "model.experts_implementation='fused' is not supported; allowed: eager, grouped_mm, batched_mm"),
         (["strategy=accelerate", "strategy.plugin=zero"], 2, "strategy.plugin='zero' is not supported; allowed: ddp"),
         (["strategy=accelerate", "strategy.plugin=deepspeed", "strategy.zero_stage=4"], 2, "ZeRO stage 4 is not 1, 2 or 3"),
         (["strategy=accelerate", "strategy.plugin=deepspeed", "precision=fp16"], 2, "precision=fp16 needs a GPU"),

@@ -1,0 +1,81 @@
+"""Mixture-of-Experts models (issue 42, first part): the tiny_moe preset and MoE model directories, counted by the
+estimator as transformers builds them, and what is refused in one line. Training under each strategy:
+tests/launched/test_moe.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dist_train.config import ModelConfig
+from dist_train.estimate.compose import model_config
+from dist_train.estimate.memory import layer_activation_bytes
+from dist_train.estimate.shapes import ModelShape
+from dist_train.model import build_model
+from dist_train.pretrained import resolve_model
+
+
+def _counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(expert, dense) parameters of a built model: transformers' stacked experts are `*.experts.*`."""
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return expert, sum(p.numel() for p in model.parameters()) - expert
+
+
+def test_the_estimators_expert_and_dense_counts_are_the_built_models():
+    cfg = ModelConfig(**model_config("tiny_moe"))
+    built = build_model(cfg, seed=0, empty=torch.device("meta"))
+    shape = ModelShape.from_config(model_config("tiny_moe"))
+    expert, dense = _counts(built)
+    assert shape.num_layers * shape.expert_params == expert and shape.dense_params == dense
+    assert shape.num_params == expert + dense == 281_280
+    # a token passes through its top-2 of 8 experts: a quarter of the experts' parameters, all the dense ones
+    assert shape.active_params == dense + expert * 2 // 8
+    # the experts run as the preset pins them, whatever transformers would choose on this machine
+    assert built.config._experts_implementation == "eager"
+
+
+def _mixtral_dir(tmp_path, **extra):
+    from transformers import MixtralConfig
+
+    MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+                  **extra).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_a_mixtral_directory_fills_the_experts_and_is_counted_as_built(tmp_path):
+    model = ModelConfig(name="hf", path=str(_mixtral_dir(tmp_path)))
+    resolve_model(model)
+    assert (model.num_experts, model.experts_per_token, model.moe_ffn_hidden_size, model.moe_layers) == (4, 2, 32, None)
+    built = build_model(model, seed=0, empty=torch.device("meta"))
+    shape = ModelShape.from_config(model)
+    expert, dense = _counts(built)
+    assert (shape.num_layers * shape.expert_params, shape.dense_params) == (expert, dense)
+
+
+def test_moe_layers_among_dense_ones_are_refused_by_the_estimator_in_one_line(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                   num_experts_per_tok=2, mlp_only_layers=[0]).save_pretrained(tmp_path)
+    model = ModelConfig(name="hf", path=str(tmp_path))
+    resolve_model(model)
+    assert model.moe_layers == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"MoE layers \[1, 2, 3\] of 4 \(dense MLP layers between them\) are not "
+                                         "modelled yet"):
+        ModelShape.from_config(model)
+    assert json.loads((tmp_path / "config.json").read_text())["mlp_only_layers"] == [0]  # the directory untouched
+
+
+def test_an_moe_layer_keeps_its_experts_rows_beside_what_a_dense_layer_of_that_width_keeps():
+    """Per token: the k experts' intermediates (as a dense MLP k x I wide), the rows they take in and give out
+    (2 x k x h), the router's logits and softmax, the top-k weights and indices and the experts' row indices."""
+    moe = ModelShape.from_config(model_config("tiny_moe"))
+    dense = ModelShape.from_config({**model_config("tiny_moe"), "num_experts": 0, "ffn_hidden_size": 2 * 32})
+    one = dict(micro_batch_size=1, seq_len=1, elem=4)
+    k, e, h = 2, 8, 64
+    router = e * (4 + 4) + k * (4 + 4 + 8) + k * 3 * 8
+    assert layer_activation_bytes(moe, **one) - layer_activation_bytes(dense, **one) == 2 * k * h * 4 + router
