@@ -116,7 +116,12 @@ def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, *, total: to
         if callable(full_tensor):
             total = full_tensor()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        # one call per device mesh: DTensor's foreach ops take one mesh (fsdp_ep's experts have a mesh of their own)
+        by_mesh: dict[int, list[nn.Parameter]] = {}
+        for p in params:
+            by_mesh.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 

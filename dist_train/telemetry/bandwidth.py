@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv")
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send", "recv")
 
 
 def busbw_factor(op: str, group_size: int) -> float:
     """nccl-tests' bus-bandwidth factor: what each link carries relative to the buffer size."""
     n = group_size
     if n <= 1:
-        return 0.0 if op in ("all_reduce", "all_gather", "reduce_scatter") else 1.0
+        return 0.0 if op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") else 1.0
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):  # all_to_all: a rank keeps 1/n of its buffer
         return (n - 1) / n
     return 1.0
 

@@ -88,6 +88,8 @@ _SIZERS: dict[str, tuple[str, Callable[[dict[str, Any]], int]]] = {
     "reduce_scatter_single": ("reduce_scatter", lambda a: _nbytes(a["input"])),
     "reduce_scatter_tensor": ("reduce_scatter", lambda a: _nbytes(a["input"])),
     "_reduce_scatter_base": ("reduce_scatter", lambda a: _nbytes(a["input"])),
+    # expert parallelism's dispatch and combine (parallel/experts.py): the rows a rank sends, uneven splits included
+    "all_to_all_single": ("all_to_all", lambda a: _nbytes(a["input"])),
     "broadcast": ("broadcast", lambda a: _nbytes(a["tensor"])),
     # DeepSpeed ZeRO-1/2 reduce each gradient slice to its owner with `reduce` when
     # zero_optimization.use_multi_rank_bucket_allreduce is false.
@@ -208,6 +210,7 @@ class CommTracker:
     nodes: tuple[str, ...] = ()
     # ranks of a group -> the mesh dimension it is (see `name_groups`)
     _dims: dict[frozenset[int], str] = field(default_factory=dict)
+    _ep: frozenset[int] | None = None  # the expert-parallel group's ranks (its all-to-alls are comm/ep/...)
     _group_ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)  # group id -> its ranks, cached
     _seq: dict[tuple[int, ...], int] = field(default_factory=dict)  # group ranks -> collectives issued on it
     _cuda: CudaTimer = field(default_factory=CudaTimer)
@@ -215,12 +218,20 @@ class CommTracker:
     def name_groups(self, groups: dict[str, list[int]]) -> None:
         """Name this rank's process groups by mesh dimension ({"tp": [0, 1], "dp_shard": [0, 2]}): their collectives
         are then also counted under `comm/<name>/<op>/...`."""
-        self._dims.update({frozenset(ranks): name for name, ranks in groups.items()})
+        self._dims.update({frozenset(ranks): name for name, ranks in groups.items() if name != "ep"})
+        # expert parallelism's group may hold the same ranks as a data-parallel one (fsdp_ep with ep = world): its
+        # all-to-alls are named by it, the rest by the other
+        self._ep = frozenset(groups["ep"]) if "ep" in groups else None
+        if self._ep is not None:
+            self._dims.setdefault(self._ep, "ep")
 
-    def _dim(self, group: Any = None, *, ranks: Any = None) -> str | None:
+    def _dim(self, group: Any = None, *, ranks: Any = None, op: str = "") -> str | None:
         if not self._dims:
             return None
-        return self._dims.get(frozenset(self._members(group, ranks=ranks)))
+        members = frozenset(self._members(group, ranks=ranks))
+        if op == "all_to_all" and members == self._ep:
+            return "ep"
+        return self._dims.get(members)
 
     @property
     def multi_node(self) -> bool:
@@ -353,7 +364,7 @@ class CommTracker:
         if size is None:
             size = dist.get_world_size(group) if group is not None else dist.get_world_size()
         inter = self._spans_nodes(group, ranks=ranks, peer=peer)
-        dim = self._dim(group, ranks=ranks)  # send/recv too: over a pipeline's group (pp_dp) they are its traffic
+        dim = self._dim(group, ranks=ranks, op=op)  # send/recv too: over a pipeline's group (pp_dp) they are its traffic
         # send/recv pair two ranks, not a group: they take no place in the group's sequence of collectives
         members = self._members(group, ranks=ranks) if op not in ("send", "recv") else None
         rec = _Record(op=op, nbytes=nbytes, group_size=size, start_s=time.perf_counter(), inter_node=inter, dim=dim,

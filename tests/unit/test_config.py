@@ -51,6 +51,10 @@ def test_defaults_validate_for_one_and_two_processes():
         (["model=tiny_moe", "model.experts_implementation=grouped_mm", "model.moe_ffn_hidden_size=36"], 1,
          "model.experts_implementation=grouped_mm needs model.hidden_size (64) and the experts' width (36) to be "
          "multiples of 8"),
+        (["strategy=fsdp_ep"], 2, "strategy=fsdp_ep: model tiny has no experts (model.num_experts=0)"),
+        (["strategy=fsdp_ep", "model=tiny_moe", "strategy.ep=3"], 6, "strategy.ep=3 must divide model.num_experts=8"),
+        (["strategy=fsdp_ep", "model=tiny_moe", "strategy.ep=4"], 2, "strategy.ep=4 must divide the number of "
+         "processes (2)"),
         (["model=tiny_moe", "model.experts_implementation=fused"], 1,
          "model.experts_implementation='fused' is not supported; allowed: eager, grouped_mm, batched_mm"),
         (["strategy=accelerate", "strategy.plugin=zero"], 2, "strategy.plugin='zero' is not supported; allowed: ddp"),
@@ -162,6 +166,7 @@ BATCH_LINES = {
     "tp": (2, [], "micro_batch 2 x accumulation 4 x data_parallel 1 | tensor_parallel 2"),
     "fsdp_tp": (4, ["strategy.tp=2"], "micro_batch 2 x accumulation 2 x data_parallel 2 | tensor_parallel 2"),
     "ddp_tp": (4, ["strategy.tp=2"], "micro_batch 2 x accumulation 2 x data_parallel 2 | tensor_parallel 2"),
+    "fsdp_ep": (2, ["model=tiny_moe"], "micro_batch 2 x accumulation 2 x data_parallel 2"),
     "gpipe": (2, [], "micro_batch 2 x pipeline_microbatches 4 x data_parallel 1 | pipeline_stages 2"),
     "1f1b": (2, [], "micro_batch 2 x pipeline_microbatches 4 x data_parallel 1 | pipeline_stages 2"),
     "pp_dp": (4, ["strategy.pp=2"], "micro_batch 2 x pipeline_microbatches 2 x data_parallel 2 | pipeline_stages 2"),

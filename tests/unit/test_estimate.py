@@ -504,7 +504,7 @@ def test_cli_fit_models_take_the_printed_names(capsys):
     (["fit.models=[llama2-8b]"], "fit.models: 'llama2-8b' is not a model; allowed: 7b, 13b, 70b, llama2-7b"),
     (["fit.models=[hf]"], "fit.models: 'hf' needs a model directory"),
     (["model=8b"], "model=8b is not an option (no conf/model/8b.yaml); available: 13b, 70b, 7b, gpt2_small, hf, "
-                   "llama_1b, tiny (or the presets by the names the tables print: llama2-7b, llama2-13b, llama2-70b)"),
+                   "llama_1b, tiny, tiny_moe (or the presets by the names the tables print: llama2-7b, llama2-13b, llama2-70b)"),
     (["fit.strategies=[banana]"], "fit.strategies: strategy 'banana': cannot tell its family"),
     (["fit.gpus=[0]"], "fit.gpus: 0 GPUs; each count must be >= 1"),
     (["fit.seq_len=4096"], "fit.seq_len is no longer an option; the breakdown and the fit table share one"),

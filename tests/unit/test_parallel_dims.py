@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dist_train.config import ConfigError
-from dist_train.estimate.setup import IMPLIED, setup_from_config
+from dist_train.estimate.setup import IMPLIED, NOT_MODELLED, setup_from_config
 from dist_train.parallel_dims import ParallelDims
 from dist_train.strategies.registry import available, default_config
 
@@ -60,6 +60,10 @@ def test_the_estimator_reads_the_same_degrees_as_training(name, monkeypatch):
     strategy takes: the degrees are described once (a family that changed its layout would fail here)."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # hsdp's default: one replica per node of 4
     config = default_config(name)
+    if name in NOT_MODELLED:  # refused in one line rather than predicted wrong
+        with pytest.raises(ValueError, match=f"strategy={name}: the estimator does not model"):
+            setup_from_config({"strategy": _strategy_dict(name)}, world_size=4)
+        return
     worlds = [1] if not config.needs_process_group else [2, 4, 8, 16]
     checked = 0
     for world in worlds:

@@ -1,0 +1,128 @@
+"""Expert parallelism: each rank of an `ep` group holds E/ep of every MoE layer's experts, and the tokens travel to
+them (one all-to-all of the routed rows forward, one back; each mirrored in backward). Imported only by the runs
+that use it.
+
+transformers lays an MoE layer's experts out as one module of stacked 3-D tensors (`gate_up_proj` E x 2I x h,
+`down_proj` E x h x I: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE), called with every token's hidden state, its top-k
+expert indices and weights. Here:
+
+- `shard_experts` makes those tensors DTensors sharded by expert (Shard(0)) over the `ep` mesh dimension, and
+  replaces the module's forward with `dispatch`, which runs the module's own computation (transformers' eager loop,
+  per expert) on the rows this rank's experts receive;
+- `dispatch` sorts the (token, k) pairs by expert, exchanges the per-expert counts (one small all-to-all), sends each
+  row to its expert's rank and brings the results back (`dist.all_to_all_single`, looked up when called, so that
+  telemetry counts and times every call; gloo takes uneven splits with this form only), then weights and sums the
+  k results of each token on the rank that owns it. A rank that receives no rows still runs both exchanges and
+  keeps its (empty) share in the graph: its experts' gradients are zeros, and every collective still runs.
+
+Gradients: a rank's expert gradient already sums the contributions of every rank whose tokens it computed, so the
+right division is by the number of distinct batches (the data-parallel degree), not by the expert group's size:
+the strategy sets it (strategies/fsdp_ep.py). The design and its traps: ../shared/DESIGN-moe.md.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """Every MoE layer's experts module: one holding stacked 3-D `gate_up_proj` and `down_proj` tensors."""
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor) and m.gate_up_proj.dim() == 3
+            and isinstance(getattr(m, "down_proj", None), torch.Tensor)]
+
+
+def is_expert_param(name: str) -> bool:
+    """transformers' stacked experts: `...mlp.experts.gate_up_proj`, `...mlp.experts.down_proj`."""
+    return ".experts." in name
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to their destination ranks (`send[r]` rows to rank r, `recv[r]` from it); backward sends the gradients
+    back the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _exchange(rows, send, recv, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+def shard_experts(model: nn.Module, mesh: Any) -> int:
+    """Each experts module's stacked tensors sharded by expert over `mesh` (1-D, the ep dimension), its forward
+    replaced by `dispatch`. In place; returns how many modules."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ep, rank = mesh.size(), mesh.get_local_rank()
+    modules = expert_modules(model)
+    for module in modules:
+        experts = int(module.gate_up_proj.shape[0])
+        assert experts % ep == 0, (experts, ep)  # checked with the config (strategies/fsdp_ep.py)
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(module, name)
+            setattr(module, name, nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(0)], src_data_rank=None),
+                                               requires_grad=full.requires_grad))
+        module.ep_group, module.ep_size, module.ep_rank = mesh.get_group(), ep, rank
+        module.num_global_experts, module.num_local_experts = experts, experts // ep
+        module.forward = types.MethodType(dispatch, module)
+    return len(modules)
+
+
+def dispatch(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts module's forward under expert parallelism: (tokens, h) in, (tokens, h) out, as transformers'
+    own, for this rank's tokens."""
+    tokens, k = top_k_index.shape
+    ep, local = module.ep_size, module.num_local_experts
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, so by the rank that owns it
+    per_expert = torch.bincount(flat, minlength=module.num_global_experts)
+    with torch.no_grad():  # counts per (destination rank, its local expert), exchanged: what each rank receives
+        received = torch.empty_like(per_expert)
+        dist.all_to_all_single(received, per_expert, group=module.ep_group)
+    send = per_expert.view(ep, local).sum(1).tolist()
+    received_per = received.view(ep, local)  # [source rank, local expert]
+    recv = received_per.sum(1).tolist()
+
+    rows = _AllToAll.apply(hidden[order // k], send, recv, module.ep_group)
+    # What arrived is grouped by source rank, then expert: the local expert of each row, for the module's own loop.
+    local_expert = torch.repeat_interleave(torch.arange(local, device=hidden.device).repeat(ep),
+                                           received_per.reshape(-1))
+    out = _local_experts(module, rows, local_expert)
+    back = _AllToAll.apply(out, recv, send, module.ep_group)
+    # back[i] is pair order[i]'s expert output: weight it and sum each token's k of them.
+    weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
+    combined = torch.zeros_like(hidden)
+    combined.index_add_(0, order // k, (back * weights).to(hidden.dtype))
+    return combined
+
+
+def _local_experts(module: nn.Module, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """This rank's experts on the rows they received (transformers' eager computation, one expert at a time). The
+    weights are this rank's shards; an expert that received nothing, or a rank that received nothing, still touches
+    its weights, so that their gradients exist (zeros) and every rank reduces the same tensors."""
+    gate_up, down = module.gate_up_proj.to_local(), module.down_proj.to_local()
+    out = rows.new_zeros(rows.shape)
+    touched = (gate_up.sum() + down.sum()) * 0.0  # keeps every local expert in the graph
+    for e in range(module.num_local_experts):
+        idx = torch.nonzero(expert == e, as_tuple=True)[0]
+        if idx.numel() == 0:
+            continue
+        gate, up = nn.functional.linear(rows[idx], gate_up[e]).chunk(2, dim=-1)
+        hidden = nn.functional.linear(module.act_fn(gate) * up, down[e])
+        out = out.index_add(0, idx, hidden.to(out.dtype))
+    return out + touched
