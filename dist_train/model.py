@@ -161,17 +161,8 @@ def _build_qwen3_moe(cfg: ModelConfig) -> nn.Module:
         mlp_only_layers=[],
         norm_topk_prob=True,
         output_router_logits=False,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
         head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_heads,
-        max_position_embeddings=cfg.max_seq_len,
-        attention_dropout=cfg.dropout,
-        tie_word_embeddings=cfg.tie_embeddings,
-        use_cache=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        **_decoder_fields(cfg),
     )
     pin_experts(hf, cfg)
     return Qwen3MoeForCausalLM(hf)
@@ -184,18 +175,18 @@ def _build_llama(cfg: ModelConfig) -> nn.Module:
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
-        max_position_embeddings=cfg.max_seq_len,
-        attention_dropout=cfg.dropout,
-        tie_word_embeddings=cfg.tie_embeddings,
-        use_cache=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        **_decoder_fields(cfg),
     )
     return LlamaForCausalLM(hf)
+
+
+def _decoder_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """What a Llama-like transformers config takes from the preset beside its widths: depth, heads, context, dropout,
+    tying, and no cache or special tokens (synthetic and byte-level data)."""
+    return dict(num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                num_key_value_heads=cfg.num_kv_heads or cfg.num_heads, max_position_embeddings=cfg.max_seq_len,
+                attention_dropout=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings, use_cache=False,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 @dataclass(frozen=True)
