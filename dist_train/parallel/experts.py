@@ -114,10 +114,13 @@ def dispatch(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
 def _local_experts(module: nn.Module, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
     """This rank's experts on the rows they received (transformers' eager computation, one expert at a time). The
     weights are this rank's shards; an expert that received nothing, or a rank that received nothing, still touches
-    its weights, so that their gradients exist (zeros) and every rank reduces the same tensors."""
+    its weights and the received rows, so that their gradients exist (zeros), every rank reduces the same tensors,
+    and every rank runs the exchanges' backward."""
     gate_up, down = module.gate_up_proj.to_local(), module.down_proj.to_local()
-    out = rows.new_zeros(rows.shape)
-    touched = (gate_up.sum() + down.sum()) * 0.0  # keeps every local expert in the graph
+    # Built from the rows and the weights, not beside them: with no row received, the exchange that brought them
+    # must still run its backward (the peers wait in it), and every local expert still gets a (zero) gradient.
+    out = rows * 0.0
+    touched = (gate_up.sum() + down.sum()) * 0.0
     for e in range(module.num_local_experts):
         idx = torch.nonzero(expert == e, as_tuple=True)[0]
         if idx.numel() == 0:

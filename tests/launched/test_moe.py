@@ -6,6 +6,7 @@ weights, with its all-to-alls counted and timed. Tensor parallelism refuses it i
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dist_train.checkpoint.layout import step_dir_name
-from tests.helpers import FAST, ROOT, assert_same_losses, compare_from, env, last_step, metrics, train_ok
+from tests.helpers import FAST, ROOT, assert_same_losses, compare_from, env, forked, last_step, metrics, train_ok
 
 # 5 steps of 2 micro-batches of 2 x 64 tokens, a checkpoint after the last
 MOE = ["logger=none", *FAST, "model=tiny_moe", "checkpoint.every_steps=5"]
@@ -50,7 +51,7 @@ def _grad_norms(run_dir: Path) -> list[float]:
     return [r["grad_norm"] for r in metrics(run_dir) if r["rank"] == 0]
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.beside), 4])  # beside: balances suite.sh
 def test_expert_parallel_trains_as_one_process_to_every_expert_weight(nproc, single_moe_sgd, tmp_path):
     """strategy=fsdp_ep, ep=2: on 2 ranks each holds 4 of the 8 experts (efsdp 1); on 4 ranks, each pair of ranks
     holding the same 4 shards them again (efsdp 2, FSDP2's forced-sum path). Against one process on the same global
@@ -102,3 +103,20 @@ def test_an_moe_model_trains_as_one_process_does_and_is_predicted(strategy, sing
     assert rows[strategy]["model_state_ok"] is True, rows[strategy]  # params, grads, optimizer: as predicted
     if strategy in ("ddp", "fsdp"):  # where the estimator models the peak of live tensors
         assert rows[strategy]["prediction_ok"] is True, rows[strategy]
+
+
+@pytest.mark.beside
+def test_a_rank_whose_experts_receive_no_token_stays_in_every_exchange_with_zero_gradients(tmp_path):
+    """Every token of both ranks routed to rank 0's experts (tests/ep_dispatch_script.py): no hang; each rank's output
+    and input gradient are transformers' own module's with all 8 experts; rank 0's expert gradients sum both ranks'
+    tokens, and rank 1's, whose experts received nothing, are zeros (they still exist: the reduction has them).
+    Before the received rows were kept in the graph, rank 1 skipped the first exchange's backward and rank 0 waited
+    in it."""
+    proc = forked([], run_dir=tmp_path, nproc=2, script=ROOT / "tests" / "ep_dispatch_script.py", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = [json.loads((tmp_path / f"ep_dispatch.rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in found:
+        assert rank["output"] < 1e-6 and rank["input_grad"] < 1e-6, rank
+        assert rank["gate_up_proj_grad"] < 1e-6 and rank["down_proj_grad"] < 1e-6, rank  # relative to the largest
+    assert not found[0]["gate_up_proj_grad_all_zero"] and not found[0]["down_proj_grad_all_zero"]
+    assert found[1]["gate_up_proj_grad_all_zero"] and found[1]["down_proj_grad_all_zero"]
