@@ -10,7 +10,11 @@
    data-parallel dimension is `dp_replicate` (ddp_tp), FSDP2's replicate instead: whole replicas, each block's
    gradients all-reduced once a step, nothing gathered.
 
-fsdp, hsdp, tp, fsdp_tp and ddp_tp are presets of degrees over this one function (strategies/parallelized.py); a
+Before step 4, where the degrees have `ep` (fsdp_ep): every MoE layer's experts split over the experts' mesh's `ep`
+dimension, the tokens sent to them by all-to-all (parallel/experts.py), and FSDP2 over its `efsdp` dimension, each
+experts module its own unit; step 4 then leaves them to it.
+
+fsdp, hsdp, tp, fsdp_tp, ddp_tp and fsdp_ep are presets of degrees over this one function (strategies/parallelized.py); a
 pipeline applies it to each of its stages (pp_dp with dp_mode=fsdp). A new axis is one more step here, in its place in the order.
 """
 
@@ -40,7 +44,7 @@ def data_parallel_mesh(mesh: Any, dims: ParallelDims) -> Any:
 
 def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: PrecisionConfig | None,
                 sharding: Sharding | None, sequence_parallel: bool = False, checkpointing: str = "none",
-                compile: bool = False, blocks: list[nn.Module] | None = None) -> nn.Module:
+                compile: bool = False, blocks: list[nn.Module] | None = None, expert_mesh: Any = None) -> nn.Module:
     """`model` (on this rank's device, or on meta) parallelized in place over `mesh` by the degrees of `dims`, in the
     order above: tensor parallelism where the mesh has `tp`, checkpointing and compile where asked, then FSDP2 where
     `sharding` is given. A pipeline applies it to each stage (`blocks`: the stage's own; precision None: no mixed
@@ -54,6 +58,11 @@ def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: P
     apply_activation_checkpointing(model, checkpointing)  # none | full | selective
     if compile:
         compile_blocks(model)
+    if expert_mesh is not None:
+        from dist_train.parallel.experts import parallelize_experts
+
+        parallelize_experts(model, expert_mesh, precision=precision, divide_by=dims.data_parallel,
+                            reshard_after_forward=sharding.reshard_after_forward if sharding else True)
     if sharding is not None and "dp_shard" not in dims.mesh_dim_names:
         from dist_train.parallel.fsdp import replicate
 

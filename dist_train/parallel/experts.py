@@ -82,6 +82,26 @@ def shard_experts(model: nn.Module, mesh: Any) -> int:
     return len(modules)
 
 
+def parallelize_experts(model: nn.Module, mesh: Any, *, precision: Any, divide_by: int,
+                        reshard_after_forward: bool) -> None:
+    """parallel/apply.py's experts step: each experts module sharded over `mesh["ep"]` (`shard_experts`), then
+    FSDP2 over `mesh["efsdp"]`, its own unit. An expert's gradient sums every rank's tokens, so FSDP2 divides it by
+    `divide_by`, the number of distinct batches, not by the efsdp group; where that group has more than one rank the
+    wire carries a plain sum (FSDP2 would otherwise pre-multiply, which gloo rejects, and NCCL zeroes in bf16 up to
+    torch 2.13: pytorch/pytorch#190747) and the division is local."""
+    from torch.distributed.fsdp import fully_shard
+
+    from dist_train.parallel.fsdp import mixed_precision
+
+    shard_experts(model, mesh["ep"])
+    for experts in expert_modules(model):
+        fully_shard(experts, mesh=mesh["efsdp"], mp_policy=mixed_precision(precision),
+                    reshard_after_forward=reshard_after_forward)
+        experts.set_gradient_divide_factor(float(divide_by))
+        if mesh["efsdp"].size() > 1:
+            experts.set_force_sum_reduction_for_comms(True)
+
+
 def dispatch(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
              top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts module's forward under expert parallelism: (tokens, h) in, (tokens, h) out, as transformers'

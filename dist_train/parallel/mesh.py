@@ -24,6 +24,17 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Any:
     return mesh
 
 
+def build_expert_mesh(dims: ParallelDims, device_type: str) -> Any:
+    """The experts' mesh, (efsdp, ep) over the same ranks as the run's mesh, efsdp = data-parallel ranks / ep (the
+    ranks that hold the same experts, which FSDP2 shards them over); None where dims.ep is 1. torchtitan and
+    transformers lay expert parallelism out the same way."""
+    if dims.ep <= 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (dims.world_size // dims.ep, dims.ep), mesh_dim_names=("efsdp", "ep"))
+
+
 def mesh_groups(mesh: Any) -> dict[str, list[int]]:
     """This rank's process group per named mesh dimension ({"dp_shard": [0, 1], "tp": [0, 2]}); {} without a mesh.
     Telemetry counts each collective under the dimension whose group it ran on (comm/<dim>/<op>/...)."""

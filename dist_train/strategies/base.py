@@ -109,17 +109,20 @@ def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, *, total: to
     `total`: the global norm when this process cannot compute it from its own parameters (a pipeline
     stage holds only its share); the gradients are then clipped by it, as one process would clip them.
     """
+    # one group per device mesh: DTensor's foreach ops take one mesh (fsdp_ep's experts have a mesh of their own)
+    by_mesh: dict[Any, list[nn.Parameter]] = {}  # DeviceMesh compares by its ranks and names: equal ones are one
+    for p in params:
+        by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
     if total is None:
-        grads = [p.grad for p in params if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        full_tensor = getattr(total, "full_tensor", None)
-        if callable(full_tensor):
-            total = full_tensor()
+        norms = []
+        for group in by_mesh.values():
+            grads = [p.grad for p in group if p.grad is not None]
+            if grads:
+                norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+                full_tensor = getattr(norm, "full_tensor", None)
+                norms.append(full_tensor() if callable(full_tensor) else norm)
+        total = norms[0] if len(norms) == 1 else torch.stack(norms).norm() if norms else torch.zeros(())
     if max_norm > 0:
-        # one call per device mesh: DTensor's foreach ops take one mesh (fsdp_ep's experts have a mesh of their own)
-        by_mesh: dict[int, list[nn.Parameter]] = {}
-        for p in params:
-            by_mesh.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
