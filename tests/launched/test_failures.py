@@ -59,6 +59,7 @@ def _alive(pids: set[int]) -> list[int]:
 LONG = ["strategy=ddp", "logger=none", *FAST, "train.steps=200"]
 
 
+@pytest.mark.beside  # balances tests/suite.sh's two sessions
 def test_a_killed_rank_ends_the_job_fast_naming_it(tmp_path):
     code, stderr, seconds, pids = _torchrun(LONG, run_dir=tmp_path, fault="kill@3:rank1")
     assert code != 0 and seconds < 60, (code, seconds)
@@ -66,6 +67,7 @@ def test_a_killed_rank_ends_the_job_fast_naming_it(tmp_path):
     assert len(pids) >= 2 and not _alive(pids)
 
 
+@pytest.mark.beside  # balances tests/suite.sh's two sessions
 def test_a_raising_rank_ends_the_job_with_its_exception(tmp_path):
     code, stderr, seconds, pids = _torchrun(LONG, run_dir=tmp_path, fault="raise@3:rank1")
     assert code != 0 and seconds < 60, (code, seconds)
@@ -86,6 +88,7 @@ def test_a_hung_rank_ends_the_job_after_runtime_timeout(tmp_path):
     assert not _alive(pids)
 
 
+@pytest.mark.beside  # balances tests/suite.sh's two sessions
 def test_a_restarted_job_resumes_and_ends_on_the_uninterrupted_loss(straight_run, tmp_path):
     """Rank 1 dies at step 6; torchrun restarts both ranks, which resume from the newest complete checkpoint."""
     _, straight = straight_run("ddp")
@@ -108,6 +111,7 @@ def test_a_restarted_job_resumes_and_ends_on_the_uninterrupted_loss(straight_run
     assert not _alive(pids)
 
 
+@pytest.mark.beside  # balances tests/suite.sh's two sessions
 def test_a_nan_loss_stops_at_its_step_once_and_is_never_checkpointed(tmp_path):
     overrides = ["strategy=ddp", "logger=none", *FAST, "train.steps=8", "checkpoint.every_steps=1"]
     code, stderr, _, pids = _torchrun(overrides, run_dir=tmp_path, fault="nan@3")
