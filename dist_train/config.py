@@ -149,8 +149,8 @@ class StrategyConfig:
 # --------------------------------------------------------------------------------------------------
 
 MODEL_ARCHS = ("gpt2", "llama", "qwen3_moe")
-# transformers' implementations of a layer of stacked experts (its ExpertsInterface): pinned by model.experts_implementation
-# so that every strategy runs the same arithmetic (transformers' own default, grouped_mm where it can dispatch, is not
+# transformers' implementations of a layer of stacked experts (its ExpertsInterface): pinned by
+# model.experts_implementation so that every strategy runs the same arithmetic (transformers' own default, grouped_mm where it can dispatch, is not
 # eager's, and it needs 16-byte strides)
 EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 

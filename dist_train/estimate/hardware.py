@@ -6,7 +6,8 @@ the interconnect's bus bandwidths are nccl-tests figures for the named fabric; t
 memory-bound kernels reach) were measured on an H200 or fitted to published runs (OPS, each with its source);
 `efficiency`, `overlap` and `overhead_s` are what a real step loses beyond them. `bench/gpu_calibrate.py` measures
 a GPU's (one H200 so far, docs/BENCHMARKS.md) and stores the profile where `resolve` finds it;
-`plan.calibrate=true` measures the machine it runs on (calibrate.py) and `plan.verify=K` refits them from real steps (verify.py).
+`plan.calibrate=true` measures the machine it runs on (calibrate.py) and `plan.verify=K` refits them from real
+steps (verify.py).
 `cluster.gpu=cpu` is the profile this machine's tests verify: it has no datasheet, so it is always measured.
 """
 

@@ -36,7 +36,8 @@ Transient buffers, beside the model state that stays between steps:
   distance covers the model, nothing is released before backward), holds at most `stage3_max_live_parameters`
   (but always the module in use), and prefetches `stage3_prefetch_bucket_size` ahead (0.9 x hidden^2 as training
   sizes it, parallel/buckets.py); parameters under `stage3_param_persistence_threshold` stay gathered for good.
-  Measured here, a tiny model with the defaults holds every parameter gathered at its peak, and with no reuse and no prefetch exactly its largest module.
+  Measured here, a tiny model with the defaults holds every parameter gathered at its peak, and with no reuse and
+  no prefetch exactly its largest module.
   Backward also holds the largest module's full-size gradients before they are reduce-scattered.
 - ZeRO flattens the rank's gradient partition into a new fp32 buffer for the optimizer step, every stage and
   precision (measured here: 4 B x Psi / N for zero1-3 in fp32 and bf16).

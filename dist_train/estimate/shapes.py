@@ -52,7 +52,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, model: Any) -> "ModelShape":
         """From a ModelConfig, a DictConfig or a plain dict of the `model` group."""
-        get = model.get if isinstance(model, Mapping) else lambda k, d=None: getattr(model, k, d)
+        get = _getter(model)
         why = cls.unsupported(model)
         if why:
             raise ValueError(why)
@@ -72,7 +72,7 @@ class ModelShape:
     def unsupported(model: Any) -> Optional[str]:
         """Why the estimator cannot count `model` (a ModelConfig or its dict), or None: MoE models whose layers are
         not all MoE, or with a shared expert, are not modelled yet."""
-        get = model.get if isinstance(model, Mapping) else lambda k, d=None: getattr(model, k, d)
+        get = _getter(model)
         if not get("num_experts", 0):
             return None
         if get("moe_layers") is not None:
@@ -120,9 +120,14 @@ class ModelShape:
         return self.experts_per_token * self.moe_ffn if self.num_experts else self.ffn
 
     @property
+    def params_per_expert(self) -> int:
+        """One expert's gate, up and down projections (no biases in the stacked layouts counted here)."""
+        return 3 * self.hidden_size * self.moe_ffn
+
+    @property
     def expert_params(self) -> int:
         """Parameters of one layer's experts, all of them (transformers' stacked gate_up_proj and down_proj)."""
-        return self.num_experts * 3 * self.hidden_size * self.moe_ffn if self.num_experts else 0
+        return self.num_experts * self.params_per_expert
 
     @property
     def dense_params(self) -> int:
@@ -134,7 +139,7 @@ class ModelShape:
         """Parameters one token passes through: the dense ones and its top-k experts' (the N of 6·N·tokens)."""
         if not self.num_experts:
             return self.num_params
-        return self.dense_params + self.num_layers * self.experts_per_token * 3 * self.hidden_size * self.moe_ffn
+        return self.dense_params + self.num_layers * self.experts_per_token * self.params_per_expert
 
     # ------------------------------------------------------------------ parameter counts
     def layer_modules(self) -> list[list[tuple[int, ...]]]:
@@ -154,18 +159,15 @@ class ModelShape:
             linear(q, h, self.qkv_bias), *qk_norm, linear(kv, h, self.qkv_bias), *qk_norm, linear(kv, h, self.qkv_bias),
             linear(h, q, self.out_bias),
             [(h,)],
-            *self._mlp_modules(),
+            *(self._moe_modules() if self.num_experts else  # gate, up, down
+              [linear(f, h, self.mlp_bias), linear(f, h, self.mlp_bias), linear(h, f, self.mlp_bias)]),
         ]
 
-    def _mlp_modules(self) -> list[list[tuple[int, ...]]]:
-        """The MLP: gate, up and down projections; an MoE layer's router (E x h) and its stacked experts
-        (gate_up_proj E x 2I x h, down_proj E x h x I: transformers' layout), one module."""
-        h, f = self.hidden_size, self.ffn
-        if self.num_experts:
-            e, i = self.num_experts, self.moe_ffn
-            return [[(e, h)], [(e, 2 * i, h), (e, h, i)]]
-        bias = [(f,)] if self.mlp_bias else []
-        return [[(f, h), *bias], [(f, h), *bias], [(h, f), *([(h,)] if self.mlp_bias else [])]]
+    def _moe_modules(self) -> list[list[tuple[int, ...]]]:
+        """An MoE layer's router (E x h) and its stacked experts (gate_up_proj E x 2I x h, down_proj E x h x I:
+        transformers' layout), one module."""
+        h, e, i = self.hidden_size, self.num_experts, self.moe_ffn
+        return [[(e, h)], [(e, 2 * i, h), (e, h, i)]]
 
     def layer_params(self) -> int:
         return sum(math.prod(dims) for module in self.layer_modules() for dims in module)
@@ -226,6 +228,11 @@ class ModelShape:
     def module_params(self) -> list[tuple[int, ...]]:
         """Each module's own parameter tensors (their sizes), in forward order: the unit ZeRO-3 gathers."""
         return [tuple(math.prod(dims) for dims in module) for module in self.module_shapes()]
+
+
+def _getter(model: Any) -> Any:
+    """`get(key, default)` over a ModelConfig, a DictConfig or a plain dict of the `model` group."""
+    return model.get if isinstance(model, Mapping) else lambda k, d=None: getattr(model, k, d)
 
 
 def _conf_model(key: str) -> ModelShape:

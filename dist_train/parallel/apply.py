@@ -14,8 +14,9 @@ Before step 4, where the degrees have `ep` (fsdp_ep): every MoE layer's experts 
 dimension, the tokens sent to them by all-to-all (parallel/experts.py), and FSDP2 over its `efsdp` dimension, each
 experts module its own unit; step 4 then leaves them to it.
 
-fsdp, hsdp, tp, fsdp_tp, ddp_tp and fsdp_ep are presets of degrees over this one function (strategies/parallelized.py); a
-pipeline applies it to each of its stages (pp_dp with dp_mode=fsdp). A new axis is one more step here, in its place in the order.
+fsdp, hsdp, tp, fsdp_tp, ddp_tp and fsdp_ep are presets of degrees over this one function
+(strategies/parallelized.py); a pipeline applies it to each of its stages (pp_dp with dp_mode=fsdp). A new axis is one
+more step here, in its place in the order.
 """
 
 from __future__ import annotations

@@ -37,11 +37,6 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
             and isinstance(getattr(m, "down_proj", None), torch.Tensor)]
 
 
-def is_expert_param(name: str) -> bool:
-    """transformers' stacked experts: `...mlp.experts.gate_up_proj`, `...mlp.experts.down_proj`."""
-    return ".experts." in name
-
-
 class _AllToAll(torch.autograd.Function):
     """Rows to their destination ranks (`send[r]` rows to rank r, `recv[r]` from it); backward sends the gradients
     back the same way."""
@@ -62,24 +57,22 @@ def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) 
     return out
 
 
-def shard_experts(model: nn.Module, mesh: Any) -> int:
+def shard_experts(model: nn.Module, mesh: Any) -> None:
     """Each experts module's stacked tensors sharded by expert over `mesh` (1-D, the ep dimension), its forward
-    replaced by `dispatch`. In place; returns how many modules."""
+    replaced by `dispatch`. In place."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    ep, rank = mesh.size(), mesh.get_local_rank()
-    modules = expert_modules(model)
-    for module in modules:
+    ep = mesh.size()
+    for module in expert_modules(model):
         experts = int(module.gate_up_proj.shape[0])
         assert experts % ep == 0, (experts, ep)  # checked with the config (strategies/fsdp_ep.py)
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(module, name)
             setattr(module, name, nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(0)], src_data_rank=None),
                                                requires_grad=full.requires_grad))
-        module.ep_group, module.ep_size, module.ep_rank = mesh.get_group(), ep, rank
+        module.ep_group, module.ep_size = mesh.get_group(), ep
         module.num_global_experts, module.num_local_experts = experts, experts // ep
         module.forward = types.MethodType(dispatch, module)
-    return len(modules)
 
 
 def parallelize_experts(model: nn.Module, mesh: Any, *, precision: Any, divide_by: int,
@@ -94,11 +87,12 @@ def parallelize_experts(model: nn.Module, mesh: Any, *, precision: Any, divide_b
     from dist_train.parallel.fsdp import mixed_precision
 
     shard_experts(model, mesh["ep"])
+    efsdp = mesh["efsdp"]
     for experts in expert_modules(model):
-        fully_shard(experts, mesh=mesh["efsdp"], mp_policy=mixed_precision(precision),
+        fully_shard(experts, mesh=efsdp, mp_policy=mixed_precision(precision),
                     reshard_after_forward=reshard_after_forward)
         experts.set_gradient_divide_factor(float(divide_by))
-        if mesh["efsdp"].size() > 1:
+        if efsdp.size() > 1:
             experts.set_force_sum_reduction_for_comms(True)
 
 
@@ -110,6 +104,7 @@ def dispatch(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
     ep, local = module.ep_size, module.num_local_experts
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, so by the rank that owns it
+    token = order // k  # each sorted pair's token
     per_expert = torch.bincount(flat, minlength=module.num_global_experts)
     with torch.no_grad():  # counts per (destination rank, its local expert), exchanged: what each rank receives
         received = torch.empty_like(per_expert)
@@ -118,7 +113,7 @@ def dispatch(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
     received_per = received.view(ep, local)  # [source rank, local expert]
     recv = received_per.sum(1).tolist()
 
-    rows = _AllToAll.apply(hidden[order // k], send, recv, module.ep_group)
+    rows = _AllToAll.apply(hidden[token], send, recv, module.ep_group)
     # What arrived is grouped by source rank, then expert: the local expert of each row, for the module's own loop.
     local_expert = torch.repeat_interleave(torch.arange(local, device=hidden.device).repeat(ep),
                                            received_per.reshape(-1))
@@ -127,7 +122,7 @@ def dispatch(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
     # back[i] is pair order[i]'s expert output: weight it and sum each token's k of them.
     weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
     combined = torch.zeros_like(hidden)
-    combined.index_add_(0, order // k, (back * weights).to(hidden.dtype))
+    combined.index_add_(0, token, (back * weights).to(hidden.dtype))
     return combined
 
 

@@ -73,9 +73,9 @@ def check_tensor_parallel(run: RunConfig, tp: int, *, what: str) -> None:
     KV heads and MLP width that divide."""
     m = run.model
     require(not m.num_experts,
-            f"{what}: model.num_experts={m.num_experts}: tensor parallelism here splits dense blocks only (transformers' "
-            "plan for stacked experts, moe_tp_experts and packed_colwise, is not applied); use fsdp, ddp, a ZeRO stage "
-            "or a pipeline")
+            f"{what}: model.num_experts={m.num_experts}: tensor parallelism here splits dense blocks only "
+            "(transformers' plan for stacked experts, moe_tp_experts and packed_colwise, is not applied); use fsdp, "
+            "ddp, a ZeRO stage or a pipeline")
     if m.path is not None:
         from dist_train.pretrained import ModelDir
 
@@ -121,7 +121,10 @@ def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float, *, total: to
                 norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
                 full_tensor = getattr(norm, "full_tensor", None)
                 norms.append(full_tensor() if callable(full_tensor) else norm)
-        total = norms[0] if len(norms) == 1 else torch.stack(norms).norm() if norms else torch.zeros(())
+        if len(norms) == 1:  # one mesh (or none): its norm as it is, bit for bit
+            total = norms[0]
+        else:
+            total = torch.stack(norms).norm() if norms else torch.zeros(())
     if max_norm > 0:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)

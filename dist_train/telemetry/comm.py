@@ -364,7 +364,8 @@ class CommTracker:
         if size is None:
             size = dist.get_world_size(group) if group is not None else dist.get_world_size()
         inter = self._spans_nodes(group, ranks=ranks, peer=peer)
-        dim = self._dim(group, ranks=ranks, op=op)  # send/recv too: over a pipeline's group (pp_dp) they are its traffic
+        # send/recv too: over a pipeline's group (pp_dp) they are its traffic
+        dim = self._dim(group, ranks=ranks, op=op)
         # send/recv pair two ranks, not a group: they take no place in the group's sequence of collectives
         members = self._members(group, ranks=ranks) if op not in ("send", "recv") else None
         rec = _Record(op=op, nbytes=nbytes, group_size=size, start_s=time.perf_counter(), inter_node=inter, dim=dim,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dist_train.checkpoint.layout import step_dir_name
@@ -29,6 +31,20 @@ def _split_elements(model_cfg: ModelConfig) -> int:
             column_bias = name in ("attn.c_attn.bias", "mlp.c_fc.bias")
             total += p.numel() if projection or column_bias else 0
     return total
+
+
+def _predicted_and_resumed_bit_exact(strategy: str, single_dir: Path, run_dir: Path, run: dict, tmp_path: Path) -> Path:
+    """A 4-rank run of `strategy` against one process in the comparison report (memory and traffic as predicted, the
+    same losses), then resumed from its step-4 checkpoint on the same mesh: every step as before, bit for bit.
+    Returns that checkpoint."""
+    rows = compare_from(tmp_path / "compare", single_dir, run_dir)
+    assert rows[strategy]["prediction_ok"] is True, rows[strategy]
+    assert rows[strategy]["agrees"] is True, rows[strategy]["verdict"]
+    step4 = run_dir / "checkpoints" / step_dir_name(4)
+    resumed = train_ok([f"strategy={strategy}", "logger=none", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
+                       run_dir=tmp_path / "resumed", nproc=4)
+    assert resumed["losses"] == run["losses"]
+    return step4
 
 
 def test_gpt2_tp_matches_single_splits_the_blocks_and_all_reduces_activations(straight_run):
@@ -115,14 +131,7 @@ def test_ddp_tp_on_a_2x2_mesh_matches_single_holds_a_whole_tp_slice_and_all_redu
         assert rec["comm/dp_replicate/all_reduce/count"] == layers + 1
         assert rec["comm/all_gather/count"] == rec["comm/reduce_scatter/count"] == 0
         assert rec["comm/dp_replicate/all_reduce/time_s"] > 0
-    rows = compare_from(tmp_path / "compare", single_dir, run_dir)
-    assert rows["ddp_tp"]["prediction_ok"] is True, rows["ddp_tp"]
-    assert rows["ddp_tp"]["agrees"] is True, rows["ddp_tp"]["verdict"]
-
-    step4 = run_dir / "checkpoints" / step_dir_name(4)
-    resumed = train_ok(["strategy=ddp_tp", "logger=none", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
-                       run_dir=tmp_path / "resumed", nproc=4)
-    assert resumed["losses"] == s["losses"]
+    _predicted_and_resumed_bit_exact("ddp_tp", single_dir, run_dir, s, tmp_path)
 
 
 def test_checkpointing_under_sequence_parallelism_keeps_each_blocks_share_of_the_sequence(tmp_path):
@@ -175,17 +184,10 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_single_and_names_each_dimensions_traffic(
         activation = 2 * 64 * 64 * 4
         expected = 2 * 4 * 4 * activation + 2 * (2 * activation + 3 * 2 * 64 * 4)  # 2 micro-batches per rank
         assert expected <= rec["comm/tp/all_reduce/bytes"] <= expected + 1024
-    rows = compare_from(tmp_path / "compare", single_dir, run_dir)
-    assert rows["fsdp_tp"]["prediction_ok"] is True, rows["fsdp_tp"]
-    assert rows["fsdp_tp"]["agrees"] is True, rows["fsdp_tp"]["verdict"]
-
     # Its checkpoint: bit-exact on the same mesh, and one process reads the same global tensors (GPT-2's
     # q/k/v bias is sharded twice on one dimension there; DTensor alone reassembles it wrongly, see
     # _tensor_parallel._full: that showed as a 2e-5 loss difference after the resume).
-    step4 = run_dir / "checkpoints" / step_dir_name(4)
-    resumed = train_ok(["strategy=fsdp_tp", "logger=none", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
-                       run_dir=tmp_path / "resumed", nproc=4)
-    assert resumed["losses"] == s["losses"]
+    step4 = _predicted_and_resumed_bit_exact("fsdp_tp", single_dir, run_dir, s, tmp_path)
     alone = train_ok(["strategy=single", "logger=none", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
                      run_dir=tmp_path / "alone")
     for step in range(4, 8):
