@@ -96,6 +96,9 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
     """(strategy, Setup fields, overrides, why it cannot run or None) for each strategy and degree."""
     w, heads, kv = world_size, shape.num_heads, shape.kv_heads
     for name in strategies:
+        if shape.num_experts and name in ("tp", "fsdp_tp", "ddp_tp"):  # what strategies/base.check_tensor_parallel refuses
+            yield name, {}, (f"strategy={name}",), "tensor parallelism here splits dense blocks, not experts"
+            continue
         if name == "single":
             if w == 1:
                 yield name, {}, (f"strategy={name}",), None

@@ -79,3 +79,16 @@ def test_an_moe_layer_keeps_its_experts_rows_beside_what_a_dense_layer_of_that_w
     k, e, h = 2, 8, 64
     router = e * (4 + 4) + k * (4 + 4 + 8) + k * 3 * 8
     assert layer_activation_bytes(moe, **one) - layer_activation_bytes(dense, **one) == 2 * k * h * 4 + router
+
+
+def test_the_advisor_drops_tensor_parallelism_for_an_moe_model_as_training_refuses_it():
+    from dist_train.plan.search import layouts
+
+    moe = ModelShape.from_config(model_config("tiny_moe"))
+    dense = ModelShape.from_config({**model_config("tiny_moe"), "num_experts": 0, "ffn_hidden_size": 2 * 32})
+    names = ("tp", "fsdp_tp", "ddp_tp", "fsdp")
+    why = {name: reason for name, _, _, reason in layouts(moe, world_size=2, gpus_per_node=2, strategies=names)}
+    assert why == {"tp": "tensor parallelism here splits dense blocks, not experts",
+                   "fsdp_tp": "tensor parallelism here splits dense blocks, not experts",
+                   "ddp_tp": "tensor parallelism here splits dense blocks, not experts", "fsdp": None}
+    assert [r for n, _, _, r in layouts(dense, world_size=2, gpus_per_node=2, strategies=("tp",))] == [None]
