@@ -12,7 +12,8 @@ It measures, in bf16 on the visible GPU (each figure the median of timed repetit
 - one transformers `LlamaDecoderLayer` forward + backward at 8B and 70B sizes, seq 4,096 and 8,192, batch 1,
   with and without activation checkpointing;
 - fused AdamW over 256M fp32 parameters; the loss over a 128,256-token vocabulary;
-- a whole eager training step of model=llama_1b (2 micro-batches of 4 x 2048 tokens).
+- a whole eager training step of model=llama_1b (2 micro-batches of 4 x 2048 tokens);
+- one Qwen3-MoE block (router and experts) at Qwen3-30B-A3B's sizes, eager and grouped_mm experts.
 
 From them it writes a hardware profile (dist_train/estimate/hardware.py) where `cluster.gpu=<kind>` finds it on
 this host (plan.profile_dir, default ~/.cache/dist_train/profiles): the datasheet's peaks, the measured memory
@@ -220,6 +221,47 @@ def layers() -> list[dict[str, Any]]:
     return rows
 
 
+# Qwen3-30B-A3B's MoE block (its config.json): hidden, experts, top-k, one expert's MLP width.
+MOE = dict(model="qwen3-30b-a3b", hidden=2048, experts=128, top_k=8, ffn=768)
+MOE_TOKENS = (4096, 8192)
+
+
+def moe_blocks() -> list[dict[str, Any]]:
+    """One transformers `Qwen3MoeSparseMoeBlock` (router, top-k, experts) forward + backward at Qwen3-30B-A3B's
+    sizes, bf16, under each experts implementation dist_train pins (model.experts_implementation). batched_mm is
+    left out: it gathers one expert's weights per routed row (T x k x 3 x H x F elements, 0.6 TB at 4,096 tokens).
+    FLOPs are the active ones: the router and the top-k experts' three products, forward + backward."""
+    import torch
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    rows = []
+    h, e, k, f = MOE["hidden"], MOE["experts"], MOE["top_k"], MOE["ffn"]
+    for impl in ("eager", "grouped_mm"):
+        config = Qwen3MoeConfig(hidden_size=h, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f,
+                                norm_topk_prob=True, num_hidden_layers=1)
+        config._experts_implementation = impl
+        with torch.device("cuda"):
+            block = Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
+        for tokens in MOE_TOKENS:
+            x = torch.randn(1, tokens, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+
+            def step():
+                y = block(x)
+                y = y[0] if isinstance(y, tuple) else y
+                y.backward(torch.ones_like(y))
+
+            torch.cuda.reset_peak_memory_stats()
+            sec = timed(step, reps=5)
+            flops = 3 * 2 * tokens * (h * e + k * 3 * h * f)
+            rows.append({"model": MOE["model"], "implementation": impl, "tokens": tokens, "s": sec,
+                         "active_flops_per_s": flops / sec,
+                         "peak_allocated_bytes": torch.cuda.max_memory_allocated()})
+            block.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def optimizer_step() -> dict[str, float]:
     import torch
 
@@ -332,6 +374,7 @@ def measure(budget_s: float) -> dict[str, Any]:
         ("optimizer", optimizer_step),
         ("loss", loss_over_vocab),
         ("step", whole_step),
+        ("moe", moe_blocks),
     ):
         if time.monotonic() - start > budget_s:
             out["skipped"].append(f"{name}: over the {budget_s:.0f} s budget")
@@ -485,6 +528,16 @@ def render(calib: dict[str, Any]) -> str:
             f"tokens, bf16 autocast, fused AdamW, a plain loop): {st['s'] * 1e3:.1f} ms, "
             f"{st['tokens_per_s']:,.0f} tokens/s, model FLOPs at {pct(st['model_flops'] / st['s'])} of the peak, "
             f"peak allocated {st['peak_allocated_bytes'] / 2**30:.2f} GiB."
+        )
+    if calib.get("moe"):
+        parts.append(
+            f"One MoE block (router, top-{MOE['top_k']} of {MOE['experts']} experts of width {MOE['ffn']}, hidden "
+            f"{MOE['hidden']}: {MOE['model']}'s), forward + backward, bf16; TFLOP/s of the active FLOPs:\n\n"
+            + md_table(["model", "experts implementation", "tokens", "ms", "TFLOP/s", "of peak",
+                        "peak allocated (GiB)"],
+                       [[r["model"], r["implementation"], r["tokens"], f"{r['s'] * 1e3:.2f}",
+                         f"{r['active_flops_per_s'] / tf:.0f}", pct(r["active_flops_per_s"]),
+                         f"{r['peak_allocated_bytes'] / 2**30:.2f}"] for r in calib["moe"]])
         )
     if calib.get("optimizer"):
         o = calib["optimizer"]

@@ -3,9 +3,9 @@
 A profile is a handful of numbers. Peaks come from datasheets (the same table MFU uses, telemetry/flops.py);
 the interconnect's bus bandwidths are nccl-tests figures for the named fabric; the per-operation constants
 (estimate/ops.py: how much of the peak matrix products and attention reach, by shape, and of the memory bandwidth
-memory-bound kernels reach) were measured on an H200 or fitted to published runs (OPS, each with its source);
+memory-bound kernels reach) were measured on an H100 and an H200 or fitted to published runs (OPS, each with its source);
 `efficiency`, `overlap` and `overhead_s` are what a real step loses beyond them. `bench/gpu_calibrate.py` measures
-a GPU's (one H200 so far, docs/BENCHMARKS.md) and stores the profile where `resolve` finds it;
+a GPU's (an H200 and an H100 so far, docs/BENCHMARKS.md) and stores the profile where `resolve` finds it;
 `plan.calibrate=true` measures the machine it runs on (calibrate.py) and `plan.verify=K` refits them from real
 steps (verify.py).
 `cluster.gpu=cpu` is the profile this machine's tests verify: it has no datasheet, so it is always measured.
@@ -103,23 +103,26 @@ _ASSUMED = {
 GPU_OVERHEAD_S = {"zero3": 2e-3}
 
 # The per-operation constants (estimate/ops.py) and where each comes from.
-# - Hopper (H100/H200 SXM, 132 SMs, one die): the matrix products' and the memory's from the 132 products and the
-#   2 GiB copy bench/gpu_calibrate.py measured on an H200 (bench/data/gpu_calibrate-h200-2026-11-26.json: least
-#   squares of log error, median error 5%; copy 4.25 of the datasheet's 4.8 TB/s).
-# - Attention on the H100 and everything on the A100 not measured here: fitted to the calibration set's MosaicML
-#   rows (`python bench/published.py --fit`, least squares of log error over the rows of that GPU, the other
-#   constants held). Torch's SDPA on the H200 reached 0.40-0.54 of the peak (forward + backward, causal, seq 4096-8192);
-#   MosaicML's 2024 runs on H100s imply about 0.2, so a profile measured by bench/gpu_calibrate.py predicts faster
-#   long-sequence steps than the datasheet h100 one.
-_HOPPER_MEASURED = "measured: bench/gpu_calibrate.py on an H200, 2026-11-26 (same SXM5 die as the H100)"
+# - H100 and H200 (SXM, 132 SMs, one die), each measured on its own device by bench/gpu_calibrate.py: the matrix
+#   products (least squares of log error over 132 products, median error about 5%), SDPA (flash, causal, seq
+#   4096-8192) and a 2 GiB device copy (H100 3.01 of the datasheet's 3.35 TB/s, H200 4.25 of 4.8);
+#   bench/data/gpu_calibrate-h100-2026-11-27.json and gpu_calibrate-h200-2026-11-26.json.
+# - The A100 not measured here: its products and attention fitted to the calibration set's MosaicML rows
+#   (`python bench/published.py --fit`, least squares of log error over the rows of that GPU, the other constants
+#   held). MosaicML's H100 rows imply an attention at about 0.2 of the peak against torch's SDPA's 0.71 measured: MPT's
+#   ALiBi attention is another kernel, so bench/published.py fits it to those rows as their stack's, not the H100's.
+_H100_MEASURED = "measured: bench/gpu_calibrate.py on an H100 80GB HBM3, 2026-11-27"
+_HOPPER_MEASURED = "measured: bench/gpu_calibrate.py on an H200, 2026-11-26"
 _FITTED = "fitted: python bench/published.py --fit (MosaicML's {gpu} rows of ../shared/GPU-PUBLISHED.md)"
 _HOPPER = dict(sm_count=132, gemm_efficiency=0.725, gemm_k_half=350.0, memory_efficiency=0.885)
 _OPS_SOURCE_HOPPER = {"sm_count": "datasheet", "gemm_efficiency": _HOPPER_MEASURED, "gemm_k_half": _HOPPER_MEASURED,
                       "memory_efficiency": _HOPPER_MEASURED}
 OPS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
-    "h100": ({**_HOPPER, "attention_efficiency": 0.2, "attention_seq_half": 0.0},
-             {**_OPS_SOURCE_HOPPER, "attention_efficiency": _FITTED.format(gpu="H100"),
-              "attention_seq_half": _FITTED.format(gpu="H100")}),
+    "h100": (dict(sm_count=132, gemm_efficiency=0.71, gemm_k_half=400.0, memory_efficiency=0.897,
+                  attention_efficiency=0.71, attention_seq_half=2925.0),
+             {"sm_count": "datasheet", **{k: _H100_MEASURED for k in (
+                 "gemm_efficiency", "gemm_k_half", "memory_efficiency", "attention_efficiency",
+                 "attention_seq_half")}}),
     "h200": ({**_HOPPER, "attention_efficiency": 0.706, "attention_seq_half": 2700.0},
              {**_OPS_SOURCE_HOPPER, "attention_efficiency": _HOPPER_MEASURED, "attention_seq_half": _HOPPER_MEASURED}),
     "a100": (dict(sm_count=108, gemm_efficiency=0.8, gemm_k_half=350.0, memory_efficiency=0.885,

@@ -62,3 +62,16 @@ def test_adamw_takes_the_fused_kernel_on_cuda_and_the_default_on_cpu():
     factory = OptimizerFactory(OptimizerConfig(), TrainConfig())
     assert factory.build([torch.nn.Parameter(torch.zeros(4, device="cuda"))]).defaults["fused"] is True
     assert not factory.build([torch.nn.Parameter(torch.zeros(4))]).defaults["fused"]
+
+
+@pytest.mark.parametrize("precision,rel", [("fp32", 1e-4), ("bf16", 2e-2)])
+def test_moe_grouped_mm_trains_like_eager_experts(precision, rel, tmp_path):
+    """model=tiny_moe on one GPU: transformers' grouped_mm experts (one grouped product per projection, what it would
+    choose on CUDA) train with the losses of the eager per-expert loop, in fp32 and under bf16 autocast."""
+    losses = {}
+    for impl in ("eager", "grouped_mm"):
+        run_dir = tmp_path / impl
+        summary = train_ok(["strategy=single", "model=tiny_moe", f"model.experts_implementation={impl}",
+                            f"precision={precision}", *SHORT[1:]], run_dir=run_dir, nproc=1, cuda=True)
+        losses[impl] = summary["losses"]
+    assert losses["grouped_mm"] == pytest.approx(losses["eager"], rel=rel)

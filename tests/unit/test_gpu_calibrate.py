@@ -1,5 +1,6 @@
 """bench/gpu_calibrate.py without a GPU: its FLOP count is the time model's, and the profile it writes from a kept
-H200 calibration (bench/data/) is the one cluster.gpu=h200 then uses, reproducing the step it was taken from."""
+calibration (bench/data/: an H200's, an H100's) is the one cluster.gpu= then uses, reproducing the step it was taken
+from."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_calibrate  # noqa: E402
 
 KEPT = ROOT / "bench" / "data" / "gpu_calibrate-h200-2026-11-26.json"
+KEPT_BY_GPU = {"h200": KEPT, "h100": ROOT / "bench" / "data" / "gpu_calibrate-h100-2026-11-27.json"}
 
 
 @pytest.mark.parametrize("model", sorted(gpu_calibrate.MODELS))
@@ -33,15 +35,16 @@ def test_a_layers_flops_are_the_time_models_and_the_hand_count(model, recompute)
         assert gpu_calibrate.layer_flops(model, seq, recompute=recompute) == pytest.approx(want, rel=1e-12)
 
 
-def test_the_kept_calibration_makes_the_profile_cluster_gpu_h200_uses(tmp_path):
-    calib = json.loads(KEPT.read_text())
+@pytest.mark.parametrize("gpu", sorted(KEPT_BY_GPU))
+def test_the_kept_calibration_makes_the_profile_cluster_gpu_uses(gpu, tmp_path):
+    calib = json.loads(KEPT_BY_GPU[gpu].read_text())
     prof = gpu_calibrate.profile_from(calib)
-    assert prof.name == "h200" and prof.flops == PROFILES["h200"].flops
-    assert prof.memory_bw == calib["memory_bandwidth"]["bytes_per_s"] != PROFILES["h200"].memory_bw
-    assert "measured by bench/gpu_calibrate.py on NVIDIA H200" in prof.source["efficiency"]
+    assert prof.name == gpu and prof.flops == PROFILES[gpu].flops
+    assert prof.memory_bw == calib["memory_bandwidth"]["bytes_per_s"] != PROFILES[gpu].memory_bw
+    assert f"measured by bench/gpu_calibrate.py on {calib['device']}" in prof.source["efficiency"]
     assert 0 < prof.efficiency < 1
     save_profile(prof, tmp_path)
-    stored, how = resolve("h200", tmp_path)
+    stored, how = resolve(gpu, tmp_path)
     assert stored == prof and how.startswith("stored: ")
     # The time model with that profile gives back the whole step it was calibrated on (llama_1b, one GPU,
     # 2 micro-batches of 4 x 2048, bf16 autocast): compute at the efficiency plus the optimizer's term.
@@ -77,16 +80,18 @@ def test_the_kept_calibration_renders_every_measurement():
     assert text.count("| llama-70b | 8192 |") == 5
 
 
-def test_the_hopper_constants_are_the_ones_the_kept_calibration_fits():
-    """hardware.OPS cites the H200 calibration for the Hopper profiles' products and attention: refitting the kept
-    measurements gives those numbers, and the per-operation model then predicts the measured decoder layers (which
-    nothing was fitted to) within 10%."""
-    calib = json.loads(KEPT.read_text())
+@pytest.mark.parametrize("gpu", sorted(KEPT_BY_GPU))
+def test_the_hopper_constants_are_the_ones_the_kept_calibration_fits(gpu):
+    """hardware.OPS cites each Hopper GPU's own calibration for its products, attention and memory: refitting the
+    kept measurements gives those numbers, and the per-operation model then predicts the measured decoder layers
+    (which nothing was fitted to) within 10%."""
+    calib = json.loads(KEPT_BY_GPU[gpu].read_text())
     prof = gpu_calibrate.profile_from(calib)
-    for name in ("h100", "h200"):
-        assert (PROFILES[name].gemm_efficiency, PROFILES[name].gemm_k_half) == (prof.gemm_efficiency, prof.gemm_k_half)
-        assert PROFILES[name].sm_count == prof.sm_count == 132
-    assert (PROFILES["h200"].attention_efficiency, PROFILES["h200"].attention_seq_half) == (
-        prof.attention_efficiency, prof.attention_seq_half)
+    ours = PROFILES[gpu]
+    assert (ours.gemm_efficiency, ours.gemm_k_half) == (prof.gemm_efficiency, prof.gemm_k_half)
+    assert ours.sm_count == prof.sm_count == 132
+    assert (ours.attention_efficiency, ours.attention_seq_half) == (prof.attention_efficiency, prof.attention_seq_half)
+    assert ours.memory_efficiency * ours.memory_bw == pytest.approx(prof.memory_bw, rel=2e-3)
+    assert "measured" in ours.source["attention_efficiency"] and gpu.upper() in ours.source["attention_efficiency"]
     for layer, predicted in zip(calib["layers"], gpu_calibrate.predicted_layers(calib, prof)):
         assert predicted == pytest.approx(layer["s"], rel=0.10), layer

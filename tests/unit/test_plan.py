@@ -316,7 +316,11 @@ def test_the_comparison_row_gets_the_predicted_step_of_its_device(tmp_path):
     add_step_prediction(row, shape=shape, setup=setup, train=cfg["train"], profile_dir=tmp_path)
     expected = predict_step(shape, setup, replace(H100, gpus_per_node=2)).step_s
     assert row["pred_step_s"] == pytest.approx(expected)
-    assert row["pred_step_profile"] == "h100, datasheet; fitted to MosaicML's H100 rows of ../shared/GPU-PUBLISHED.md"
+    assert row["pred_step_profile"] == "h100, datasheet"  # its per-operation constants measured on an H100
+    a100_row = {**row, "device_name": "NVIDIA A100-SXM4-80GB"}
+    add_step_prediction(a100_row, shape=shape, setup=setup, train=cfg["train"], profile_dir=tmp_path)
+    assert a100_row["pred_step_profile"] == (
+        "a100, datasheet; fitted to MosaicML's A100 rows of ../shared/GPU-PUBLISHED.md")
     assert row["err_step_s"] == pytest.approx((expected - 0.5) / 0.5)
     cpu_row = {**row, "device_name": "cpu"}
     del cpu_row["pred_step_s"]
@@ -353,22 +357,26 @@ def test_the_advisor_drops_what_training_refuses_with_trainings_line_for_the_clu
 
 def test_the_published_rows_go_through_the_advisor_pinned_to_each_run(tmp_path):
     """bench/published.py times every row of ../shared/GPU-PUBLISHED.md with the advisor's own search, pinned: for a
-    row the advisor would offer (MPT-13B on 8 H100s, micro-batch 2, no checkpointing), `launch/plan.py` pinned the
-    same way from an empty profile directory gives the same tokens per second."""
+    row the advisor would offer (Megatron's GPT 1.7B as ddp on 48 H100s, micro-batch 1, no checkpointing),
+    `launch/plan.py` pinned the same way from an empty profile directory gives the same tokens per second. MosaicML's
+    H100 rows differ from it by their attention alone (STACKS, fitted to them)."""
     published = bench_module("published")
     assert [sum(r.source == s for r in published.ROWS) for s in ("mosaicml", "megatron")] == [16, 9]
-    row = next(r for r in published.ROWS if r.name == "MPT-13b" and r.gpu == "h100" and r.seq == 2048)
+    row = next(r for r in published.ROWS if r.name == "GPT 1.7B" and r.gpu == "h100")
     predicted = published.predict(row)
-    assert predicted["offered"] and predicted["composition"] == "fsdp"
+    assert predicted["offered"] and predicted["composition"] == "ddp (overlapped data parallelism)"
     proc = run_plan("model=gpt2_small", f"model.hidden_size={row.hidden}", f"model.num_layers={row.layers}",
                     f"model.num_heads={row.heads}", f"model.vocab_size={row.vocab}", f"model.max_seq_len={row.seq}",
                     "model.tie_embeddings=true", "precision=bf16", f"train.seq_len={row.seq}",
-                    f"train.global_batch_size={row.global_batch}", "plan.strategies=[fsdp]",
+                    f"train.global_batch_size={row.global_batch}", "plan.strategies=[ddp]",
                     f"plan.micro_batch_sizes=[{row.micro}]", "plan.checkpointing=[false]", "cluster.gpu=h100",
-                    f"plan.profile_dir={tmp_path}", "format=json", "logger=none")
+                    f"cluster.nodes={row.gpus // 8}", f"plan.profile_dir={tmp_path}", "format=json", "logger=none")
     assert proc.returncode == 0, proc.stderr
     best = json.loads(proc.stdout)["candidates"][0]
     assert best["predicted"]["tokens_per_s"] / row.gpus == pytest.approx(predicted["tokens"], rel=1e-9)
+    mpt = next(r for r in published.ROWS if r.name == "MPT-7b" and r.gpu == "h100" and r.seq == 32768)
+    assert published._profile(mpt).attention_efficiency == published.STACKS[("mosaicml", "h100")][
+        "attention_efficiency"] != published._profile(row).attention_efficiency
     # a row with no composition here is said so, not predicted
     megatron_70b = next(r for r in published.ROWS if r.name == "GPT 70B")
     assert published.predict(megatron_70b) == {"composition": "none (TP 8 x PP 2 x DP)"}
