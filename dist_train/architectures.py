@@ -17,7 +17,7 @@ never a model's name (tests/unit/test_structure.py checks that they name none).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -88,3 +88,14 @@ FALLBACK_PLANS = {
 def fallback_plans(model_type: str) -> Optional[Plans]:
     """The plans written here for `model_type`, None for an architecture whose plans transformers has."""
     return FALLBACK_PLANS.get(model_type)
+
+
+def expert_modules(model: Any) -> list[Any]:
+    """Every MoE layer's experts module in `model` (an nn.Module), in module order: transformers' stacked experts,
+    one module holding 3-D `gate_up_proj` and `down_proj` tensors (a ZeRO-3 partitioned one keeps its shape as
+    `ds_shape`). The experts step of parallel/apply.py and the load telemetry (telemetry/moe.py) find them here."""
+    def stacked(t: Any) -> bool:
+        return t is not None and len(getattr(t, "ds_shape", None) or getattr(t, "shape", ())) == 3
+
+    return [m for m in model.modules()
+            if stacked(getattr(m, "gate_up_proj", None)) and getattr(m, "down_proj", None) is not None]

@@ -346,6 +346,9 @@ class TelemetryConfig:
     # MemTracker follows one step, with what the peak was made of (memory/peak_live/<category>_bytes); that step
     # runs several times slower and is added to the warm-up steps. On CUDA it is the allocator's peak, at no cost.
     peak_live: bool = True
+    # An MoE model's load: tokens per expert, MaxVio, dead experts per layer, EP overload (telemetry/moe.py); one
+    # bincount per MoE layer and micro-batch on the device. Not under strategy=dp or train.compile.
+    moe_load: bool = True
 
 
 @dataclass

@@ -36,6 +36,7 @@ class Session:
     flops_per_token: float
     fault: Any = None
     neftune: Any = None  # NEFTune's hook (train.neftune_alpha > 0): told each step by the loop
+    moe_load: Any = None  # an MoE model's router load (telemetry/moe.py RouterLoad), read by the telemetry
     wandb: Any = None  # rank 0's W&B sink, if any: its run id goes into checkpoints
     start_step: int = 0  # steps done before this process started (resumed from a checkpoint)
     resumed_from: Path | None = None
@@ -75,7 +76,7 @@ def build_session(
     tracker = None
     if run.telemetry.comm:
         tracker = CommTracker(cuda_events=runtime.device.type == "cuda", nodes=runtime.nodes).install()
-    strategy, num_params, num_trainable, fpt, neftune, setup_memory = _strategy(run, runtime, tracker)
+    strategy, num_params, num_trainable, fpt, (neftune, moe_load), setup_memory = _strategy(run, runtime, tracker)
     checkpointer = Checkpointer.build(
         run.checkpoint, root=checkpoint_root(run, run_dir), runtime=runtime, io=strategy.checkpoint_io(),
         total_steps=t.steps, tracker=tracker,
@@ -95,7 +96,7 @@ def build_session(
     session = Session(
         run=run, cfg=cfg, runtime=runtime, run_dir=run_dir, strategy=strategy, batches=batches, telemetry=None,
         checkpointer=checkpointer, num_params=num_params, num_trainable_params=num_trainable, flops_per_token=fpt,
-        fault=fault, neftune=neftune, eval_batches=eval_batches,
+        fault=fault, neftune=neftune, moe_load=moe_load, eval_batches=eval_batches,
         start_step=saved.get("step", 0), resumed_from=resume,
     )
     device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
@@ -162,7 +163,7 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     if tracker is not None:  # collectives also counted per device-mesh dimension (tp, dp) where there is a mesh
         tracker.name_groups(getattr(strategy, "mesh_groups", dict)())
     neftune = attach_neftune(run, model)
-    return strategy, num_params, num_trainable, fpt, neftune, memory
+    return strategy, num_params, num_trainable, fpt, (neftune, attach_router_load(run, model)), memory
 
 
 def transform_model(run: RunConfig, model: Any, *, compute_dtype: Any) -> None:
@@ -192,6 +193,20 @@ def attach_neftune(run: RunConfig, model: Any) -> Any:
 
     t = run.train
     return apply_neftune(model, alpha=t.neftune_alpha, seed=t.seed) if t.neftune_alpha > 0 else None
+
+
+def attach_router_load(run: RunConfig, model: Any) -> Any:
+    """An MoE model's router-load meter (telemetry/moe.py) on the wrapped model, or None: a dense model,
+    telemetry.moe_load=false, nn.DataParallel (its replica threads would count on other devices) or train.compile
+    (the hook would break the compiled blocks' graphs), the last two said in the log."""
+    from dist_train.telemetry.moe import RouterLoad
+
+    if not run.model.num_experts or not run.telemetry.moe_load:
+        return None
+    if run.strategy.name == "dp" or run.train.compile:
+        log.info("no moe/* load metrics under %s", "strategy=dp" if run.strategy.name == "dp" else "train.compile")
+        return None
+    return RouterLoad(model) or None
 
 
 def loads_own_shard(run: RunConfig) -> bool:
@@ -239,7 +254,7 @@ def _telemetry(session: Session, tracker: Any, *, saved: dict[str, Any], device_
     live, live_from = _live_peak(session)
     telemetry = Telemetry(
         runtime=runtime, strategy=session.strategy, sink=sink, workload=workload, tracker=tracker,
-        activations=ActivationMeter() if run.telemetry.activations else None,
+        activations=ActivationMeter() if run.telemetry.activations else None, moe=session.moe_load,
         live=live, live_step=live_from,
         skips_allowed=run.precision.loss_scaling,
     )

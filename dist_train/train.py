@@ -358,6 +358,7 @@ def _report(session: Session) -> dict[str, Any] | None:
 
 
 def _summary(session: Session) -> dict[str, Any]:
+    from dist_train.telemetry.moe import run_load
     from dist_train.telemetry.recorder import perplexity
     from dist_train.versions import installed_versions
 
@@ -407,6 +408,7 @@ def _summary(session: Session) -> dict[str, Any]:
         "device_name": session.device_name,
         "run_dir": str(session.run_dir),
         "ranks": telemetry.per_rank_summary(session.start_step + warmup),
+        "moe_load": run_load(telemetry.history),  # an MoE model's tokens per expert over the run (telemetry/moe.py)
         "predicted_memory_bytes": predicted_memory(session),
         "versions": installed_versions(),  # torch, transformers, ... as installed: what produced these figures
     }

@@ -21,7 +21,7 @@ CSV_COLUMNS = [
     *(f"mem_{c}_{k}_bytes" for c in MEMORY_FIGURES
       for k in ("max", "spread")),
     "comm_bytes_per_step", "comm_inter_node_bytes_per_step", *(f"comm_{op}_bytes" for op in COMM_OPS),
-    "final_loss", "loss_dev", "loss_max_rel_dev", "final_eval_loss",
+    "final_loss", "loss_dev", "loss_max_rel_dev", "final_eval_loss", "moe_maxvio", "moe_dead_experts", "moe_ep_overload",
     *(f"{p}_{c}" for c in ("params", "grads", "optimizer", "activations", *TRANSIENT_CATEGORIES, "peak_live")
       for p in ("pred", "err")),
     "model_state_ok", "prediction_ok", "pred_regime", "pred_comm_bytes_per_step", "err_comm_bytes",

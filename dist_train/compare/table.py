@@ -66,12 +66,27 @@ def build_row(result: RunResult) -> dict[str, Any]:
     row.update(memory_columns(ranks))
     row.update(time_columns(summary, records))
     row.update(comm_bytes_columns(ranks))
+    row.update(moe_columns(summary))
     row["final_loss"] = summary["final_loss"]
     row["losses"] = summary["losses"]
     if summary.get("final_eval_loss") is not None:  # eval.every_steps: the held-out loss at the end
         row["final_eval_loss"] = summary["final_eval_loss"]
     row["config_hash"] = _config_hash(result.run_dir)
     return row
+
+
+def moe_columns(summary: dict[str, Any]) -> dict[str, Any]:
+    """An MoE run's load: the worst layer's MaxVio and the dead experts over the run's global load (summary.json's
+    moe_load), and under expert parallelism the most loaded rank's overload (its steady mean, the worst rank)."""
+    load = summary.get("moe_load")
+    if not load:
+        return {}
+    out = {"moe_maxvio": max(v["maxvio"] for v in load.values()),
+           "moe_dead_experts": sum(v["dead_experts"] for v in load.values())}
+    overloads = [r["moe/ep_overload"] for r in summary.get("ranks", []) if "moe/ep_overload" in r]
+    if overloads:
+        out["moe_ep_overload"] = max(overloads)
+    return out
 
 
 def _config_hash(run_dir: Path) -> str | None:

@@ -29,12 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def expert_modules(model: nn.Module) -> list[nn.Module]:
-    """Every MoE layer's experts module: one holding stacked 3-D `gate_up_proj` and `down_proj` tensors."""
-    return [m for m in model.modules()
-            if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor) and m.gate_up_proj.dim() == 3
-            and isinstance(getattr(m, "down_proj", None), torch.Tensor)]
+from dist_train.architectures import expert_modules
 
 
 class _AllToAll(torch.autograd.Function):
@@ -72,6 +67,7 @@ def shard_experts(model: nn.Module, mesh: Any) -> None:
                                                requires_grad=full.requires_grad))
         module.ep_group, module.ep_size = mesh.get_group(), ep
         module.num_global_experts, module.num_local_experts = experts, experts // ep
+        module.received_rows = 0  # rows this rank's experts received outside backward (telemetry/moe.py)
         module.forward = types.MethodType(dispatch, module)
 
 
@@ -112,6 +108,8 @@ def dispatch(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
     send = per_expert.view(ep, local).sum(1).tolist()
     received_per = received.view(ep, local)  # [source rank, local expert]
     recv = received_per.sum(1).tolist()
+    if torch._C._current_graph_task_id() == -1:  # not a checkpointed block's recomputation
+        module.received_rows += sum(recv)
 
     rows = _AllToAll.apply(hidden[token], send, recv, module.ep_group)
     # What arrived is grouped by source rank, then expert: the local expert of each row, for the module's own loop.

@@ -76,6 +76,7 @@ class Telemetry:
     workload: Workload
     tracker: CommTracker | None = None
     activations: ActivationMeter | None = None
+    moe: Any = None  # an MoE model's router load (telemetry/moe.py RouterLoad)
     live: LiveMeter | None = None  # peak of all live tensors on the CPU (CUDA: the allocator's peak)
     # The first step whose peak of live tensors is reported (live_step): the one LiveMeter follows on the CPU; on
     # CUDA every window ending there or later. None: the run ends before the optimizer's state exists.
@@ -242,6 +243,8 @@ class Telemetry:
             rec["_comm_calls"] = {op: t.calls for op, t in totals.items()}
             rec["_comm_group_size"] = {op: t.group_size for op, t in totals.items()}
         rec.update(self.strategy.extra_metrics())
+        if self.moe is not None:
+            rec.update(self.moe.drain())
         rec["time/step_s"] = (self.step_end_s[-1] - self._window_start_s) / n
         comm_s = total_comm_s(rec) if self.tracker is not None else None
         if comm_s is not None:  # collective time (an upper bound of the exposed part) and the rest; neither

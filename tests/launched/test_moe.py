@@ -86,6 +86,16 @@ def test_expert_parallel_trains_as_one_process_to_every_expert_weight(nproc, sin
     for group in ([0, 1], [2, 3])[: nproc // 2]:
         sent = sum(ranks[r]["comm/ep/all_to_all/bytes"] for r in group)
         assert sent == len(group) * layers * micro * (4 * tokens * k * hidden * 4 + 8 * 8)
+        # The router's load on each rank's own tokens (telemetry/moe.py), and what each rank's 4 experts received
+        # from its group: its overload, received over routed (1 when balanced).
+        for pos, r in enumerate(group):
+            for layer in range(layers):
+                counts = ranks[r][f"moe/layer{layer}/tokens_per_expert"]
+                assert len(counts) == 8 and sum(counts) == micro * tokens * k
+                received = sum(sum(ranks[s][f"moe/layer{layer}/tokens_per_expert"][4 * pos:4 * pos + 4]) for s in group)
+                assert ranks[r][f"moe/layer{layer}/ep_overload"] == pytest.approx(received / (micro * tokens * k))
+    # each rank stores 4 of the 8 experts of each layer, halved again by efsdp on 4 ranks: 4 x 8 x 3 x 64 x 32 fp32
+    assert [rec["memory/expert_params_bytes"] for rec in ranks] == [4 * 8 * 3 * 64 * 32 * 4 // nproc] * nproc
 
 
 # ddp (its buckets hold the stacked experts like any parameter), FSDP2 (one block, experts included, per all-gather),
@@ -100,7 +110,17 @@ def test_an_moe_model_trains_as_one_process_does_and_is_predicted(strategy, sing
     assert s["num_params"] == single["num_params"] == 281_280
     for rec in last_step(run_dir):
         assert rec["memory/params_bytes"] > 0
+    # Step 1, the same weights everywhere: the ranks' router loads add up to one process's, layer by layer (under
+    # 1f1b each stage counts its own layers, under their model-wide numbers)
+    first = [r for r in metrics(run_dir) if r["step"] == 1]
+    (one,) = [r for r in metrics(single_dir) if r["step"] == 1]
+    for layer in range(4):
+        key = f"moe/layer{layer}/tokens_per_expert"
+        assert [sum(c) for c in zip(*(r[key] for r in first if key in r))] == one[key], key
+    # summary.json's run-wide load: every (token, expert) pair of the 5 steps of 8 x 64 tokens, top-2, per layer
+    assert [sum(v["tokens_per_expert"]) for v in s["moe_load"].values()] == [5 * 8 * 64 * 2] * 4
     rows = compare_from(tmp_path / "compare", single_dir, run_dir)
+    assert rows[strategy]["moe_maxvio"] == max(v["maxvio"] for v in s["moe_load"].values()) > 0
     assert rows[strategy]["model_state_ok"] is True, rows[strategy]  # params, grads, optimizer: as predicted
     if strategy in ("ddp", "fsdp"):  # where the estimator models the peak of live tensors
         assert rows[strategy]["prediction_ok"] is True, rows[strategy]

@@ -92,3 +92,40 @@ def test_the_advisor_drops_tensor_parallelism_for_an_moe_model_as_training_refus
                    "fsdp_tp": "tensor parallelism here splits dense blocks, not experts",
                    "ddp_tp": "tensor parallelism here splits dense blocks, not experts", "fsdp": None}
     assert [r for n, _, _, r in layouts(dense, world_size=2, gpus_per_node=2, strategies=("tp",))] == [None]
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+def test_router_load_counts_each_routed_pair_once_even_when_the_block_is_recomputed(checkpointing):
+    """telemetry/moe.py on tiny_moe (in process): per layer, the counts are the bincount of the routers' own top-k
+    choice (read from transformers' router outputs), summing to tokens x k; a checkpointed block's recomputation in
+    backward routes the same tokens again and is not counted. MaxVio and dead experts follow from the counts."""
+    from dist_train.model import apply_activation_checkpointing
+    from dist_train.telemetry.moe import RouterLoad, expert_param_bytes
+
+    cfg = ModelConfig(**model_config("tiny_moe"))
+    model = build_model(cfg, seed=0)
+    apply_activation_checkpointing(model, checkpointing)
+    load = RouterLoad(model)
+    routed: dict[int, torch.Tensor] = {}
+
+    def first_routing(layer: int):  # noqa: ANN202 - the router's own (logits, weights, indices), first forward only
+        def hook(module, args, out) -> None:  # noqa: ANN001
+            routed.setdefault(layer, torch.bincount(out[2].reshape(-1), minlength=8))
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.gate.register_forward_hook(first_routing(i))
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    got = load.drain()
+    assert sorted(load.modules) == [0, 1, 2, 3]
+    for layer in range(4):
+        counts = got[f"moe/layer{layer}/tokens_per_expert"]
+        assert counts == routed[layer].tolist() and sum(counts) == 2 * 16 * 2
+        mean = sum(counts) / 8
+        assert got[f"moe/layer{layer}/maxvio"] == pytest.approx((max(counts) - mean) / mean)
+        assert got[f"moe/layer{layer}/dead_experts"] == counts.count(0)
+    assert got["moe/maxvio"] == max(got[f"moe/layer{i}/maxvio"] for i in range(4))
+    # 4 layers x 8 experts x (gate, up, down) of 64 x 32, fp32
+    assert got["memory/expert_params_bytes"] == expert_param_bytes(load.modules.values()) == 4 * 8 * 3 * 64 * 32 * 4
+    assert "moe/layer0/tokens_per_expert" not in load.drain()  # the counts start again
