@@ -16,7 +16,8 @@ layout: a tensor-parallel group is consecutive ranks, one node's GPUs; pipeline 
 
 The data-parallel degree, the number of distinct slices of a global batch, is dp_replicate x dp_shard
 (`data_parallel`). Plain `dp` is never a dimension: it names strategy=dp, nn.DataParallel in one process.
-Expert parallelism (`ep`) borrows its ranks from dp_shard x cp, as in torchtitan; no strategy sets it yet.
+Expert parallelism (`ep`) borrows its ranks from dp_shard x cp, as in torchtitan (strategy=fsdp_ep): the experts'
+own mesh is (efsdp, ep), efsdp = dp_shard x cp / ep ranks that shard the same experts again.
 
 This module is pure arithmetic; the mesh itself is built by dist_train.parallel.mesh.
 """
@@ -68,6 +69,8 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ degrees
     def degree(self, name: str) -> int:
+        if name == "efsdp":  # the experts' FSDP: the ranks of dp_shard x cp that hold the same experts
+            return self.dp_shard * self.cp // self.ep
         return int(getattr(self, name))
 
     @property
@@ -144,13 +147,14 @@ LAYOUTS = ("one", "replicate", "shard", "fsdp", "tp", "fsdp_tp", "ddp_tp", "pipe
 
 
 def layout_dims(layout: str, world_size: int, *, replicas: int = 1, tp: int = 1, stages: int = 1,
-                stage_dp: str = "dp_replicate") -> ParallelDims:
+                stage_dp: str = "dp_replicate", ep: int = 1) -> ParallelDims:
     """The degrees of a layout on `world_size` ranks:
 
         one        one process (single; dp, whose nn.DataParallel scatters over GPUs itself)
         replicate  every rank a whole replica (DDP, Accelerate's DDP)
         shard      the model state partitioned over every rank (ZeRO, Accelerate's FSDP and DeepSpeed)
-        fsdp       `replicas` replicas, each sharded over world / replicas ranks (fsdp: 1 replica; hsdp)
+        fsdp       `replicas` replicas, each sharded over world / replicas ranks (fsdp: 1 replica; hsdp); with `ep`,
+                   the experts split over ep of those ranks (fsdp_ep)
         tp         every rank a tensor-parallel slice
         fsdp_tp    tensor-parallel groups of `tp`, FSDP over the world / tp groups (kept at degree 1)
         ddp_tp     tensor-parallel groups of `tp`, whole replicas of each across the world / tp groups (Megatron's
@@ -166,7 +170,7 @@ def layout_dims(layout: str, world_size: int, *, replicas: int = 1, tp: int = 1,
     if layout == "shard":
         return ParallelDims(w, dp_shard=w)
     if layout == "fsdp":
-        return ParallelDims(w, dp_replicate=replicas, dp_shard=max(w // replicas, 1), kept=("dp_shard",))
+        return ParallelDims(w, dp_replicate=replicas, dp_shard=max(w // replicas, 1), ep=ep, kept=("dp_shard",))
     if layout == "tp":
         return ParallelDims(w, tp=w)
     if layout == "fsdp_tp":

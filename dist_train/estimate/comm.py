@@ -30,6 +30,7 @@ from typing import Any, Optional
 from dist_train.parallel.catalog import GRADIENT_NORM
 from dist_train.estimate.memory import (element_bytes, state_bytes, tp_rank_params, with_model,
                                         zero3_keeps_for_backward, zero3_partitioned)
+from dist_train.estimate.render import human_bytes
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
 
@@ -51,7 +52,7 @@ def bus_factor(op: str, group_size: int) -> float:
     """Bytes a rank sends per buffer byte: nccl-tests' bus factor (as telemetry.bandwidth.busbw_factor, without
     importing torch), except that a recv sends nothing (its bytes are the peer's send)."""
     n = group_size
-    if op in ("all_reduce", "all_gather", "reduce_scatter"):
+    if op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         if n <= 1:
             return 0.0
         return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
@@ -60,7 +61,7 @@ def bus_factor(op: str, group_size: int) -> float:
 
 @dataclass(frozen=True)
 class Collective:
-    op: str  # all_reduce | all_gather | reduce_scatter | send | recv
+    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send | recv
     bytes: float  # buffer bytes per step, all calls together
     what: str
     elem: int = 4  # bytes per element moved
@@ -129,8 +130,14 @@ def _gradient_norm(shape: ModelShape, setup: Setup) -> Sized:
     if setup.family in ("pipeline", "zero"):
         values = 1
     else:
-        values = sum(len(module) for module in shape.module_shapes())
+        values = sum(len(module) for module in shape.module_shapes()) - _expert_tensors(shape, setup)
     return Sized(values * 4, f"the global gradient norm: {values} fp32 value(s)", 4, 1)
+
+
+def _expert_tensors(shape: ModelShape, setup: Setup) -> int:
+    """Under expert parallelism, the experts' gradient tensors (gate_up_proj and down_proj of each MoE layer), whose
+    norm is reduced on the experts' own mesh; 0 otherwise."""
+    return 2 * shape.num_layers if setup.ep > 1 else 0
 
 
 def _zero3_sub_groups(shape: ModelShape, setup: Setup) -> int:
@@ -196,6 +203,9 @@ def _fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     t = setup.tensor_parallel_size
     block_params = shape.num_layers * (shape.layer_params_tp(t) if t > 1 else shape.layer_params())
     num_params = tp_rank_params(shape, setup) if t > 1 else shape.num_params
+    if setup.ep > 1:  # the experts are their own units (expert_fsdp): the blocks' units hold the rest
+        block_params -= shape.num_layers * shape.expert_params
+        num_params -= shape.num_layers * shape.expert_params
     block_gathers = m * (2 if setup.reshard_after_forward else 1)
     compute = element_bytes(setup.precision)  # MixedPrecisionPolicy(param_dtype) gathers in the compute dtype
     gathered = (block_gathers * block_params + m * (num_params - block_params)) * compute
@@ -207,6 +217,84 @@ def _fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
         ("reduce_scatter", "gradients"): Sized(reduces * num_params * 4, f"fp32 gradients (reduce_dtype), {when}", 4,
                                                reduces * (shape.num_layers + 1)),
     }
+
+
+def _ep(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
+    """Expert parallelism's dispatch (parallel/experts.py), per MoE layer and micro-batch, at balanced routing: the
+    counts (E int64), the T x k routed rows of h there and back, each mirrored in backward, and under full
+    checkpointing the forward's three again: 4 T k h elements a layer and micro-batch, 6 with full checkpointing
+    (torchtitan's formula). What a rank sends depends on its routing; over an EP group the sum is exact. Then the
+    experts' gradient norm over ep."""
+    m, layers, k = setup.microbatches_per_step, shape.num_layers, shape.experts_per_token
+    rows = setup.micro_batch_size * setup.seq_len * k * shape.hidden_size * element_bytes(setup.precision)
+    counts = 8 * shape.num_experts
+    forwards = 2 if setup.activation_checkpointing == "full" else 1
+    per_layer = forwards * (counts + 2 * rows) + 2 * rows
+    calls = m * layers * (3 * forwards + 2)
+    return {
+        ("all_to_all", "tokens"): Sized(m * layers * per_layer, f"routed rows: {calls // (m * layers)} exchanges a "
+                                        "layer and micro-batch (counts, rows there and back, both ways in backward)",
+                                        element_bytes(setup.precision), calls),
+        ("all_reduce", "expert gradient norm"): _expert_norm(shape),
+    }
+
+
+def _expert_fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
+    """FSDP2 of each MoE layer's E / ep experts over efsdp: gathered in forward and, resharded, again in backward,
+    in the compute dtype; their fp32 gradients reduce-scattered once a step; their norm over efsdp."""
+    m, layers = setup.microbatches_per_step, shape.num_layers
+    local = shape.expert_params // setup.ep
+    gathers = m * (2 if setup.reshard_after_forward else 1)
+    compute = element_bytes(setup.precision)
+    return {
+        ("all_gather", "expert parameters"): Sized(gathers * layers * local * compute,
+                                                   f"each layer's E/ep experts, {gathers}x per step", compute,
+                                                   gathers * layers),
+        ("reduce_scatter", "expert gradients"): Sized(layers * local * 4, "their fp32 gradients, once per step", 4,
+                                                      layers),
+        ("all_reduce", "expert gradient norm"): _expert_norm(shape),
+    }
+
+
+@dataclass(frozen=True)
+class ExpertCrossover:
+    """Per rank and step, buffer bytes (telemetry's convention): expert parallelism's all-to-alls against FSDP
+    gathering every expert instead (strategy=fsdp: gathered in forward and again in backward, their fp32 gradients
+    reduce-scattered once a step), and the tokens per rank and micro-batch below which the all-to-alls move less."""
+
+    ep_bytes: float
+    gather_bytes: float
+    crossover_tokens: float
+
+    def line(self, tokens: int) -> str:
+        side = "fewer" if self.ep_bytes < self.gather_bytes else "more"
+        return (f"experts: the all-to-alls move {human_bytes(self.ep_bytes)} a step per rank, {side} than FSDP gathering "
+                f"every expert ({human_bytes(self.gather_bytes)}); expert parallelism moves fewer bytes below "
+                f"{self.crossover_tokens:,.0f} tokens per rank and micro-batch (this run: {tokens:,})")
+
+
+def expert_crossover(shape: ModelShape, setup: Setup) -> Optional[ExpertCrossover]:
+    """The EP-versus-FSDP trade of an MoE model at this run's batch (None for a dense model). Per MoE layer and
+    micro-batch of T tokens on a rank: EP sends 4 T k h elements (6 under full checkpointing) of the compute dtype;
+    FSDP gathers the layer's E experts twice in it (once with reshard_after_forward=false) and reduce-scatters their
+    fp32 gradients once a step, so EP moves less while T < (gathers x E P e + E P 4 / m) / (4|6 k h e)."""
+    if not shape.num_experts:
+        return None
+    m, layers, k, h = setup.microbatches_per_step, shape.num_layers, shape.experts_per_token, shape.hidden_size
+    e = element_bytes(setup.precision)
+    tokens = setup.micro_batch_size * setup.seq_len
+    sends = 6 if setup.activation_checkpointing == "full" else 4
+    experts = shape.expert_params
+    gathers = 2 if setup.reshard_after_forward else 1
+    ep = m * layers * sends * tokens * k * h * e
+    gather = layers * (m * gathers * experts * e + experts * 4)
+    crossover = (gathers * experts * e + experts * 4 / m) / (sends * k * h * e)
+    return ExpertCrossover(ep, gather, crossover)
+
+
+def _expert_norm(shape: ModelShape) -> Sized:
+    values = 2 * shape.num_layers
+    return Sized(values * 4, f"the experts' gradient norm: {values} fp32 values", 4, 1)
 
 
 def _stage_fsdp(shape: ModelShape, setup: Setup, stage: int) -> Sizes:
@@ -340,6 +428,7 @@ def _pipeline(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
 SIZERS: dict[str, Callable[[ModelShape, Setup, Optional[int]], Sizes]] = {
     "replicate": _replicate, "fsdp": _fsdp, "zero1": _zero12, "zero2": _zero12, "zero3": _zero3,
     "tp": _tensor_parallel, "sequence_parallel": _sequence_parallel, "pipeline": _pipeline,
+    "ep": _ep, "expert_fsdp": _expert_fsdp,
 }
 
 

@@ -324,8 +324,10 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     the tensor-parallel slice) on every rank whatever the world size, in place of the sharded gradients, which do
     not exist yet at that point; reduce_every_microbatch holds the sharded ones instead. Collective buffers and
     backward's temporaries are not counted (measured: within 5% on 2 ranks for fsdp, -4% on 4 ranks for fsdp_tp
-    with tp=2; tests/launched/test_peak_live.py, tests/launched/test_dryrun.py)."""
-    if setup.family not in PEAK_LIVE_FAMILIES or (setup.family == "zero" and setup.zero_stage == 3):
+    with tp=2; tests/launched/test_peak_live.py, tests/launched/test_dryrun.py).
+    Not modelled under expert parallelism (fsdp_ep): its gathers differ (the experts over efsdp only) and its
+    dispatch's buffers follow the routing."""
+    if setup.family not in PEAK_LIVE_FAMILIES or (setup.family == "zero" and setup.zero_stage == 3) or setup.ep > 1:
         return None
     loss = backward_start_extra(shape, setup)
     if setup.family == "zero":  # DeepSpeed's gradient buffers outlive the step
@@ -468,6 +470,18 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len:
     return s * b * per_token + scores
 
 
+def ep_dispatch_bytes(shape: ModelShape, setup: Setup) -> float:
+    """What expert parallelism's dispatch (parallel/experts.py) saves in one MoE layer for one micro-batch beyond
+    transformers' own experts loop, at balanced routing (each rank's experts receive the T x k rows it sends): the
+    rows back from the experts, T k h in the compute dtype, which the top-k weighting keeps, and the sorted pairs'
+    order (int64). Measured in one process with the experts on a one-rank ep mesh, model=tiny_moe: exactly this
+    (tests/unit/test_moe.py); on more ranks the received rows follow the routing."""
+    if setup.ep <= 1 or not shape.num_experts:
+        return 0.0
+    pairs = setup.micro_batch_size * setup.seq_len * shape.experts_per_token
+    return pairs * (shape.hidden_size * element_bytes(setup.precision) + 8)
+
+
 def moe_routing_bytes(shape: ModelShape, elem: int) -> float:
     """What an MoE layer saves per token beside the experts' own intermediates (counted in the MLP's, k x width): the
     rows each of its k experts takes in and gives out (2 x h each), the router's logits and fp32 softmax (E each),
@@ -513,6 +527,7 @@ def _layer_and_head_bytes(shape: ModelShape, setup: Setup, *, with_head: bool) -
     tp, sp = setup.tensor_parallel_size, setup.sequence_parallel and setup.tensor_parallel_size > 1
     layer = layer_activation_bytes(shape, micro_batch_size=b, seq_len=s, elem=elem, norm_elem=norm_elem,
                                    autocast=setup.autocast_16bit, tp=tp, sequence_parallel=sp)
+    layer += ep_dispatch_bytes(shape, setup)
     # the final norm's saved tensors (split by sequence under sequence parallelism), the head's input, the
     # fp32 log-softmax of the logits (split by vocabulary under tensor parallelism)
     final_norm = shape.hidden_size * norm_saved_bytes(shape, norm_elem) / (tp if sp else 1)

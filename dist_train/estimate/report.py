@@ -7,7 +7,7 @@ from dataclasses import asdict, replace
 from typing import Any, Optional
 
 
-from dist_train.estimate.comm import bus_factor, predict_comm, ring_bytes, ring_volume_psi
+from dist_train.estimate.comm import bus_factor, expert_crossover, predict_comm, ring_bytes, ring_volume_psi
 from dist_train.estimate.fit import FitCell, FitModel, fit_table
 from dist_train.estimate.memory import (
     RankMemory,
@@ -48,6 +48,7 @@ def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
             [{**asdict(c), "ring_bytes": c.ring_bytes(setup.comm_group_size)} for c in colls]
             for colls in predict_comm(shape, setup)
         ],
+        "expert_crossover": asdict(c) if (c := expert_crossover(shape, setup)) else None,
         "fit": [asdict(c) for c in fit_cells(shape, setup, args=args, models=models)],
         "fit_micro_batch": {"micro_batch_size": fit_base(setup, args).micro_batch_size, "seq_len": setup.seq_len},
         "gpu_gib": args.gpu_gib,
@@ -157,11 +158,13 @@ def comm_section(shape: ModelShape, setup: Setup) -> str:
     rows = [[c.op, human_bytes(c.bytes), f"{c.elem} B", f"{bus_factor(c.op, c.group_size or n):.3f}", human_bytes(c.ring_bytes(n)),
              f"{c.ring_elements(n) / psi:.3f} Ψ", c.what] for c in colls]
     total_ring = ring_bytes(colls, group_size=n)
+    crossover = expert_crossover(shape, setup)
     return "\n".join([
         f"communication per optimizer step, rank {worst} (buffer = nccl-tests size, ring = what the rank sends)",
         text_table(["collective", "buffer", "element", "bus factor", "ring traffic", "ring volume", "what"], rows),
         f"total ring traffic {human_bytes(total_ring)} = {ring_volume_psi(colls, group_size=n, num_params=psi):.3f} Ψ "
         "elements (ZeRO paper: DDP / ZeRO-1 / ZeRO-2 2Ψ, ZeRO-3 / FSDP 3Ψ per micro-batch, each x (N-1)/N)",
+        *([crossover.line(setup.micro_batch_size * setup.seq_len)] if crossover else []),
     ])
 
 

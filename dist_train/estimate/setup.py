@@ -36,12 +36,15 @@ KNOWN_STRATEGIES: dict[str, tuple[str, int, str]] = {
     "accelerate": ("accelerate", 0, ""),
     "fsdp_tp": ("fsdp_tp", 0, ""),
     "ddp_tp": ("fsdp_tp", 0, ""),
+    "fsdp_ep": ("fsdp", 0, ""),
 }
 # Strategies the estimator refuses (one line, where a prediction would be wrong), and why.
-NOT_MODELLED = {"fsdp_ep": "the estimator does not model expert parallelism yet (the experts' own mesh, the "
-                           "all-to-alls); the run's measured figures are its own"}
+NOT_MODELLED: dict[str, str] = {}
+# Registered strategy families (strategies/*.py) that the estimator models as another family with a field set:
+# fsdp_ep is FSDP with the experts split over `ep` ranks (Setup.ep).
+MODELLED_AS = {"fsdp_ep": "fsdp"}
 # What a name implies beside its family (the strategy registry's names, which import torch; a test checks they agree)
-IMPLIED: dict[str, dict[str, Any]] = {"ddp_tp": {"dp_mode": "replicate"}}
+IMPLIED: dict[str, dict[str, Any]] = {"ddp_tp": {"dp_mode": "replicate"}, "fsdp_ep": {"ep": 2}}
 
 # How model state is stored (bytes per parameter; see memory.state_bytes):
 #   autocast  - fp32 weights, gradients and optimizer state; 16-bit only inside forward/backward. What
@@ -112,6 +115,8 @@ class Setup:
     dp_mode: str = ""
     # fsdp/hsdp: replicas of the sharded state (strategy.replicate; HSDP's dp_replicate degree), 1 = plain FSDP
     replicate: int = 1
+    # fsdp_ep: ranks that split each MoE layer's experts (strategy.ep); 1 = no expert parallelism
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -145,7 +150,7 @@ class Setup:
             layout = "replicate" if self.kind == "ddp" else "shard"
         return layout_dims(layout, self.world_size, replicas=self.replicate, tp=self.tp,
                            stages=self.num_stages if self.family == "pipeline" else 1,
-                           stage_dp="dp_shard" if self.dp_mode == "fsdp" else "dp_replicate")
+                           stage_dp="dp_shard" if self.dp_mode == "fsdp" else "dp_replicate", ep=self.ep)
 
     @property
     def shard_with(self) -> Optional[str]:
@@ -329,6 +334,7 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         pp=int(strategy["pp"]) if strategy.get("pp") is not None else None,
         dp_mode=str(strategy.get("dp_mode") or ""),
         replicate=_replicas(strategy, world_size),
+        ep=min(int(strategy.get("ep") or 1), world_size),
         bucket_cap_mb=float(strategy.get("bucket_cap_mb") or 25.0),
         **_zero3_fields(strategy),
     )

@@ -2,7 +2,8 @@
 collectives it issues, per block, per micro-batch or per step. Pure data: no torch.
 
 A run is a composition of these, read from its degrees (`composition`): a pipeline over `pp`, tensor parallelism over
-`tp`, FSDP or a ZeRO stage over `dp_shard`, replicas over `dp_replicate`. fsdp_tp is tensor parallelism then FSDP,
+`tp`, the experts over `ep` and their FSDP over `efsdp`, FSDP or a ZeRO stage over `dp_shard`, replicas over
+`dp_replicate`. fsdp_tp is tensor parallelism then FSDP,
 hsdp is FSDP then replicas, pp_dp a pipeline then replicas or FSDP of each stage: no combination has an entry of
 its own. The estimator sizes every declared collective (dist_train/estimate/comm.py has one sizer per entry here, and
 a test checks that it has no other), its memory model divides the state each one partitions, its step-time model
@@ -60,6 +61,10 @@ _UPDATE = _t("all_gather", "parameters", "bucket", "after the optimizer step (th
 # whose gradients several parallelisms split issues one, over all their dimensions together (fsdp_tp: tp x dp_shard;
 # pp_dp with FSDP-sharded stages: pp x dp_shard), which its telemetry counts under no single dimension.
 GRADIENT_NORM = _t("all_reduce", "gradient norm", "step", "after the last backward", False)
+# Under expert parallelism the experts' gradients are DTensors on their own (efsdp, ep) mesh: their partial norm is
+# all-reduced over each of its dimensions in turn (strategies/base.py takes the norm mesh by mesh), apart from the
+# dense one's.
+EXPERT_NORM = _t("all_reduce", "expert gradient norm", "step", "after the last backward", False)
 
 PARALLELISMS: dict[str, Parallelism] = {p.name: p for p in (
     Parallelism(
@@ -101,6 +106,18 @@ PARALLELISMS: dict[str, Parallelism] = {p.name: p for p in (
          _t("all_reduce", "vocabulary", "micro-batch", "as tp's", False), GRADIENT_NORM),
         "tensor parallelism with Megatron's sequence parallelism (strategy.sequence_parallel=true)"),
     Parallelism(
+        "ep", "ep", STATE_CATEGORIES, "each MoE layer's experts: E / ep of them on each rank",
+        (_t("all_to_all", "tokens", "block", "forward: the counts, then the routed rows there and back; backward: "
+            "the rows' gradients both ways (a checkpointed block's recomputation: its forward's three again)", False),
+         EXPERT_NORM),
+        "expert parallelism (fsdp_ep): dist_train's own dispatch, dist.all_to_all_single"),
+    Parallelism(
+        "expert_fsdp", "efsdp", STATE_CATEGORIES, "a rank's E / ep experts, sharded again over the ranks holding them",
+        (_t("all_gather", "expert parameters", "block", "forward, and again in backward when resharded after forward",
+            True),
+         _t("reduce_scatter", "expert gradients", "block", "backward: once a step", True), EXPERT_NORM),
+        "FSDP2 of the experts over efsdp = dp_shard / ep (fsdp_ep), each layer's experts their own unit"),
+    Parallelism(
         "pipeline", "pp", STATE_CATEGORIES, "each stage's blocks (and the embedding or head it owns)",
         (_t("send", "boundary", "micro-batch", "activations forward, their gradients backward", False),
          _t("recv", "boundary", "micro-batch", "activations forward, their gradients backward", False), GRADIENT_NORM),
@@ -109,7 +126,8 @@ PARALLELISMS: dict[str, Parallelism] = {p.name: p for p in (
 
 # Where each parallelism is applied, innermost first: a pipeline cuts the model, tensor parallelism splits each
 # stage's blocks, then the data-parallel dimensions shard and replicate what a rank holds (parallel/apply.py's order).
-APPLICATION_ORDER = ("pipeline", "tp", "sequence_parallel", "fsdp", "zero1", "zero2", "zero3", "replicate")
+APPLICATION_ORDER = ("pipeline", "tp", "sequence_parallel", "ep", "expert_fsdp", "fsdp", "zero1", "zero2", "zero3",
+                     "replicate")
 SHARDERS = ("fsdp", "zero1", "zero2", "zero3")
 
 
@@ -125,6 +143,8 @@ def composition(dims: ParallelDims, *, shard_with: Optional[str] = None,
         names.append("pipeline")
     if "tp" in used:
         names.append("sequence_parallel" if sequence_parallel else "tp")
+    if dims.ep > 1:  # the experts' split, then their FSDP2 (parallel/apply.py's experts step), before the dense FSDP2
+        names += ["ep", "expert_fsdp"]
     if "dp_shard" in used:
         if shard_with is None:
             raise ValueError(f"degrees {dims.describe()} shard over dp_shard: say with what ({', '.join(SHARDERS)})")

@@ -12,6 +12,7 @@ the two meshes' norms (strategies/base.py).
 The all-to-alls appear in telemetry as `comm/all_to_all/...` and `comm/ep/all_to_all/...`: per MoE layer and
 micro-batch, the counts, then the rows forward and back, each mirrored in backward.
 
+The estimator models it (parallel/catalog.py's ep and expert_fsdp, estimate/comm.py), the advisor searches its ep.
 Not built yet: the model is built whole on each rank and then sharded (no meta build, so a model must fit one rank's
 memory before sharding); the dry run (routing depends on values); ep with tensor parallelism or a pipeline.
 """
@@ -24,7 +25,7 @@ from typing import ClassVar
 from dist_train.config import RunConfig, StrategyConfig, require
 from dist_train.contracts import StrategyFamily
 from dist_train.parallel.apply import Sharding
-from dist_train.parallel_dims import ParallelDims
+from dist_train.parallel_dims import ParallelDims, layout_dims
 from dist_train.strategies.base import StrategyContext
 from dist_train.strategies.parallelized import MeshWrapper
 from dist_train.strategies.torch_strategy import TorchStrategy
@@ -46,7 +47,7 @@ class FSDPEPConfig(StrategyConfig):
         return False  # DTensor shards
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        return ParallelDims(world_size, dp_shard=world_size, ep=min(self.ep, world_size), kept=("dp_shard",))
+        return layout_dims("fsdp", world_size, ep=min(self.ep, world_size))
 
     def check(self, world_size: int) -> None:
         require(self.ep >= 1, f"strategy.ep={self.ep} must be >= 1")

@@ -51,7 +51,22 @@ class _Saved:
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
-    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
+    """A parameter, a view of one, or a view of a DTensor parameter's local shard (expert parallelism's per-expert
+    weights, `gate_up_proj.to_local()[e]`): bytes the parameter already holds, not an activation."""
+    if isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter):
+        return True
+    fn = t.grad_fn
+    for _ in range(3):
+        if fn is None or not fn.next_functions:
+            return False
+        name = type(fn).__name__
+        if name == "_ToTorchTensorBackward":
+            source = fn.next_functions[0][0]
+            return isinstance(getattr(source, "variable", None), nn.Parameter)
+        if name not in _VIEWS and name not in ("SelectBackward0", "SliceBackward0"):
+            return False
+        fn = fn.next_functions[0][0]
+    return False
 
 
 # Autograd nodes of views through which a saved weight copy may be seen (a Linear saves W.t()).

@@ -12,8 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from dist_train.checkpoint.layout import step_dir_name
+from dist_train.estimate import ModelShape, setup_from_config
+from dist_train.estimate.comm import predict_comm
 from tests.helpers import FAST, ROOT, assert_same_losses, compare_from, env, forked, last_step, metrics, train_ok
 
 # 5 steps of 2 micro-batches of 2 x 64 tokens, a checkpoint after the last
@@ -96,6 +99,25 @@ def test_expert_parallel_trains_as_one_process_to_every_expert_weight(nproc, sin
                 assert ranks[r][f"moe/layer{layer}/ep_overload"] == pytest.approx(received / (micro * tokens * k))
     # each rank stores 4 of the 8 experts of each layer, halved again by efsdp on 4 ranks: 4 x 8 x 3 x 64 x 32 fp32
     assert [rec["memory/expert_params_bytes"] for rec in ranks] == [4 * 8 * 3 * 64 * 32 * 4 // nproc] * nproc
+
+    # The estimator's collectives for this run (estimate/comm.py): each rank's gathers, reductions and norms exactly,
+    # calls and bytes; the all-to-alls at balanced routing, which each EP group's ranks send together exactly
+    config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    predicted = predict_comm(ModelShape.from_config(config["model"]), setup_from_config(config, world_size=nproc))[0]
+    for rec in ranks:
+        for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+            assert rec[f"comm/{op}/count"] == sum(c.calls for c in predicted if c.op == op), op
+            if op != "all_to_all":
+                assert rec[f"comm/{op}/bytes"] == sum(c.bytes for c in predicted if c.op == op), op
+        if nproc == 4:  # the experts' FSDP over its own ranks
+            assert rec["comm/efsdp/all_gather/bytes"] == sum(c.bytes for c in predicted if c.dim == "efsdp"
+                                                              and c.op == "all_gather")
+    a2a = sum(c.bytes for c in predicted if c.op == "all_to_all")
+    for group in ([0, 1], [2, 3])[: nproc // 2]:
+        assert sum(ranks[r]["comm/all_to_all/bytes"] for r in group) == len(group) * a2a
+    if nproc == 2:  # each rank's parameters, gradients and optimizer state as the estimator predicts them
+        rows = compare_from(tmp_path / "compare", single_dir, run_dir)
+        assert rows["fsdp_ep"]["model_state_ok"] is True, rows["fsdp_ep"]
 
 
 # ddp (its buckets hold the stacked experts like any parameter), FSDP2 (one block, experts included, per all-gather),

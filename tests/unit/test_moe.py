@@ -129,3 +129,66 @@ def test_router_load_counts_each_routed_pair_once_even_when_the_block_is_recompu
     # 4 layers x 8 experts x (gate, up, down) of 64 x 32, fp32
     assert got["memory/expert_params_bytes"] == expert_param_bytes(load.modules.values()) == 4 * 8 * 3 * 64 * 32 * 4
     assert "moe/layer0/tokens_per_expert" not in load.drain()  # the counts start again
+
+
+def test_the_dispatch_keeps_what_the_estimator_adds_for_expert_parallelism():
+    """parallel/experts.py's dispatch on a one-rank ep mesh (every row stays, so the routing is balanced by
+    construction) against transformers' own experts loop, one micro-batch of tiny_moe through the whole model: the
+    activation meter's difference is memory.ep_dispatch_bytes per layer, exactly. The experts' local weights that
+    each expert's products save are the parameters' own bytes, not activations (the meter sees through
+    DTensor.to_local)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dist_train.estimate.memory import ep_dispatch_bytes
+    from dist_train.estimate.setup import Setup
+    from dist_train.parallel.experts import shard_experts
+    from dist_train.telemetry.activations import ActivationMeter
+
+    cfg = ModelConfig(**model_config("tiny_moe"))
+    ids = torch.randint(0, cfg.vocab_size, (2, 64))
+    saved = []
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for ep in (False, True):
+            model = build_model(cfg, seed=0)
+            if ep:
+                shard_experts(model, init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)))
+            meter = ActivationMeter()
+            with meter.measuring():
+                loss = model(input_ids=ids, labels=ids).loss
+            saved.append(meter.peak_bytes)
+            loss.backward()
+    finally:
+        dist.destroy_process_group()
+    shape = ModelShape.from_config(model_config("tiny_moe"))
+    setup = Setup(strategy="fsdp_ep", family="fsdp", world_size=2, ep=2, micro_batch_size=2, seq_len=64)
+    assert saved[1] - saved[0] == shape.num_layers * ep_dispatch_bytes(shape, setup) == 4 * 2 * 64 * 2 * (64 * 4 + 8)
+
+
+def test_the_expert_parallel_crossover_is_the_hand_count_and_the_advisor_searches_ep_within_a_node():
+    """estimate/comm.expert_crossover on tiny_moe (4 layers, E=8, k=2, h=64, expert width 32, fp32), 2 micro-batches
+    of 2 x 64 tokens a rank: EP sends 4 T k h elements a layer and micro-batch (the counts aside), FSDP gathers the
+    layer's 8 x 6,144 expert parameters twice a micro-batch and reduce-scatters them once a step; the crossover is
+    where the two meet. The all-to-alls' bytes are what predict_comm sizes, less the counts. The advisor offers ep
+    degrees that divide the experts and the world within a node, and none for a dense model."""
+    from dist_train.estimate.comm import expert_crossover, predict_comm
+    from dist_train.estimate.setup import Setup
+    from dist_train.plan.search import layouts
+
+    shape = ModelShape.from_config(model_config("tiny_moe"))
+    setup = Setup(strategy="fsdp_ep", family="fsdp", world_size=4, ep=2, micro_batch_size=2, seq_len=64,
+                  global_batch_size=16)
+    c = expert_crossover(shape, setup)
+    tokens, experts = 2 * 64, 8 * 3 * 64 * 32
+    assert c.ep_bytes == 2 * 4 * 4 * tokens * 2 * 64 * 4
+    assert c.gather_bytes == 4 * (2 * 2 * experts * 4 + experts * 4)
+    assert c.crossover_tokens == (2 * experts * 4 + experts * 4 / 2) / (4 * 2 * 64 * 4) == 240
+    (a2a,) = [x for x in predict_comm(shape, setup)[0] if x.op == "all_to_all"]
+    assert a2a.bytes == c.ep_bytes + 2 * 4 * 8 * 8  # and the counts: E int64 a layer and micro-batch
+    full = expert_crossover(shape, Setup(**{**setup.__dict__, "activation_checkpointing": "full"}))
+    assert full.ep_bytes == c.ep_bytes * 6 / 4
+    offered = [(f["ep"], why) for _, f, _, why in layouts(shape, world_size=16, gpus_per_node=8, strategies=("fsdp_ep",))]
+    assert offered == [(2, None), (4, None), (8, None)]
+    dense = ModelShape.from_config({**model_config("tiny_moe"), "num_experts": 0, "ffn_hidden_size": 64})
+    assert list(layouts(dense, world_size=16, gpus_per_node=8, strategies=("fsdp_ep",))) == []

@@ -11,10 +11,12 @@ from dist_train.config import ModelConfig
 from dist_train.estimate.comm import SIZERS, predict_comm
 from dist_train.estimate.setup import KNOWN_STRATEGIES, Setup
 from dist_train.estimate.shapes import ModelShape
+from dist_train.estimate.compose import model_config
 from dist_train.parallel.catalog import GRADIENT_NORM, PARALLELISMS, composition
 from dist_train.parallel_dims import ParallelDims
 
 SHAPE = ModelShape.from_config(ModelConfig())
+MOE_SHAPE = ModelShape.from_config(model_config("tiny_moe"))
 
 
 def _setup(name: str, world_size: int, **fields) -> Setup:
@@ -65,6 +67,19 @@ def test_the_estimator_sizes_every_declared_collective_and_nothing_else():
         colls = predict_comm(SHAPE, setup)[0]
         assert [(c.moves, c.overlaps, c.dim) for c in colls] == [(t.moves, t.overlaps, p.dim) for t in p.traffic]
         assert all(c.group_size == (2 if c.op in ("send", "recv") else setup.dims.degree(p.dim)) for c in colls)
+    # expert parallelism composes three: the experts split over ep, their FSDP2 over efsdp, FSDP2 over the rest
+    ep = _setup("fsdp_ep", 8, ep=2)
+    assert [p.name for p in ep.parallelisms] == ["ep", "expert_fsdp", "fsdp"]
+    for p in ep.parallelisms:
+        covered.add(p.name)
+        sized = SIZERS[p.name](MOE_SHAPE, ep, None)
+        assert list(sized) == [(t.op, t.moves) for t in p.traffic if t is not GRADIENT_NORM]
+    colls = predict_comm(MOE_SHAPE, ep)[0]
+    assert [(c.op, c.moves, c.dim, c.group_size) for c in colls] == [
+        ("all_to_all", "tokens", "ep", 2), ("all_reduce", "expert gradient norm", "ep", 2),
+        ("all_gather", "expert parameters", "efsdp", 4), ("reduce_scatter", "expert gradients", "efsdp", 4),
+        ("all_reduce", "expert gradient norm", "efsdp", 4), ("all_gather", "parameters", "dp_shard", 8),
+        ("reduce_scatter", "gradients", "dp_shard", 8), ("all_reduce", "gradient norm", "dp_shard", 8)]
     assert covered == set(PARALLELISMS)
 
 

@@ -18,7 +18,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dist_train.estimate.setup import NOT_MODELLED, setup_from_config
+from dist_train.estimate.setup import MODELLED_AS, NOT_MODELLED, setup_from_config
 from dist_train.strategies.registry import available, families, register_configs
 from tests.helpers import ROOT
 
@@ -156,7 +156,7 @@ def test_each_strategy_yaml_composes_to_what_its_module_registers(name):
             setup_from_config(OmegaConf.to_container(cfg, resolve=True), world_size=2)
         return
     setup = setup_from_config(OmegaConf.to_container(cfg, resolve=True), world_size=2)
-    assert setup.family == family.family
+    assert setup.family == MODELLED_AS.get(family.family, family.family)
 
 
 def test_no_strategy_parallelism_or_estimator_module_names_an_architecture():
