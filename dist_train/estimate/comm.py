@@ -221,14 +221,14 @@ def _fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
 
 def _ep(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     """Expert parallelism's dispatch (parallel/experts.py), per MoE layer and micro-batch, at balanced routing: the
-    counts (E int64), the T x k routed rows of h there and back, each mirrored in backward, and under full
-    checkpointing the forward's three again: 4 T k h elements a layer and micro-batch, 6 with full checkpointing
-    (torchtitan's formula). What a rank sends depends on its routing; over an EP group the sum is exact. Then the
+    counts (E int64), the T x k routed rows of h there and back, each mirrored in backward, and under checkpointing
+    the forward's three again (full and selective alike recompute the dispatch: measured on 2 ranks): 4 T k h
+    elements a layer and micro-batch, 6 with checkpointing (torchtitan's formula). What a rank sends depends on its routing; over an EP group the sum is exact. Then the
     experts' gradient norm over ep."""
     m, layers, k = setup.microbatches_per_step, shape.num_layers, shape.experts_per_token
     rows = setup.micro_batch_size * setup.seq_len * k * shape.hidden_size * element_bytes(setup.precision)
     counts = 8 * shape.num_experts
-    forwards = 2 if setup.activation_checkpointing == "full" else 1
+    forwards = 1 if setup.activation_checkpointing == "none" else 2
     per_layer = forwards * (counts + 2 * rows) + 2 * rows
     calls = m * layers * (3 * forwards + 2)
     return {
@@ -275,7 +275,7 @@ class ExpertCrossover:
 
 def expert_crossover(shape: ModelShape, setup: Setup) -> Optional[ExpertCrossover]:
     """The EP-versus-FSDP trade of an MoE model at this run's batch (None for a dense model). Per MoE layer and
-    micro-batch of T tokens on a rank: EP sends 4 T k h elements (6 under full checkpointing) of the compute dtype;
+    micro-batch of T tokens on a rank: EP sends 4 T k h elements (6 under checkpointing) of the compute dtype;
     FSDP gathers the layer's E experts twice in it (once with reshard_after_forward=false) and reduce-scatters their
     fp32 gradients once a step, so EP moves less while T < (gathers x E P e + E P 4 / m) / (4|6 k h e)."""
     if not shape.num_experts:
@@ -283,7 +283,7 @@ def expert_crossover(shape: ModelShape, setup: Setup) -> Optional[ExpertCrossove
     m, layers, k, h = setup.microbatches_per_step, shape.num_layers, shape.experts_per_token, shape.hidden_size
     e = element_bytes(setup.precision)
     tokens = setup.micro_batch_size * setup.seq_len
-    sends = 6 if setup.activation_checkpointing == "full" else 4
+    sends = 4 if setup.activation_checkpointing == "none" else 6
     experts = shape.expert_params
     gathers = 2 if setup.reshard_after_forward else 1
     ep = m * layers * sends * tokens * k * h * e

@@ -108,7 +108,8 @@ PARALLELISMS: dict[str, Parallelism] = {p.name: p for p in (
     Parallelism(
         "ep", "ep", STATE_CATEGORIES, "each MoE layer's experts: E / ep of them on each rank",
         (_t("all_to_all", "tokens", "block", "forward: the counts, then the routed rows there and back; backward: "
-            "the rows' gradients both ways (a checkpointed block's recomputation: its forward's three again)", False),
+            "the rows' gradients both ways (a checkpointed block's recomputation, full or selective: its forward's three "
+            "again)", False),
          EXPERT_NORM),
         "expert parallelism (fsdp_ep): dist_train's own dispatch, dist.all_to_all_single"),
     Parallelism(

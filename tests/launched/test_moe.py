@@ -163,3 +163,21 @@ def test_a_rank_whose_experts_receive_no_token_stays_in_every_exchange_with_zero
         assert rank["gate_up_proj_grad"] < 1e-6 and rank["down_proj_grad"] < 1e-6, rank  # relative to the largest
     assert not found[0]["gate_up_proj_grad_all_zero"] and not found[0]["down_proj_grad_all_zero"]
     assert found[1]["gate_up_proj_grad_all_zero"] and found[1]["down_proj_grad_all_zero"]
+
+
+@pytest.mark.beside
+def test_a_checkpointed_expert_parallel_run_recomputes_the_dispatch_as_predicted(tmp_path):
+    """fsdp_ep on 2 ranks with selective checkpointing, 2 steps: the recomputation in backward runs the dispatch's
+    forward again (counts, rows there and back), so 8 all-to-alls a layer and micro-batch, and the bytes the two ranks
+    send together are the estimator's 6 T k h elements plus the counts twice, per layer and micro-batch."""
+    run_dir = tmp_path / "fsdp_ep"
+    train_ok(["strategy=fsdp_ep", "strategy.ep=2", *MOE, "train.steps=2", "checkpoint.every_steps=0",
+              "train.activation_checkpointing=selective"], run_dir=run_dir, nproc=2)
+    config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    (a2a,) = [c for c in predict_comm(ModelShape.from_config(config["model"]), setup_from_config(config, world_size=2))[0]
+              if c.op == "all_to_all"]
+    ranks = last_step(run_dir)
+    layers, micro, tokens, k, hidden = 4, 2, 2 * 64, 2, 64
+    assert [r["comm/all_to_all/count"] for r in ranks] == [a2a.calls] * 2 == [8 * layers * micro] * 2
+    assert sum(r["comm/all_to_all/bytes"] for r in ranks) == 2 * a2a.bytes == (
+        2 * layers * micro * (6 * tokens * k * hidden * 4 + 2 * 8 * 8))
