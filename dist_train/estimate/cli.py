@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         dryrun_overrides = resolve_model_choice(training)
         if args.dryrun.ranks:
-            why_not = supported(setup.family, setup.strategy, num_experts=shape.num_experts)
+            why_not = supported(setup.family, setup.strategy, num_experts=shape.num_experts,
+                                experts_implementation=str(cfg["model"].get("experts_implementation") or "eager"))
             if why_not:
                 raise ValueError(why_not)
         refused: dict[str, str] = {}

@@ -23,6 +23,7 @@ the strategy sets it (strategies/fsdp_ep.py). The design and its traps: ../share
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -82,60 +83,81 @@ def parallelize_experts(model: nn.Module, mesh: Any, *, precision: Any, divide_b
 
     from dist_train.parallel.fsdp import mixed_precision
 
+    from torch.distributed.tensor import Shard
+
     shard_experts(model, mesh["ep"])
     efsdp = mesh["efsdp"]
     for experts in expert_modules(model):
+        # FSDP2 splits dim 0, the experts: with more efsdp ranks than this rank's experts each would hold a padded
+        # row (Qwen3-30B-A3B on 1,024 ranks, ep 8: 16 experts over 128 ranks, 6.7 times the even share, found by the
+        # dry run). Then it splits each expert's rows instead (dim 1), as torchtitan does.
+        placement = (lambda _: Shard(1)) if efsdp.size() > experts.num_local_experts else None
         fully_shard(experts, mesh=efsdp, mp_policy=mixed_precision(precision),
-                    reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward, shard_placement_fn=placement)
         experts.set_gradient_divide_factor(float(divide_by))
         if efsdp.size() > 1:
             experts.set_force_sum_reduction_for_comms(True)
+
+
+@dataclass
+class Route:
+    """Where one micro-batch's (token, k) pairs go: their order sorted by expert (so by the rank that owns it), the
+    rows sent to and received from each rank of the ep group, and for each of this rank's experts the positions of
+    its rows among those received (grouped by source rank, then expert)."""
+
+    order: torch.Tensor
+    send: list[int]
+    recv: list[int]
+    local_rows: list[torch.Tensor]
+
+
+def route(module: nn.Module, top_k_index: torch.Tensor) -> Route:
+    """The router's choice, counted and exchanged: one all-to-all of the per-expert counts, read on the host (the
+    row exchanges need their sizes). The dry run routes balanced instead (estimate/dryrun/fake.py)."""
+    ep, local = module.ep_size, module.num_local_experts
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, so by the rank that owns it
+    per_expert = torch.bincount(flat, minlength=module.num_global_experts)
+    with torch.no_grad():  # counts per (destination rank, its local expert), exchanged: what each rank receives
+        received = torch.empty_like(per_expert)
+        dist.all_to_all_single(received, per_expert, group=module.ep_group)
+    received_per = received.view(ep, local)  # [source rank, local expert]
+    # What arrives is grouped by source rank, then expert: each row's local expert, then each expert's rows.
+    local_expert = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(ep),
+                                           received_per.reshape(-1))
+    return Route(order, per_expert.view(ep, local).sum(1).tolist(), received_per.sum(1).tolist(),
+                 [torch.nonzero(local_expert == e, as_tuple=True)[0] for e in range(local)])
 
 
 def dispatch(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
              top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts module's forward under expert parallelism: (tokens, h) in, (tokens, h) out, as transformers'
     own, for this rank's tokens."""
-    tokens, k = top_k_index.shape
-    ep, local = module.ep_size, module.num_local_experts
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, so by the rank that owns it
-    token = order // k  # each sorted pair's token
-    per_expert = torch.bincount(flat, minlength=module.num_global_experts)
-    with torch.no_grad():  # counts per (destination rank, its local expert), exchanged: what each rank receives
-        received = torch.empty_like(per_expert)
-        dist.all_to_all_single(received, per_expert, group=module.ep_group)
-    send = per_expert.view(ep, local).sum(1).tolist()
-    received_per = received.view(ep, local)  # [source rank, local expert]
-    recv = received_per.sum(1).tolist()
+    r = route(module, top_k_index)  # looked up at call time: the dry run swaps in a balanced router
+    token = r.order // top_k_index.shape[1]  # each sorted pair's token
     if torch._C._current_graph_task_id() == -1:  # not a checkpointed block's recomputation
-        module.received_rows += sum(recv)
-
-    rows = _AllToAll.apply(hidden[token], send, recv, module.ep_group)
-    # What arrived is grouped by source rank, then expert: the local expert of each row, for the module's own loop.
-    local_expert = torch.repeat_interleave(torch.arange(local, device=hidden.device).repeat(ep),
-                                           received_per.reshape(-1))
-    out = _local_experts(module, rows, local_expert)
-    back = _AllToAll.apply(out, recv, send, module.ep_group)
+        module.received_rows += sum(r.recv)
+    rows = _AllToAll.apply(hidden[token], r.send, r.recv, module.ep_group)
+    out = _local_experts(module, rows, r.local_rows)
+    back = _AllToAll.apply(out, r.recv, r.send, module.ep_group)
     # back[i] is pair order[i]'s expert output: weight it and sum each token's k of them.
-    weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
+    weights = top_k_weights.reshape(-1)[r.order].unsqueeze(-1).to(back.dtype)
     combined = torch.zeros_like(hidden)
     combined.index_add_(0, token, (back * weights).to(hidden.dtype))
     return combined
 
 
-def _local_experts(module: nn.Module, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-    """This rank's experts on the rows they received (transformers' eager computation, one expert at a time). The
-    weights are this rank's shards; an expert that received nothing, or a rank that received nothing, still touches
-    its weights and the received rows, so that their gradients exist (zeros), every rank reduces the same tensors,
-    and every rank runs the exchanges' backward."""
+def _local_experts(module: nn.Module, rows: torch.Tensor, local_rows: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's experts on the rows they received (transformers' eager computation, one expert at a time; expert
+    e's rows at `local_rows[e]`). The weights are this rank's shards; an expert that received nothing, or a rank
+    that received nothing, still touches its weights and the received rows, so that their gradients exist (zeros),
+    every rank reduces the same tensors, and every rank runs the exchanges' backward."""
     gate_up, down = module.gate_up_proj.to_local(), module.down_proj.to_local()
     # Built from the rows and the weights, not beside them: with no row received, the exchange that brought them
     # must still run its backward (the peers wait in it), and every local expert still gets a (zero) gradient.
     out = rows * 0.0
     touched = (gate_up.sum() + down.sum()) * 0.0
-    for e in range(module.num_local_experts):
-        idx = torch.nonzero(expert == e, as_tuple=True)[0]
+    for e, idx in enumerate(local_rows):
         if idx.numel() == 0:
             continue
         gate, up = nn.functional.linear(rows[idx], gate_up[e]).chunk(2, dim=-1)

@@ -104,6 +104,11 @@ def test_dry_run_refuses_what_it_cannot_run_in_one_line():
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "strategy=accelerate" in lines[0] and "Accelerate prepares" in lines[0], proc.stderr
     assert "ddp, fsdp, tp, fsdp_tp, pipeline, zero" in lines[0], proc.stderr
+    proc = dry_run(["strategy=fsdp", "model=tiny_moe", "model.experts_implementation=grouped_mm"], world_size=2,
+                   ranks=[0])
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert "model.experts_implementation=grouped_mm" in line and "eager experts loop only" in line, line
     proc = dry_run(["strategy=fsdp", "model=tiny"], world_size=4, ranks=[0, 4])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

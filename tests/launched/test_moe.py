@@ -18,6 +18,7 @@ from dist_train.checkpoint.layout import step_dir_name
 from dist_train.estimate import ModelShape, setup_from_config
 from dist_train.estimate.comm import predict_comm
 from tests.helpers import FAST, ROOT, assert_same_losses, compare_from, env, forked, last_step, metrics, train_ok
+from tests.launched.test_dryrun import dry_run
 
 # 5 steps of 2 micro-batches of 2 x 64 tokens, a checkpoint after the last
 MOE = ["logger=none", *FAST, "model=tiny_moe", "checkpoint.every_steps=5"]
@@ -48,6 +49,23 @@ def _exported(run_dir: Path, out: Path) -> dict:
                            str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return load_file(out / "model.safetensors")
+
+
+def _assert_dry_run_equals(overrides: list[str], real: dict, *, nproc: int, a2a: float = 0.0) -> None:
+    """The dry run of the same config (estimate/dryrun: the real code under a fake group and FakeTensorMode, routing
+    balanced) against the real run's summary, first and last rank: parameters, gradients and optimizer state, and
+    every collective's calls and bytes per step; the all-to-alls' bytes, which follow the routing, are `a2a` (the
+    estimator's balanced figure) in the dry run."""
+    proc = dry_run(overrides, world_size=nproc, ranks=[0, nproc - 1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for got in json.loads(proc.stdout)["dryrun"]["ranks"]:
+        measured, want = got["measured"], real["ranks"][got["rank"]]
+        for key in ("memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes"):
+            assert measured[key] == want[key], (got["rank"], key)
+        for key, value in want.items():
+            if key.startswith("comm/") and key.endswith(("/count", "/bytes")) and value:
+                expected = a2a if key.endswith("all_to_all/bytes") else value
+                assert measured[key] == expected, (got["rank"], key, measured[key], expected)
 
 
 def _grad_norms(run_dir: Path) -> list[float]:
@@ -118,6 +136,8 @@ def test_expert_parallel_trains_as_one_process_to_every_expert_weight(nproc, sin
     if nproc == 2:  # each rank's parameters, gradients and optimizer state as the estimator predicts them
         rows = compare_from(tmp_path / "compare", single_dir, run_dir)
         assert rows["fsdp_ep"]["model_state_ok"] is True, rows["fsdp_ep"]
+        # and the dry run (balanced routing) as the real run, rank by rank; its all-to-alls are the estimator's
+        _assert_dry_run_equals(["strategy=fsdp_ep", "strategy.ep=2", *MOE, *SGD], s, nproc=nproc, a2a=a2a)
 
 
 # ddp (its buckets hold the stacked experts like any parameter), FSDP2 (one block, experts included, per all-gather),
@@ -141,6 +161,8 @@ def test_an_moe_model_trains_as_one_process_does_and_is_predicted(strategy, sing
         assert [sum(c) for c in zip(*(r[key] for r in first if key in r))] == one[key], key
     # summary.json's run-wide load: every (token, expert) pair of the 5 steps of 8 x 64 tokens, top-2, per layer
     assert [sum(v["tokens_per_expert"]) for v in s["moe_load"].values()] == [5 * 8 * 64 * 2] * 4
+    if strategy == "ddp":  # the dry run's balanced routing changes no byte ddp holds or sends
+        _assert_dry_run_equals([f"strategy={strategy}", *MOE], s, nproc=2)
     rows = compare_from(tmp_path / "compare", single_dir, run_dir)
     assert rows[strategy]["moe_maxvio"] == max(v["maxvio"] for v in s["moe_load"].values()) > 0
     assert rows[strategy]["model_state_ok"] is True, rows[strategy]  # params, grads, optimizer: as predicted
@@ -181,3 +203,17 @@ def test_a_checkpointed_expert_parallel_run_recomputes_the_dispatch_as_predicted
     assert [r["comm/all_to_all/count"] for r in ranks] == [a2a.calls] * 2 == [8 * layers * micro] * 2
     assert sum(r["comm/all_to_all/bytes"] for r in ranks) == 2 * a2a.bytes == (
         2 * layers * micro * (6 * tokens * k * hidden * 4 + 2 * 8 * 8))
+
+
+@pytest.mark.beside
+def test_more_expert_fsdp_ranks_than_local_experts_split_each_expert_instead(tmp_path):
+    """2 experts, ep 2, on 4 ranks: one expert per rank, FSDP2 over 2 ranks. Split by expert (dim 0) each rank would
+    hold a padded expert; split by rows (dim 1) each holds half of one, the even share, and trains as one process
+    (found by the dry run of Qwen3-30B-A3B at 1,024 ranks: 6.7 times the even share)."""
+    two = ["model.num_experts=2", "model.experts_per_token=1", "train.steps=3", "checkpoint.every_steps=0"]
+    single = train_ok(["strategy=single", *MOE, *two], run_dir=tmp_path / "single")
+    s = train_ok(["strategy=fsdp_ep", "strategy.ep=2", *MOE, *two], run_dir=tmp_path / "fsdp_ep", nproc=4)
+    for got, want in zip(s["losses"], single["losses"], strict=True):
+        assert abs(got - want) < 1e-6, (s["losses"], single["losses"])
+    # 4 layers x 2 experts x (gate, up, down) of 64 x 32, fp32, over 4 ranks
+    assert [r["memory/expert_params_bytes"] for r in s["ranks"]] == [4 * 2 * 3 * 64 * 32 * 4 // 4] * 4

@@ -19,7 +19,7 @@ def under_fake_group(*, zero: bool) -> Iterator[None]:
     from unittest import mock
 
     patches = [*_meshes_outside_fake_mode(), *_pipeline_shapes_given(), *_moves_in_place(), *_ddp_replicas_agree(),
-               *_fsdp_chunks_on_demand(),
+               *_fsdp_chunks_on_demand(), *_expert_parallel_routes_balanced(),
                *(_deepspeed_checks_pass() if zero else [])]
     with contextlib.ExitStack() as stack:
         for owner, name, replacement in patches:
@@ -300,3 +300,78 @@ def _zero3_gather_buffer_views_on_demand() -> list[Patch]:
         return out
 
     return [(pp.Init, "_convert_to_deepspeed_param", convert)]
+
+
+# ---------------------------------------------------------------------------------------------- Mixture-of-Experts
+# Which expert a token takes depends on the router's values, which a fake tensor does not have: transformers' experts
+# loop finds each expert's tokens with aten.nonzero, dist_train's dispatch reads the counts on the host. The dry run
+# routes as a perfectly balanced router would: (token, k) pair p to expert p mod E, through the same operations on
+# rows of the same sizes. Its bytes and collectives are those of a real run whose routing is balanced; a real run's
+# activations and all-to-all bytes per rank follow its own routing (over an EP group the all-to-alls sum the same).
+def _balanced_pairs(pairs: int, experts: int) -> list[range]:
+    """Expert e's pairs: e, e + E, e + 2E, ..."""
+    return [range(e, pairs, experts) for e in range(experts)]
+
+
+def balanced_experts(model: Any) -> None:
+    """Each experts module's forward (transformers' eager loop, which dist_train pins by default) replaced, in place,
+    by the same loop over balanced routing. Under fsdp_ep the strategy then replaces it with its dispatch, whose
+    router `_expert_parallel_routes_balanced` makes balanced."""
+    import types
+
+    from dist_train.architectures import expert_modules
+
+    for module in expert_modules(model):
+        module.forward = types.MethodType(_eager_balanced, module)
+
+
+def _eager_balanced(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+    """transformers' eager experts forward (Qwen3-MoE, Mixtral, OLMoE share it), each expert's rows given by the
+    balanced routing instead of `where(expert_mask)`: the same gathers, products, weighting and index_add."""
+    import torch
+    from torch import nn
+
+    tokens, k = top_k_index.shape
+    final_hidden_states = torch.zeros_like(hidden_states)
+    for expert_idx, pairs in enumerate(_balanced_pairs(tokens * k, self.num_experts)):
+        if not len(pairs):
+            continue
+        pair = torch.arange(pairs.start, pairs.stop, pairs.step)
+        top_k_pos, token_idx = pair % k, pair // k
+        current_state = hidden_states[token_idx]
+        gate, up = nn.functional.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+        current_hidden_states = self.act_fn(gate) * up
+        current_hidden_states = nn.functional.linear(current_hidden_states, self.down_proj[expert_idx])
+        current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+    return final_hidden_states
+
+
+def _expert_parallel_routes_balanced() -> list[Patch]:
+    """fsdp_ep's router (parallel/experts.py `route`): the counts' all-to-all still runs (and is counted), every rank
+    routes its pairs balanced, so each rank's experts receive their share from every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from dist_train.parallel import experts
+
+    def balanced(module: Any, top_k_index: Any) -> Any:
+        ep, local, total = module.ep_size, module.num_local_experts, module.num_global_experts
+        tokens, k = top_k_index.shape
+        by_expert = _balanced_pairs(tokens * k, total)
+        counts = [len(r) for r in by_expert]
+        order = torch.cat([torch.arange(r.start, r.stop, r.step) for r in by_expert])
+        per_expert = torch.tensor(counts)
+        with torch.no_grad():
+            dist.all_to_all_single(torch.empty_like(per_expert), per_expert, group=module.ep_group)
+        me = dist.get_rank(module.ep_group)
+        mine = counts[me * local:(me + 1) * local]  # what every rank sends to this one's experts
+        arrived, local_rows = sum(mine), []
+        for e in range(local):
+            start = sum(mine[:e])
+            local_rows.append(torch.cat([torch.arange(src * arrived + start, src * arrived + start + mine[e])
+                                         for src in range(ep)]))
+        return experts.Route(order, [sum(counts[r * local:(r + 1) * local]) for r in range(ep)], [arrived] * ep,
+                             local_rows)
+
+    return [(experts, "route", balanced)]

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from dist_train.estimate.dryrun.fake import under_fake_group
+from dist_train.estimate.dryrun.fake import balanced_experts, under_fake_group
 
 def training_run(overrides: list[str], *, world_size: int) -> Any:
     """The RunConfig `launch/train.py <overrides>` would train on `world_size` ranks, checked as training checks it
@@ -59,6 +59,7 @@ def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, A
     local = t.global_batch_size // dp
     with FakeTensorMode(allow_non_fake_inputs=True), under_fake_group(zero=isinstance(run.strategy, ZeroConfig)):
         model = _constructor(run.model)()
+        balanced_experts(model)  # an MoE model's experts routed balanced (fake.py): the router's values are fake
         # training's own assembly of a rank: LoRA, checkpointing, compile, the strategy's set-up, NEFTune's hook
         transform_model(run, model, compute_dtype=run.precision.dtype)
         strategy.setup(model)

@@ -1,0 +1,90 @@
+"""The dry run of a Mixture-of-Experts model at scale, from a config.json alone: rank 0 of a 64- and a 1024-rank job.
+
+    python bench/dryrun_moe.py            # writes the 'dryrun-moe' section of docs/BENCHMARKS.md
+
+Qwen3-30B-A3B's shape (its config.json's sizes: 48 layers, hidden 2,048, 32 heads, 4 KV heads, 128 experts of width
+768, top-8, vocabulary 151,936) is written to a temporary directory with transformers' Qwen3MoeConfig, and
+`python -m dist_train.estimate model=hf model.path=DIR strategy=... world_size=N dryrun.ranks=[0] format=json` runs
+rank 0 under the fake process group, routing tokens balanced (estimate/dryrun/fake.py). Tabulated: what rank 0
+holds and sends per step, against the estimator (diff = dry run / predicted - 1), and what the dry run cost here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import PYTHON, md_table, run, write_section  # noqa: E402
+
+GIB = 2**30
+CASES = [("fsdp_ep", ["strategy.ep=8"]), ("fsdp", [])]
+SHOWN = ["memory/params_bytes", "memory/optimizer_bytes", "comm/all_to_all/bytes", "comm/all_gather/bytes",
+         "comm/reduce_scatter/bytes", "memory/peak_live_bytes"]
+TRAIN = ["precision=bf16", "train.micro_batch_size=1"]
+
+
+def qwen3_30b_a3b(directory: Path) -> Path:
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                   num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                   num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                   max_position_embeddings=40960, tie_word_embeddings=False).save_pretrained(directory)
+    return directory
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", default="64,1024")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one rank's dry run may take")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = qwen3_30b_a3b(Path(tmp))
+        for strategy, extra in CASES:
+            for n in (int(x) for x in args.world_sizes.split(",")):
+                cmd = [PYTHON, "-m", "dist_train.estimate", "model=hf", f"model.path={model_dir}", f"strategy={strategy}",
+                       *extra, *TRAIN, f"train.seq_len={args.seq_len}", f"train.global_batch_size={n}",
+                       f"world_size={n}", "dryrun.ranks=[0]", "format=json", f"dryrun.timeout_s={args.timeout}"]
+                label = f"{strategy} {' '.join(e.removeprefix('strategy.') for e in extra)}".strip()
+                try:
+                    proc, _ = run(cmd, timeout=args.timeout + 120)
+                except RuntimeError as exc:  # a row that says why, the others still measured
+                    rows.append([label, f"{n:,}", f"no result: {str(exc).strip().splitlines()[-1][:200]}",
+                                 *[""] * (len(SHOWN) + 1)])
+                    continue
+                out = json.loads(proc.stdout)
+                rank = out["dryrun"]["ranks"][0]
+                m, d = rank["measured"], rank["diff"]
+                cells = []
+                for key in SHOWN:
+                    if key not in m:
+                        cells.append("-")
+                        continue
+                    diff = d.get(key)
+                    cells.append(f"{m[key] / GIB:,.3f}" + ("" if diff is None else f" ({diff:+.2%})"))
+                rows.append([label, f"{n:,}", *cells, f"{m['dryrun/wall_s']:.0f}",
+                             f"{m['dryrun/peak_rss_bytes'] / GIB:.2f}"])
+                print(rows[-1], flush=True)
+    headers = ["strategy", "ranks",
+               *(f"{k.split('/', 1)[1].removesuffix('_bytes')}, GiB (vs predicted)" for k in SHOWN),
+               "dry run wall, s", "dry run peak RSS, GiB"]
+    note = ("Rank 0 of each job, one process here, two training steps (the second measured), bf16, AdamW, micro-batch "
+            f"1 x {args.seq_len} tokens, one micro-batch a step, no checkpointing. Tokens routed balanced (the "
+            "router's values are fake): the all-to-all bytes are a balanced run's, which a real EP group's ranks send "
+            "together. fsdp_ep: experts over 8 ranks of a node, FSDP2 of them over N/8, the rest over N; fsdp gathers "
+            "every expert. The peak of live tensors is not predicted under fsdp_ep; the estimator's fsdp peak leaves "
+            "out backward's temporaries.")
+    write_section("dryrun-moe", "The dry run of an MoE model at scale", md_table(headers, rows),
+                  command=f"python bench/dryrun_moe.py --world-sizes {args.world_sizes} --seq-len {args.seq_len} "
+                          f"--timeout {args.timeout:g}", note=note)
+
+
+if __name__ == "__main__":
+    main()
