@@ -145,3 +145,15 @@ def write_section(name: str, title: str, body: str, *, command: str, note: Optio
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     DOCS.write_text(text)
     print(f"wrote section '{name}' of {DOCS}")
+
+
+def dryrun_cells(measured: dict[str, Any], diff: dict[str, Any], keys: list[str]) -> list[str]:
+    """A dry-run table's cells: each figure in GiB, with its difference from the estimator's where it predicts it."""
+    cells = []
+    for key in keys:
+        if key not in measured:
+            cells.append("-")
+            continue
+        d = diff.get(key)
+        cells.append(f"{measured[key] / 2**30:,.3f}" + ("" if d is None else f" ({d:+.2%})"))
+    return cells

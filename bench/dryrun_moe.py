@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PYTHON, md_table, run, write_section  # noqa: E402
+from common import PYTHON, dryrun_cells, md_table, run, write_section  # noqa: E402
 
 GIB = 2**30
 CASES = [("fsdp_ep", ["strategy.ep=8"]), ("fsdp", [])]
@@ -62,13 +62,7 @@ def main() -> None:
                 out = json.loads(proc.stdout)
                 rank = out["dryrun"]["ranks"][0]
                 m, d = rank["measured"], rank["diff"]
-                cells = []
-                for key in SHOWN:
-                    if key not in m:
-                        cells.append("-")
-                        continue
-                    diff = d.get(key)
-                    cells.append(f"{m[key] / GIB:,.3f}" + ("" if diff is None else f" ({diff:+.2%})"))
+                cells = dryrun_cells(m, d, SHOWN)
                 rows.append([label, f"{n:,}", *cells, f"{m['dryrun/wall_s']:.0f}",
                              f"{m['dryrun/peak_rss_bytes'] / GIB:.2f}"])
                 print(rows[-1], flush=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PYTHON, md_table, run, write_section  # noqa: E402
+from common import PYTHON, dryrun_cells, md_table, run, write_section  # noqa: E402
 
 GIB = 2**30
 # (strategy, its overrides, over how many ranks the ZeRO paper's arithmetic splits the model state at world size n)
@@ -93,13 +93,7 @@ def main() -> None:
             rank = out["dryrun"]["ranks"][0]
             m, d = rank["measured"], rank["diff"]
             zero_paper = 4 * out["model"]["num_params"] / split(n)  # fp32 parameters: 4Ψ over the ranks that split them
-            cells = [f"{m['memory/params_bytes'] / zero_paper - 1:+.2%}"]
-            for key in SHOWN:
-                if key not in m:
-                    cells.append("-")
-                    continue
-                diff = d.get(key)
-                cells.append(f"{m[key] / GIB:,.3f}" + ("" if diff is None else f" ({diff:+.2%})"))
+            cells = [f"{m['memory/params_bytes'] / zero_paper - 1:+.2%}", *dryrun_cells(m, d, SHOWN)]
             rows.append([label, f"{n:,}", *cells, f"{m['dryrun/wall_s']:.0f}", f"{m['dryrun/peak_rss_bytes'] / GIB:.2f}"])
             print(rows[-1], flush=True)
     headers = ["strategy", "ranks", "params vs 4Ψ/shards", *(f"{k.split('/', 1)[1].removesuffix('_bytes')}, GiB (vs predicted)" for k in SHOWN),

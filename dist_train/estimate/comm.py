@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from dist_train.parallel.catalog import GRADIENT_NORM
-from dist_train.estimate.memory import (element_bytes, state_bytes, tp_rank_params, with_model,
-                                        zero3_keeps_for_backward, zero3_partitioned)
+from dist_train.estimate.memory import (element_bytes, expert_padded, fsdp_padded, state_bytes, tp_rank_params,
+                                        with_model, zero3_keeps_for_backward, zero3_partitioned)
 from dist_train.estimate.render import human_bytes
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
@@ -203,9 +203,12 @@ def _fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     t = setup.tensor_parallel_size
     block_params = shape.num_layers * (shape.layer_params_tp(t) if t > 1 else shape.layer_params())
     num_params = tp_rank_params(shape, setup) if t > 1 else shape.num_params
-    if setup.ep > 1:  # the experts are their own units (expert_fsdp): the blocks' units hold the rest
-        block_params -= shape.num_layers * shape.expert_params
-        num_params -= shape.num_layers * shape.expert_params
+    if t == 1:  # FSDP2's units as it all-gathers and reduce-scatters them: padded where dim 0 does not divide
+        n = setup.dims.dp_shard
+        dense = [d for d in shape.param_shapes() if not (setup.ep > 1 and len(d) == 3)]  # experts: expert_fsdp's
+        layer = [d for module in shape.layer_modules() for d in module if not (setup.ep > 1 and len(d) == 3)]
+        block_params = shape.num_layers * sum(fsdp_padded(d, n) for d in layer)
+        num_params = sum(fsdp_padded(d, n) for d in dense)
     block_gathers = m * (2 if setup.reshard_after_forward else 1)
     compute = element_bytes(setup.precision)  # MixedPrecisionPolicy(param_dtype) gathers in the compute dtype
     gathered = (block_gathers * block_params + m * (num_params - block_params)) * compute
@@ -243,7 +246,8 @@ def _expert_fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes
     """FSDP2 of each MoE layer's E / ep experts over efsdp: gathered in forward and, resharded, again in backward,
     in the compute dtype; their fp32 gradients reduce-scattered once a step; their norm over efsdp."""
     m, layers = setup.microbatches_per_step, shape.num_layers
-    local = shape.expert_params // setup.ep
+    efsdp = setup.dims.degree("efsdp")
+    local = sum(expert_padded(d, setup.ep, efsdp) for module in shape.layer_modules() for d in module if len(d) == 3)
     gathers = m * (2 if setup.reshard_after_forward else 1)
     compute = element_bytes(setup.precision)
     return {

@@ -266,7 +266,9 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
     setup = with_model(shape, setup)
     if setup.family != "pipeline":
         gathered, persistent = zero3_gathered(shape, setup)
-        state = model_state_bytes(tp_rank_params(shape, setup), setup, persistent=persistent)
+        padded = fsdp_rank_elements(shape, setup)
+        state = model_state_bytes(tp_rank_params(shape, setup) if padded is None else padded, setup,
+                                  persistent=persistent)
         act = activation_bytes(shape, setup=setup, num_layers=shape.num_layers, with_head=True, in_flight=1)
         copies = weight_copy_bytes(shape, setup=setup, num_layers=shape.num_layers, with_head=True, in_flight=1)
         one = RankMemory(
@@ -351,6 +353,41 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     grads = 4.0 * slice_params if accumulates_unsharded else rank.grads
     return with_loss(rank.params + grads + rank.master + rank.optimizer + rank.working_set
                      + gathered * element_bytes(setup.precision), grads)
+
+
+def fsdp_padded(dims: tuple[int, ...], n: int) -> int:
+    """Elements of one parameter as FSDP2 holds it over n ranks, all shards together: split on dim 0 into
+    ceil(d0 / n) rows per rank (torch.chunk's), the last ranks' padded (a parameter with fewer rows than ranks
+    takes a padded row on every rank). What it allocates n-ways and all-gathers."""
+    return -(-dims[0] // n) * n * math.prod(dims[1:]) if dims else n
+
+
+def expert_padded(dims: tuple[int, ...], ep: int, efsdp: int) -> int:
+    """Elements of one stacked expert tensor (E x a x b) on one rank's efsdp group under fsdp_ep, all its shards
+    together: E/ep experts, split by expert over efsdp, or by rows (dim 1) where efsdp has more ranks than experts
+    (parallel/experts.py)."""
+    local = dims[0] // ep
+    if efsdp > local:
+        return local * fsdp_padded(dims[1:], efsdp)
+    return fsdp_padded((local, *dims[1:]), efsdp)
+
+
+def fsdp_rank_elements(shape: ModelShape, setup: Setup) -> Optional[float]:
+    """Parameters one rank holds under FSDP2 (fsdp, hsdp, fsdp_ep), padding included, times the dp_shard degree
+    (the figure model_state_bytes divides by it); None where another partitioning applies (ZeRO's flat
+    partitions, tensor parallelism's slices, pipeline stages). Exactly params / N where every parameter's dim 0
+    divides; at 1,024 ranks an MoE model's routers (E rows) and per-head norms are padded (Qwen3-30B-A3B: +0.6%)."""
+    if setup.family != "fsdp" or setup.shard_with != "fsdp":
+        return None
+    n, ep = setup.dims.dp_shard, setup.ep
+    efsdp = setup.dims.degree("efsdp") if ep > 1 else 1
+    per_rank = 0.0
+    for dims in shape.param_shapes():
+        if ep > 1 and len(dims) == 3:  # stacked experts: over efsdp, after ep
+            per_rank += expert_padded(dims, ep, efsdp) / efsdp
+        else:
+            per_rank += fsdp_padded(dims, n) / n
+    return per_rank * n
 
 
 def tp_rank_params(shape: ModelShape, setup: Setup) -> float:

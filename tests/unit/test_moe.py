@@ -193,3 +193,35 @@ def test_the_expert_parallel_crossover_is_the_hand_count_and_the_advisor_searche
     assert offered == [(2, None), (4, None), (8, None)]
     dense = ModelShape.from_config({**model_config("tiny_moe"), "num_experts": 0, "ffn_hidden_size": 64})
     assert list(layouts(dense, world_size=16, gpus_per_node=8, strategies=("fsdp_ep",))) == []
+
+
+@pytest.mark.parametrize(("dims", "n"), [((128, 2048), 1024), ((128,), 1024), ((2048,), 1024), ((7, 3), 4), ((8, 5), 4),
+                                         ((1, 64, 32), 2)])
+def test_fsdp_padding_is_torch_chunks(dims, n):
+    """estimate/memory.fsdp_padded: FSDP2 holds torch.chunk's first chunk's size on every rank (the others padded
+    to it), so all shards together are n times that; an MoE model's router (E x h) over more ranks than experts is
+    padded to one row a rank."""
+    from dist_train.estimate.memory import fsdp_padded
+
+    assert fsdp_padded(dims, n) == torch.chunk(torch.empty(dims, device="meta"), n)[0].numel() * n
+
+
+def test_fsdp_state_per_rank_counts_the_padding_at_scale():
+    """Qwen3-30B-A3B's shape at 1,024 ranks: under fsdp each rank's 128-row routers and stacked experts take a padded
+    row (8 times their even share); under fsdp_ep (ep 8) the 16 local experts are split by rows over 128 efsdp ranks,
+    evenly, and only the routers and per-head norms pad. On tiny_moe at 4 ranks nothing pads: params / N."""
+    from dist_train.estimate.memory import fsdp_rank_elements
+    from dist_train.estimate.setup import Setup
+
+    big = ModelShape.from_config({**model_config("tiny_moe"), "hidden_size": 2048, "num_layers": 48, "num_heads": 32,
+                                  "num_kv_heads": 4, "head_dim": 128, "moe_ffn_hidden_size": 768, "num_experts": 128,
+                                  "experts_per_token": 8, "vocab_size": 151936})
+    n = 1024
+    ep = fsdp_rank_elements(big, Setup(strategy="fsdp_ep", family="fsdp", world_size=n, ep=8)) / n
+    plain = fsdp_rank_elements(big, Setup(strategy="fsdp", family="fsdp", world_size=n)) / n
+    routed = 48 * (big.expert_params + 128 * 2048)  # experts and routers: 128 rows each, one padded row a rank
+    assert plain == pytest.approx((big.num_params - routed) / n + 8 * routed / n, rel=1e-3)
+    assert ep / (big.num_params / n) - 1 == pytest.approx(0.0063, abs=5e-4)
+    assert plain / (big.num_params / n) > 7
+    small = ModelShape.from_config(model_config("tiny_moe"))
+    assert fsdp_rank_elements(small, Setup(strategy="fsdp_ep", family="fsdp", world_size=4, ep=2)) == small.num_params
