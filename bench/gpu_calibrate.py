@@ -221,14 +221,19 @@ def layers() -> list[dict[str, Any]]:
     return rows
 
 
-# Qwen3-30B-A3B's MoE block (its config.json): hidden, experts, top-k, one expert's MLP width.
-MOE = dict(model="qwen3-30b-a3b", hidden=2048, experts=128, top_k=8, ffn=768)
-MOE_TOKENS = (4096, 8192)
+# MoE blocks (their config.json's sizes): hidden, experts, top-k, one expert's MLP width. Qwen3-30B-A3B's first: the
+# one the docs' table names.
+MOE_MODELS = (dict(model="qwen3-30b-a3b", hidden=2048, experts=128, top_k=8, ffn=768),
+              dict(model="olmoe-1b-7b", hidden=2048, experts=64, top_k=8, ffn=1024),
+              dict(model="mixtral-8x7b", hidden=4096, experts=8, top_k=2, ffn=14336))
+MOE = MOE_MODELS[0]
+MOE_TOKENS = (4096, 8192, 16384)
 
 
 def moe_blocks() -> list[dict[str, Any]]:
-    """One transformers `Qwen3MoeSparseMoeBlock` (router, top-k, experts) forward + backward at Qwen3-30B-A3B's
-    sizes, bf16, under each experts implementation dist_train pins (model.experts_implementation). batched_mm is
+    """One transformers `Qwen3MoeSparseMoeBlock` (router, top-k, experts) forward + backward at each MOE_MODELS
+    shape (Qwen3-MoE's block with that model's sizes: the experts' products are the same), bf16, under each experts
+    implementation dist_train pins (model.experts_implementation). batched_mm is
     left out: it gathers one expert's weights per routed row (T x k x 3 x H x F elements, 0.6 TB at 4,096 tokens).
     FLOPs are the active ones: the router and the top-k experts' three products, forward + backward."""
     import torch
@@ -236,8 +241,8 @@ def moe_blocks() -> list[dict[str, Any]]:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     rows = []
-    h, e, k, f = MOE["hidden"], MOE["experts"], MOE["top_k"], MOE["ffn"]
-    for impl in ("eager", "grouped_mm"):
+    for moe, impl in ((m, i) for m in MOE_MODELS for i in ("eager", "grouped_mm")):
+        h, e, k, f = moe["hidden"], moe["experts"], moe["top_k"], moe["ffn"]
         config = Qwen3MoeConfig(hidden_size=h, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f,
                                 norm_topk_prob=True, num_hidden_layers=1)
         config._experts_implementation = impl
@@ -254,7 +259,7 @@ def moe_blocks() -> list[dict[str, Any]]:
             torch.cuda.reset_peak_memory_stats()
             sec = timed(step, reps=5)
             flops = 3 * 2 * tokens * (h * e + k * 3 * h * f)
-            rows.append({"model": MOE["model"], "implementation": impl, "tokens": tokens, "s": sec,
+            rows.append({"model": moe["model"], "implementation": impl, "tokens": tokens, "s": sec,
                          "active_flops_per_s": flops / sec,
                          "peak_allocated_bytes": torch.cuda.max_memory_allocated()})
             block.zero_grad(set_to_none=True)
@@ -347,7 +352,7 @@ def whole_step() -> dict[str, Any]:
     }
 
 
-def measure(budget_s: float) -> dict[str, Any]:
+def measure(budget_s: float, *, only: set[str] | None = None) -> dict[str, Any]:
     import torch
 
     props = torch.cuda.get_device_properties(0)
@@ -376,6 +381,8 @@ def measure(budget_s: float) -> dict[str, Any]:
         ("step", whole_step),
         ("moe", moe_blocks),
     ):
+        if only is not None and name not in only:
+            continue
         if time.monotonic() - start > budget_s:
             out["skipped"].append(f"{name}: over the {budget_s:.0f} s budget")
             continue
@@ -400,8 +407,8 @@ def profile_from(calib: dict[str, Any]):
     from dist_train.estimate.ops import fit_attention, fit_gemm
 
     kind = profile_for_device(calib["device"])
-    if kind not in PROFILES:
-        return None
+    if kind not in PROFILES or not any(calib.get(k) for k in ("memory_bandwidth", "matmuls", "attention", "step")):
+        return None  # nothing measured that a profile takes (--only moe)
     base = PROFILES[kind]
     peak = base.flops["bf16"]
     where = f"measured by bench/gpu_calibrate.py on {calib['device']}, torch {calib['torch']}, {calib['date']}"
@@ -531,8 +538,10 @@ def render(calib: dict[str, Any]) -> str:
         )
     if calib.get("moe"):
         parts.append(
-            f"One MoE block (router, top-{MOE['top_k']} of {MOE['experts']} experts of width {MOE['ffn']}, hidden "
-            f"{MOE['hidden']}: {MOE['model']}'s), forward + backward, bf16; TFLOP/s of the active FLOPs:\n\n"
+            "One MoE block (router, top-k experts) at each model's sizes ("
+            + "; ".join(f"{m['model']}: top-{m['top_k']} of {m['experts']} experts of width {m['ffn']}, hidden "
+                        f"{m['hidden']}" for m in MOE_MODELS if any(r["model"] == m["model"] for r in calib["moe"]))
+            + "), forward + backward, bf16; TFLOP/s of the active FLOPs:\n\n"
             + md_table(["model", "experts implementation", "tokens", "ms", "TFLOP/s", "of peak",
                         "peak allocated (GiB)"],
                        [[r["model"], r["implementation"], r["tokens"], f"{r['s'] * 1e3:.2f}",
@@ -594,6 +603,8 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=300.0, help="skip the measurements that would start later")
     parser.add_argument("--profile-dir", type=Path, help="where cluster.gpu= finds it (default: plan.profile_dir's)")
     parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument("--only", help="measure only these, comma-separated (memory_bandwidth, layers, matmuls, "
+                                       "attention, optimizer, loss, step, moe)")
     args = parser.parse_args()
     if args.from_file:
         calib = json.loads(args.from_file.read_text())
@@ -603,7 +614,7 @@ def main() -> int:
         if not torch.cuda.is_available():
             print("gpu_calibrate: no CUDA device is visible; nothing was measured", file=sys.stderr)
             return 0
-        calib = measure(args.budget_s)
+        calib = measure(args.budget_s, only=set(args.only.split(",")) if args.only else None)
         if args.out:
             args.out.write_text(json.dumps(calib, indent=1))
         prof = profile_from(calib)

@@ -95,3 +95,14 @@ def test_the_hopper_constants_are_the_ones_the_kept_calibration_fits(gpu):
     assert "measured" in ours.source["attention_efficiency"] and gpu.upper() in ours.source["attention_efficiency"]
     for layer, predicted in zip(calib["layers"], gpu_calibrate.predicted_layers(calib, prof)):
         assert predicted == pytest.approx(layer["s"], rel=0.10), layer
+
+
+def test_a_kept_moe_measurement_renders_its_models_and_makes_no_profile():
+    """`--only moe` (bench/data/gpu_moe-h100-2026-11-27.json): a table row per model, implementation and token count,
+    and no hardware profile, since nothing a profile takes was measured (a stored one is not overwritten)."""
+    calib = json.loads((ROOT / "bench" / "data" / "gpu_moe-h100-2026-11-27.json").read_text())
+    assert gpu_calibrate.profile_from(calib) is None
+    text = gpu_calibrate.render(calib)
+    assert "Profile written" not in text
+    for m in gpu_calibrate.MOE_MODELS:
+        assert text.count(f"| {m['model']} |") == 2 * len(gpu_calibrate.MOE_TOKENS), m["model"]
