@@ -390,6 +390,24 @@ def fsdp_rank_elements(shape: ModelShape, setup: Setup) -> Optional[float]:
     return per_rank * n
 
 
+def expert_param_bytes(shape: ModelShape, setup: Setup) -> Optional[float]:
+    """Bytes of the experts' parameters on one rank (telemetry's memory/expert_params_bytes): whole under ddp and
+    the pipelines' replicas (a stage's own layers), FSDP2's padded shards under fsdp and fsdp_ep (over efsdp, after
+    ep); None for a dense model and where it is not modelled (ZeRO's flat partitions, tensor parallelism)."""
+    if not shape.num_experts or setup.family in ("zero", "tp", "fsdp_tp", "pipeline"):
+        return None
+    experts = [d for d in shape.param_shapes() if len(d) == 3]
+    if setup.family != "fsdp" or setup.shard_with != "fsdp":
+        elements = float(sum(math.prod(d) for d in experts))
+    elif setup.ep > 1:
+        efsdp = setup.dims.degree("efsdp")
+        elements = sum(expert_padded(d, setup.ep, efsdp) / efsdp for d in experts)
+    else:
+        n = setup.dims.dp_shard
+        elements = sum(fsdp_padded(d, n) / n for d in experts)
+    return elements * setup_state_bytes(setup).weights
+
+
 def tp_rank_params(shape: ModelShape, setup: Setup) -> float:
     """Parameters one rank holds under tensor parallelism of degree t (all of them when t = 1): each layer's
     matmul weights and column-parallel biases, the token embedding and the untied LM head split t ways (by

@@ -12,6 +12,7 @@ from dist_train.estimate.fit import FitCell, FitModel, fit_table
 from dist_train.estimate.memory import (
     RankMemory,
     element_bytes,
+    expert_param_bytes,
     kv_cache_bytes,
     predict_memory,
     setup_state_bytes,
@@ -49,6 +50,7 @@ def report_json(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
             for colls in predict_comm(shape, setup)
         ],
         "expert_crossover": asdict(c) if (c := expert_crossover(shape, setup)) else None,
+        "expert_params_bytes_per_rank": expert_param_bytes(shape, setup),
         "fit": [asdict(c) for c in fit_cells(shape, setup, args=args, models=models)],
         "fit_micro_batch": {"micro_batch_size": fit_base(setup, args).micro_batch_size, "seq_len": setup.seq_len},
         "gpu_gib": args.gpu_gib,

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from dist_train.checkpoint.layout import step_dir_name
 from dist_train.estimate import ModelShape, setup_from_config
 from dist_train.estimate.comm import predict_comm
+from dist_train.estimate.memory import expert_param_bytes
 from tests.helpers import FAST, ROOT, assert_same_losses, compare_from, env, forked, last_step, metrics, train_ok
 from tests.launched.test_dryrun import dry_run
 
@@ -115,13 +116,16 @@ def test_expert_parallel_trains_as_one_process_to_every_expert_weight(nproc, sin
                 assert len(counts) == 8 and sum(counts) == micro * tokens * k
                 received = sum(sum(ranks[s][f"moe/layer{layer}/tokens_per_expert"][4 * pos:4 * pos + 4]) for s in group)
                 assert ranks[r][f"moe/layer{layer}/ep_overload"] == pytest.approx(received / (micro * tokens * k))
-    # each rank stores 4 of the 8 experts of each layer, halved again by efsdp on 4 ranks: 4 x 8 x 3 x 64 x 32 fp32
-    assert [rec["memory/expert_params_bytes"] for rec in ranks] == [4 * 8 * 3 * 64 * 32 * 4 // nproc] * nproc
+    # each rank stores 4 of the 8 experts of each layer, halved again by efsdp on 4 ranks: 4 x 8 x 3 x 64 x 32 fp32,
+    # as the estimator predicts them (estimate/memory.py expert_param_bytes)
+    config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    shape, setup = ModelShape.from_config(config["model"]), setup_from_config(config, world_size=nproc)
+    assert [rec["memory/expert_params_bytes"] for rec in ranks] == [4 * 8 * 3 * 64 * 32 * 4 // nproc] * nproc == (
+        [expert_param_bytes(shape, setup)] * nproc)
 
     # The estimator's collectives for this run (estimate/comm.py): each rank's gathers, reductions and norms exactly,
     # calls and bytes; the all-to-alls at balanced routing, which each EP group's ranks send together exactly
-    config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
-    predicted = predict_comm(ModelShape.from_config(config["model"]), setup_from_config(config, world_size=nproc))[0]
+    predicted = predict_comm(shape, setup)[0]
     for rec in ranks:
         for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
             assert rec[f"comm/{op}/count"] == sum(c.calls for c in predicted if c.op == op), op
@@ -150,8 +154,12 @@ def test_an_moe_model_trains_as_one_process_does_and_is_predicted(strategy, sing
     s = train_ok([f"strategy={strategy}", *MOE], run_dir=run_dir, nproc=2)
     assert_same_losses(single, s)
     assert s["num_params"] == single["num_params"] == 281_280
+    config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    expert_bytes = expert_param_bytes(ModelShape.from_config(config["model"]), setup_from_config(config, world_size=2))
     for rec in last_step(run_dir):
         assert rec["memory/params_bytes"] > 0
+        if strategy in ("ddp", "fsdp"):  # whole, or FSDP2's shard: as the estimator predicts (not modelled for ZeRO)
+            assert rec["memory/expert_params_bytes"] == expert_bytes, (strategy, rec["memory/expert_params_bytes"])
     # Step 1, the same weights everywhere: the ranks' router loads add up to one process's, layer by layer (under
     # 1f1b each stage counts its own layers, under their model-wide numbers)
     first = [r for r in metrics(run_dir) if r["step"] == 1]
@@ -215,5 +223,7 @@ def test_more_expert_fsdp_ranks_than_local_experts_split_each_expert_instead(tmp
     s = train_ok(["strategy=fsdp_ep", "strategy.ep=2", *MOE, *two], run_dir=tmp_path / "fsdp_ep", nproc=4)
     for got, want in zip(s["losses"], single["losses"], strict=True):
         assert abs(got - want) < 1e-6, (s["losses"], single["losses"])
-    # 4 layers x 2 experts x (gate, up, down) of 64 x 32, fp32, over 4 ranks
-    assert [r["memory/expert_params_bytes"] for r in s["ranks"]] == [4 * 2 * 3 * 64 * 32 * 4 // 4] * 4
+    # 4 layers x 2 experts x (gate, up, down) of 64 x 32, fp32, over 4 ranks, as the estimator predicts (by rows)
+    config = OmegaConf.to_container(OmegaConf.load(tmp_path / "fsdp_ep" / "config.yaml"), resolve=True)
+    predicted = expert_param_bytes(ModelShape.from_config(config["model"]), setup_from_config(config, world_size=4))
+    assert [r["memory/expert_params_bytes"] for r in s["ranks"]] == [4 * 2 * 3 * 64 * 32 * 4 // 4] * 4 == [predicted] * 4
