@@ -73,7 +73,8 @@ def _grad_norms(run_dir: Path) -> list[float]:
     return [r["grad_norm"] for r in metrics(run_dir) if r["rank"] == 0]
 
 
-@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.beside), 4])  # beside: balances suite.sh
+@pytest.mark.beside  # both: balances tests/suite.sh's two sessions
+@pytest.mark.parametrize("nproc", [2, 4])
 def test_expert_parallel_trains_as_one_process_to_every_expert_weight(nproc, single_moe_sgd, tmp_path):
     """strategy=fsdp_ep, ep=2: on 2 ranks each holds 4 of the 8 experts (efsdp 1); on 4 ranks, each pair of ranks
     holding the same 4 shards them again (efsdp 2, FSDP2's forced-sum path). Against one process on the same global
