@@ -17,7 +17,9 @@ layout: a tensor-parallel group is consecutive ranks, one node's GPUs; pipeline 
 The data-parallel degree, the number of distinct slices of a global batch, is dp_replicate x dp_shard
 (`data_parallel`). Plain `dp` is never a dimension: it names strategy=dp, nn.DataParallel in one process.
 Expert parallelism (`ep`) borrows its ranks from dp_shard x cp, as in torchtitan (strategy=fsdp_ep): the experts'
-own mesh is (efsdp, ep), efsdp = dp_shard x cp / ep ranks that shard the same experts again.
+own mesh is (efsdp, ep), efsdp = dp_shard x cp / ep ranks that shard the same experts again. Where nothing shards
+(dp_shard x cp = 1: strategy=ep, whole replicas of the dense weights) it borrows from dp_replicate instead: the
+experts' mesh is (edp, ep), edp = dp_replicate / ep ranks that hold the same experts whole.
 
 This module is pure arithmetic; the mesh itself is built by dist_train.parallel.mesh.
 """
@@ -62,16 +64,32 @@ class ParallelDims:
             used = " x ".join(f"{name} {getattr(self, name)}" for name in ORDER if getattr(self, name) > 1) or "1"
             raise ConfigError(f"the parallel degrees ({used} = {product}) must multiply to the number of processes "
                               f"({self.world_size})")
-        require((self.dp_shard * self.cp) % self.ep == 0,
-                f"expert-parallel degree ep={self.ep} must divide dp_shard x cp = {self.dp_shard * self.cp}")
+        lender, ranks = self.expert_lender
+        require(ranks % self.ep == 0, f"expert-parallel degree ep={self.ep} must divide {lender} = {ranks}")
         unknown = set(self.kept) - set(ORDER)
         require(not unknown, f"unknown mesh dimension(s) {sorted(unknown)}; known: {', '.join(ORDER)}")
 
     # ------------------------------------------------------------------ degrees
     def degree(self, name: str) -> int:
         if name == "efsdp":  # the experts' FSDP: the ranks of dp_shard x cp that hold the same experts
-            return self.dp_shard * self.cp // self.ep
+            return 1 if self.expert_dims[0] == "edp" else self.dp_shard * self.cp // self.ep
+        if name == "edp":  # the experts' replicas: the ranks of dp_replicate that hold the same experts whole
+            return self.dp_replicate // self.ep if self.expert_dims[0] == "edp" else 1
         return int(getattr(self, name))
+
+    @property
+    def expert_lender(self) -> tuple[str, int]:
+        """The data-parallel ranks expert parallelism borrows its `ep` ranks from, and how many: dp_shard x cp, or
+        dp_replicate where nothing shards (strategy=ep)."""
+        if self.dp_shard * self.cp == 1 and self.dp_replicate > 1:
+            return "dp_replicate", self.dp_replicate
+        return "dp_shard x cp", self.dp_shard * self.cp
+
+    @property
+    def expert_dims(self) -> tuple[str, str]:
+        """The experts' mesh dimensions, outer first: (efsdp, ep) where ep borrows from dp_shard x cp, (edp, ep)
+        where it borrows from dp_replicate."""
+        return ("edp" if self.expert_lender[0] == "dp_replicate" else "efsdp"), "ep"
 
     @property
     def data_parallel(self) -> int:
@@ -158,7 +176,7 @@ def layout_dims(layout: str, world_size: int, *, replicas: int = 1, tp: int = 1,
         tp         every rank a tensor-parallel slice
         fsdp_tp    tensor-parallel groups of `tp`, FSDP over the world / tp groups (kept at degree 1)
         ddp_tp     tensor-parallel groups of `tp`, whole replicas of each across the world / tp groups (Megatron's
-                   TP x DP; kept at degree 1)
+                   TP x DP; kept at degree 1); at tp 1 with `ep`, the experts split over ep of the replicas (ep)
         pipeline   `stages` stages, world / stages replicas of the pipeline over `stage_dp` (dp_replicate: whole
                    stages, DDP; dp_shard: FSDP-sharded stages)
     """
@@ -176,7 +194,7 @@ def layout_dims(layout: str, world_size: int, *, replicas: int = 1, tp: int = 1,
     if layout == "fsdp_tp":
         return ParallelDims(w, dp_shard=max(w // tp, 1), tp=tp, kept=("dp_shard",))
     if layout == "ddp_tp":
-        return ParallelDims(w, dp_replicate=max(w // tp, 1), tp=tp, kept=("dp_replicate",))
+        return ParallelDims(w, dp_replicate=max(w // tp, 1), tp=tp, ep=ep, kept=("dp_replicate",))
     if layout == "pipeline":
         require(stage_dp in ("dp_replicate", "dp_shard"), f"a pipeline's replicas run over dp_replicate or dp_shard, "
                                                           f"not {stage_dp!r}")

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from dist_train.parallel.catalog import GRADIENT_NORM
-from dist_train.estimate.memory import (element_bytes, expert_padded, fsdp_padded, state_bytes, tp_rank_params,
-                                        with_model, zero3_keeps_for_backward, zero3_partitioned)
+from dist_train.estimate.memory import (element_bytes, expert_padded, expert_rank_elements, fsdp_padded, state_bytes,
+                                        tp_rank_params, with_model, zero3_keeps_for_backward, zero3_partitioned)
 from dist_train.estimate.render import human_bytes
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
@@ -137,7 +137,7 @@ def _gradient_norm(shape: ModelShape, setup: Setup) -> Sized:
 def _expert_tensors(shape: ModelShape, setup: Setup) -> int:
     """Under expert parallelism, the experts' gradient tensors (gate_up_proj and down_proj of each MoE layer), whose
     norm is reduced on the experts' own mesh; 0 otherwise."""
-    return 2 * shape.num_layers if setup.ep > 1 else 0
+    return int(_expert_norm(shape).bytes) // 4 if setup.ep > 1 else 0
 
 
 def _zero3_sub_groups(shape: ModelShape, setup: Setup) -> int:
@@ -183,9 +183,12 @@ def _replicate(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
         return {key: Sized(reduces * shape.num_params * 4 / dims.dp_shard,
                            f"fp32 gradient shards across the {dims.dp_replicate} replicas", 4,
                            reduces * (shape.num_layers + 1))}
-    if setup.family == "fsdp_tp":
-        return {key: Sized(tp_rank_params(shape, setup) * 4, "the TP slice's fp32 gradients, once per step", 4,
-                           shape.num_layers + 1)}
+    if setup.family == "fsdp_tp":  # ddp_tp; and ep, whose experts expert_replicate reduces
+        if setup.ep > 1:
+            params, what = tp_rank_params(shape, setup) - expert_rank_elements(shape, setup), "the dense weights'"
+        else:
+            params, what = tp_rank_params(shape, setup), "the TP slice's"
+        return {key: Sized(params * 4, f"{what} fp32 gradients, once per step", 4, shape.num_layers + 1)}
     grads = _moved_bytes(setup).grads
     size = shape.num_params * grads
     return {key: Sized(size, "gradients, once per step (no_sync while accumulating)", int(grads),
@@ -205,8 +208,8 @@ def _fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     num_params = tp_rank_params(shape, setup) if t > 1 else shape.num_params
     if t == 1:  # FSDP2's units as it all-gathers and reduce-scatters them: padded where dim 0 does not divide
         n = setup.dims.dp_shard
-        dense = [d for d in shape.param_shapes() if not (setup.ep > 1 and len(d) == 3)]  # experts: expert_fsdp's
-        layer = [d for module in shape.layer_modules() for d in module if not (setup.ep > 1 and len(d) == 3)]
+        dense = [d for d in shape.param_shapes() if not (setup.ep > 1 and shape.is_experts(d))]  # expert_fsdp's
+        layer = [d for module in shape.layer_modules() for d in module if not (setup.ep > 1 and shape.is_experts(d))]
         block_params = shape.num_layers * sum(fsdp_padded(d, n) for d in layer)
         num_params = sum(fsdp_padded(d, n) for d in dense)
     block_gathers = m * (2 if setup.reshard_after_forward else 1)
@@ -247,7 +250,8 @@ def _expert_fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes
     in the compute dtype; their fp32 gradients reduce-scattered once a step; their norm over efsdp."""
     m, layers = setup.microbatches_per_step, shape.num_layers
     efsdp = setup.dims.degree("efsdp")
-    local = sum(expert_padded(d, setup.ep, efsdp) for module in shape.layer_modules() for d in module if len(d) == 3)
+    local = sum(expert_padded(d, setup.ep, efsdp) for module in shape.layer_modules() for d in module
+                if shape.is_experts(d))
     gathers = m * (2 if setup.reshard_after_forward else 1)
     compute = element_bytes(setup.precision)
     return {
@@ -277,6 +281,14 @@ class ExpertCrossover:
                 f"{self.crossover_tokens:,.0f} tokens per rank and micro-batch (this run: {tokens:,})")
 
 
+def _expert_replicate(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
+    """FSDP2's replicate of each MoE layer's E / ep experts over edp (ep): their fp32 gradients all-reduced once a
+    step, one call per layer."""
+    return {("all_reduce", "expert gradients"): Sized(expert_rank_elements(shape, setup) * 4,
+                                                      "each layer's E/ep experts' fp32 gradients, once per step", 4,
+                                                      shape.num_layers)}
+
+
 def expert_crossover(shape: ModelShape, setup: Setup) -> Optional[ExpertCrossover]:
     """The EP-versus-FSDP trade of an MoE model at this run's batch (None for a dense model). Per MoE layer and
     micro-batch of T tokens on a rank: EP sends 4 T k h elements (6 under checkpointing) of the compute dtype;
@@ -297,7 +309,7 @@ def expert_crossover(shape: ModelShape, setup: Setup) -> Optional[ExpertCrossove
 
 
 def _expert_norm(shape: ModelShape) -> Sized:
-    values = 2 * shape.num_layers
+    values = sum(shape.is_experts(d) for d in shape.param_shapes())  # gate_up_proj and down_proj of each MoE layer
     return Sized(values * 4, f"the experts' gradient norm: {values} fp32 values", 4, 1)
 
 
@@ -432,7 +444,7 @@ def _pipeline(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
 SIZERS: dict[str, Callable[[ModelShape, Setup, Optional[int]], Sizes]] = {
     "replicate": _replicate, "fsdp": _fsdp, "zero1": _zero12, "zero2": _zero12, "zero3": _zero3,
     "tp": _tensor_parallel, "sequence_parallel": _sequence_parallel, "pipeline": _pipeline,
-    "ep": _ep, "expert_fsdp": _expert_fsdp,
+    "ep": _ep, "expert_fsdp": _expert_fsdp, "expert_replicate": _expert_replicate,
 }
 
 

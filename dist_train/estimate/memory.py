@@ -383,22 +383,29 @@ def fsdp_rank_elements(shape: ModelShape, setup: Setup) -> Optional[float]:
     efsdp = setup.dims.degree("efsdp") if ep > 1 else 1
     per_rank = 0.0
     for dims in shape.param_shapes():
-        if ep > 1 and len(dims) == 3:  # stacked experts: over efsdp, after ep
+        if ep > 1 and shape.is_experts(dims):  # stacked experts: over efsdp, after ep
             per_rank += expert_padded(dims, ep, efsdp) / efsdp
         else:
             per_rank += fsdp_padded(dims, n) / n
     return per_rank * n
 
 
+def expert_rank_elements(shape: ModelShape, setup: Setup) -> float:
+    """The experts' parameters one rank holds where nothing shards them further: all of them, or E / ep of every
+    MoE layer's under expert parallelism (strategy=ep's whole copies over edp)."""
+    return shape.num_layers * shape.expert_params / setup.ep if shape.num_experts else 0.0
+
+
 def expert_param_bytes(shape: ModelShape, setup: Setup) -> Optional[float]:
     """Bytes of the experts' parameters on one rank (telemetry's memory/expert_params_bytes): whole under ddp and
-    the pipelines' replicas (a stage's own layers), FSDP2's padded shards under fsdp and fsdp_ep (over efsdp, after
-    ep); None for a dense model and where it is not modelled (ZeRO's flat partitions, tensor parallelism)."""
-    if not shape.num_experts or setup.family in ("zero", "tp", "fsdp_tp", "pipeline"):
+    the pipelines' replicas (a stage's own layers), E / ep of them under ep, FSDP2's padded shards under fsdp and
+    fsdp_ep (over efsdp, after ep); None for a dense model and where it is not modelled (ZeRO's flat partitions,
+    tensor parallelism)."""
+    if not shape.num_experts or setup.family in ("zero", "tp", "pipeline") or setup.tensor_parallel_size > 1:
         return None
-    experts = [d for d in shape.param_shapes() if len(d) == 3]
+    experts = [d for d in shape.param_shapes() if shape.is_experts(d)]
     if setup.family != "fsdp" or setup.shard_with != "fsdp":
-        elements = float(sum(math.prod(d) for d in experts))
+        elements = expert_rank_elements(shape, setup)
     elif setup.ep > 1:
         efsdp = setup.dims.degree("efsdp")
         elements = sum(expert_padded(d, setup.ep, efsdp) / efsdp for d in experts)
@@ -411,11 +418,13 @@ def expert_param_bytes(shape: ModelShape, setup: Setup) -> Optional[float]:
 def tp_rank_params(shape: ModelShape, setup: Setup) -> float:
     """Parameters one rank holds under tensor parallelism of degree t (all of them when t = 1): each layer's
     matmul weights and column-parallel biases, the token embedding and the untied LM head split t ways (by
-    vocabulary), everything else (norms, GPT-2's positions, row-parallel biases) whole."""
+    vocabulary), everything else (norms, GPT-2's positions, row-parallel biases) whole; under expert parallelism
+    over replicas (ep: t = 1), E / ep of each MoE layer's experts."""
     t = setup.tensor_parallel_size
     layers = shape.num_layers * shape.layer_params_tp(t)
     vocab_split = shape.vocab_size * shape.hidden_size * (1 if shape.tie_embeddings else 2)
-    return shape.embedding_params() + layers + shape.head_params() - vocab_split * (1 - 1 / t)
+    experts_elsewhere = shape.num_layers * shape.expert_params - expert_rank_elements(shape, setup)
+    return shape.embedding_params() + layers + shape.head_params() - vocab_split * (1 - 1 / t) - experts_elsewhere
 
 
 def _param_elem(setup: Setup) -> int:

@@ -37,14 +37,17 @@ KNOWN_STRATEGIES: dict[str, tuple[str, int, str]] = {
     "fsdp_tp": ("fsdp_tp", 0, ""),
     "ddp_tp": ("fsdp_tp", 0, ""),
     "fsdp_ep": ("fsdp", 0, ""),
+    "ep": ("fsdp_tp", 0, ""),
 }
 # Strategies the estimator refuses (one line, where a prediction would be wrong), and why.
 NOT_MODELLED: dict[str, str] = {}
-# Registered strategy families (strategies/*.py) that the estimator models as another family with a field set:
-# fsdp_ep is FSDP with the experts split over `ep` ranks (Setup.ep).
-MODELLED_AS = {"fsdp_ep": "fsdp"}
-# What a name implies beside its family (the strategy registry's names, which import torch; a test checks they agree)
-IMPLIED: dict[str, dict[str, Any]] = {"ddp_tp": {"dp_mode": "replicate"}, "fsdp_ep": {"ep": 2}}
+# Registered strategies (by name) that the estimator models as another family with fields set: fsdp_ep is FSDP with
+# the experts split over `ep` ranks (Setup.ep); ep is ddp_tp's FSDP2 replicas at tp 1, the experts split the same way.
+MODELLED_AS = {"fsdp_ep": "fsdp", "ep": "fsdp_tp"}
+# What a name implies beside its family (the strategy registry's names, which import torch; a test checks they agree);
+# a field the run's strategy config does not have comes from here too (ep's tp of 1)
+IMPLIED: dict[str, dict[str, Any]] = {"ddp_tp": {"dp_mode": "replicate"}, "fsdp_ep": {"ep": 2},
+                                      "ep": {"dp_mode": "replicate", "tp": 1, "ep": 2}}
 
 # How model state is stored (bytes per parameter; see memory.state_bytes):
 #   autocast  - fp32 weights, gradients and optimizer state; 16-bit only inside forward/backward. What
@@ -115,7 +118,7 @@ class Setup:
     dp_mode: str = ""
     # fsdp/hsdp: replicas of the sharded state (strategy.replicate; HSDP's dp_replicate degree), 1 = plain FSDP
     replicate: int = 1
-    # fsdp_ep: ranks that split each MoE layer's experts (strategy.ep); 1 = no expert parallelism
+    # fsdp_ep, ep: ranks that split each MoE layer's experts (strategy.ep); 1 = no expert parallelism
     ep: int = 1
 
     def __post_init__(self) -> None:
@@ -249,7 +252,7 @@ def family_of(name: str, strategy: Optional[Mapping[str, Any]] = None) -> tuple[
         return "zero", int(s["stage"]), ""
     if "schedule" in s:
         return "pipeline", 0, str(s["schedule"])
-    if "tp" in s:
+    if "tp" in s or (s.get("dp_mode") == "replicate" and "ep" in s):  # ep: ddp_tp's replicas at tp 1
         return "fsdp_tp", 0, ""
     if "reshard_after_forward" in s:
         return "fsdp", 0, ""
@@ -338,6 +341,6 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         bucket_cap_mb=float(strategy.get("bucket_cap_mb") or 25.0),
         **_zero3_fields(strategy),
     )
-    fields.update(IMPLIED.get(name, {}) if not strategy else {})
+    fields.update({k: v for k, v in IMPLIED.get(name, {}).items() if k not in strategy})
     fields.update(overrides)
     return Setup(**fields)

@@ -225,6 +225,12 @@ class ModelShape:
         """Every parameter tensor's shape, in forward order."""
         return [dims for module in self.module_shapes() for dims in module]
 
+    @staticmethod
+    def is_experts(dims: tuple[int, ...]) -> bool:
+        """Whether a parameter of this shape is an MoE layer's stacked experts (gate_up_proj E x 2I x h, down_proj
+        E x h x I): the only 3-D parameters here, and what expert parallelism splits by expert."""
+        return len(dims) == 3
+
     def module_params(self) -> list[tuple[int, ...]]:
         """Each module's own parameter tensors (their sizes), in forward order: the unit ZeRO-3 gathers."""
         return [tuple(math.prod(dims) for dims in module) for module in self.module_shapes()]

@@ -2,7 +2,7 @@
 collectives it issues, per block, per micro-batch or per step. Pure data: no torch.
 
 A run is a composition of these, read from its degrees (`composition`): a pipeline over `pp`, tensor parallelism over
-`tp`, the experts over `ep` and their FSDP over `efsdp`, FSDP or a ZeRO stage over `dp_shard`, replicas over
+`tp`, the experts over `ep` and their FSDP over `efsdp` (or their replicas over `edp`), FSDP or a ZeRO stage over `dp_shard`, replicas over
 `dp_replicate`. fsdp_tp is tensor parallelism then FSDP,
 hsdp is FSDP then replicas, pp_dp a pipeline then replicas or FSDP of each stage: no combination has an entry of
 its own. The estimator sizes every declared collective (dist_train/estimate/comm.py has one sizer per entry here, and
@@ -111,13 +111,17 @@ PARALLELISMS: dict[str, Parallelism] = {p.name: p for p in (
             "the rows' gradients both ways (a checkpointed block's recomputation, full or selective: its forward's three "
             "again)", False),
          EXPERT_NORM),
-        "expert parallelism (fsdp_ep): dist_train's own dispatch, dist.all_to_all_single"),
+        "expert parallelism (fsdp_ep, ep): dist_train's own dispatch, dist.all_to_all_single"),
     Parallelism(
         "expert_fsdp", "efsdp", STATE_CATEGORIES, "a rank's E / ep experts, sharded again over the ranks holding them",
         (_t("all_gather", "expert parameters", "block", "forward, and again in backward when resharded after forward",
             True),
          _t("reduce_scatter", "expert gradients", "block", "backward: once a step", True), EXPERT_NORM),
         "FSDP2 of the experts over efsdp = dp_shard / ep (fsdp_ep), each layer's experts their own unit"),
+    Parallelism(
+        "expert_replicate", "edp", (), "nothing: the ranks holding the same E / ep experts hold them whole",
+        (_t("all_reduce", "expert gradients", "block", "backward, once a step (held back while accumulating)", True),),
+        "FSDP2's replicate of the experts over edp = dp_replicate / ep (ep), each layer's experts their own unit"),
     Parallelism(
         "pipeline", "pp", STATE_CATEGORIES, "each stage's blocks (and the embedding or head it owns)",
         (_t("send", "boundary", "micro-batch", "activations forward, their gradients backward", False),
@@ -127,7 +131,7 @@ PARALLELISMS: dict[str, Parallelism] = {p.name: p for p in (
 
 # Where each parallelism is applied, innermost first: a pipeline cuts the model, tensor parallelism splits each
 # stage's blocks, then the data-parallel dimensions shard and replicate what a rank holds (parallel/apply.py's order).
-APPLICATION_ORDER = ("pipeline", "tp", "sequence_parallel", "ep", "expert_fsdp", "fsdp", "zero1", "zero2", "zero3",
+APPLICATION_ORDER = ("pipeline", "tp", "sequence_parallel", "ep", "expert_fsdp", "expert_replicate", "fsdp", "zero1", "zero2", "zero3",
                      "replicate")
 SHARDERS = ("fsdp", "zero1", "zero2", "zero3")
 
@@ -144,8 +148,8 @@ def composition(dims: ParallelDims, *, shard_with: Optional[str] = None,
         names.append("pipeline")
     if "tp" in used:
         names.append("sequence_parallel" if sequence_parallel else "tp")
-    if dims.ep > 1:  # the experts' split, then their FSDP2 (parallel/apply.py's experts step), before the dense FSDP2
-        names += ["ep", "expert_fsdp"]
+    if dims.ep > 1:  # the experts' split, then their FSDP2 or replicas (parallel/apply.py's experts step), before
+        names += ["ep", "expert_replicate" if dims.expert_dims[0] == "edp" else "expert_fsdp"]  # the dense ones
     if "dp_shard" in used:
         if shard_with is None:
             raise ValueError(f"degrees {dims.describe()} shard over dp_shard: say with what ({', '.join(SHARDERS)})")

@@ -86,7 +86,13 @@ def parallelize_experts(model: nn.Module, mesh: Any, *, precision: Any, divide_b
     from torch.distributed.tensor import Shard
 
     shard_experts(model, mesh["ep"])
-    efsdp = mesh["efsdp"]
+    outer = mesh[mesh.mesh_dim_names[0]]  # efsdp, or edp (strategy=ep)
+    if mesh.mesh_dim_names[0] == "edp" and outer.size() > 1:  # whole copies over edp, their gradients all-reduced
+        _replicate_experts(model, outer, precision=precision, divide_by=divide_by)
+        return
+    # FSDP2 over efsdp; also over a one-rank edp, where it holds them whole and sends nothing (FSDP2's replicate
+    # would still all-reduce each experts module's gradients with itself: measured, one call per layer)
+    efsdp = outer
     for experts in expert_modules(model):
         # FSDP2 splits dim 0, the experts: with more efsdp ranks than this rank's experts each would hold a padded
         # row (Qwen3-30B-A3B on 1,024 ranks, ep 8: 16 experts over 128 ranks, 6.7 times the even share, found by the
@@ -97,6 +103,21 @@ def parallelize_experts(model: nn.Module, mesh: Any, *, precision: Any, divide_b
         experts.set_gradient_divide_factor(float(divide_by))
         if efsdp.size() > 1:
             experts.set_force_sum_reduction_for_comms(True)
+
+
+def _replicate_experts(model: nn.Module, edp: Any, *, precision: Any, divide_by: int) -> None:
+    """strategy=ep's experts: FSDP2's replicate over `edp`, the ranks holding the same E/ep experts whole, each
+    experts module its own unit (one all-reduce of its fp32 gradients a step; the dense replicas' own all-reduce
+    then leaves them out), divided by `divide_by` as parallelize_experts says. Without set_force_sum_reduction_for_comms:
+    replicate divides locally, then all-reduces with SUM (gloo and NCCL alike); with it, torch 2.13 divides twice,
+    before and after the all-reduce (measured on 4 ranks, ep 2: the gradients were divide_by^2 too small)."""
+    from dist_train.parallel.fsdp import mixed_precision
+
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for experts in expert_modules(model):
+        replicate(experts, mesh=edp, mp_policy=mixed_precision(precision))
+        experts.set_gradient_divide_factor(float(divide_by))
 
 
 @dataclass

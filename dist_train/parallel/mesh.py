@@ -25,14 +25,15 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Any:
 
 
 def build_expert_mesh(dims: ParallelDims, device_type: str) -> Any:
-    """The experts' mesh, (efsdp, ep) over the same ranks as the run's mesh, efsdp = data-parallel ranks / ep (the
-    ranks that hold the same experts, which FSDP2 shards them over); None where dims.ep is 1. torchtitan and
-    transformers lay expert parallelism out the same way."""
+    """The experts' mesh over the same ranks as the run's mesh: (efsdp, ep), efsdp = data-parallel ranks / ep (the
+    ranks that hold the same experts, which FSDP2 shards them over: fsdp_ep), or (edp, ep) where the dense weights
+    are whole replicas (strategy=ep: edp ranks hold the same experts whole and all-reduce their gradients); None
+    where dims.ep is 1. torchtitan and transformers lay expert parallelism out the same way."""
     if dims.ep <= 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (dims.world_size // dims.ep, dims.ep), mesh_dim_names=("efsdp", "ep"))
+    return init_device_mesh(device_type, (dims.world_size // dims.ep, dims.ep), mesh_dim_names=dims.expert_dims)
 
 
 def mesh_groups(mesh: Any) -> dict[str, list[int]]:

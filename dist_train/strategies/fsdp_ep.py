@@ -1,20 +1,24 @@
-"""Expert parallelism with FSDP2 (torchtitan's and transformers' layout): the experts of every MoE layer split over
-`strategy.ep` ranks, the tokens sent to them by all-to-all; everything else (attention, norms, routers, embeddings,
-head) sharded by FSDP2 over all ranks, as strategy=fsdp shards it. A preset of degrees over dist_train.parallel.apply,
-whose experts step is dist_train/parallel/experts.py.
+"""Expert parallelism: the experts of every MoE layer split over `strategy.ep` ranks, the tokens sent to them by
+all-to-all (dist_train/parallel/experts.py), in two layouts of the dense weights (attention, norms, routers,
+embeddings, head):
 
-Two meshes over the same ranks: the dense one, (dp_shard) of the whole world, and the experts', (efsdp, ep) with
-efsdp = world / ep: each rank holds E/ep experts of every MoE layer, FSDP2-sharded again over the efsdp ranks that
-hold the same ones (nothing more when ep = world). Every rank trains on its own slice of the batch (data-parallel
-degree = world), and an expert's gradient is divided by that degree, not by its efsdp group. The gradient norm adds
-the two meshes' norms (strategies/base.py).
+- fsdp_ep (torchtitan's and transformers' layout): FSDP2 over all ranks, as strategy=fsdp shards them. The experts'
+  mesh is (efsdp, ep), efsdp = world / ep: each rank's E/ep experts are FSDP2-sharded again over the efsdp ranks that
+  hold the same ones (nothing more when ep = world);
+- ep (`strategy.dp_mode=replicate`): whole replicas on every rank, as ddp holds them (FSDP2's replicate, each block's
+  gradients all-reduced once a step). The experts' mesh is (edp, ep), edp = world / ep: the ranks holding the same
+  E/ep experts keep them whole and all-reduce their gradients once a step (nothing more when ep = world).
+
+Both are presets of degrees over dist_train.parallel.apply. Every rank trains on its own slice of the batch
+(data-parallel degree = world), and an expert's gradient is divided by that degree, not by its efsdp or edp group.
+The gradient norm adds the meshes' norms (strategies/base.py).
 
 The all-to-alls appear in telemetry as `comm/all_to_all/...` and `comm/ep/all_to_all/...`: per MoE layer and
 micro-batch, the counts, then the rows forward and back, each mirrored in backward.
 
-The estimator models it (parallel/catalog.py's ep and expert_fsdp, estimate/comm.py), the advisor searches its ep.
-Not built yet: the model is built whole on each rank and then sharded (no meta build, so a model must fit one rank's
-memory before sharding); the dry run (routing depends on values); ep with tensor parallelism or a pipeline.
+The estimator models both (parallel/catalog.py's ep, expert_fsdp and expert_replicate; estimate/comm.py), the dry run
+runs them (routing balanced), the advisor searches their ep. Not built yet: the model is built whole on each rank and
+then split (no meta build, so a model must fit one rank's memory first); ep with tensor parallelism or a pipeline.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dist_train.config import RunConfig, StrategyConfig, require
+from dist_train.config import RunConfig, StrategyConfig, choice, require
 from dist_train.contracts import StrategyFamily
 from dist_train.parallel.apply import Sharding
 from dist_train.parallel_dims import ParallelDims, layout_dims
@@ -31,14 +35,20 @@ from dist_train.strategies.parallelized import MeshWrapper
 from dist_train.strategies.torch_strategy import TorchStrategy
 
 
+DP_MODES = ("fsdp", "replicate")
+
+
 @dataclass
 class FSDPEPConfig(StrategyConfig):
-    """FSDP2 over every rank for the dense weights, experts split over `ep` ranks (and FSDP2 over world / ep)."""
+    """Experts split over `ep` ranks; the dense weights FSDP2-sharded over every rank (fsdp_ep, and the experts
+    again over world / ep) or whole on every rank (ep, and the experts whole over world / ep)."""
 
     name: str = "fsdp_ep"
     # ranks that split each MoE layer's experts between them; it must divide the world and the number of experts
     ep: int = 2
     reshard_after_forward: bool = True
+    # how the data-parallel ranks hold the dense weights: fsdp (sharded, fsdp_ep) | replicate (whole, ep)
+    dp_mode: str = "fsdp"
 
     transforms_in_parallelize: ClassVar[bool] = True  # parallel/apply.py: checkpointing, compile, experts, FSDP2
 
@@ -47,13 +57,17 @@ class FSDPEPConfig(StrategyConfig):
         return False  # DTensor shards
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
+        if self.dp_mode == "replicate":  # ddp_tp's layout at tp 1: whole replicas over dp_replicate
+            return layout_dims("ddp_tp", world_size, tp=1, ep=min(self.ep, world_size))
         return layout_dims("fsdp", world_size, ep=min(self.ep, world_size))
 
     def check(self, world_size: int) -> None:
+        choice("strategy.dp_mode", self.dp_mode, DP_MODES)
         require(self.ep >= 1, f"strategy.ep={self.ep} must be >= 1")
+        outer = "edp" if self.dp_mode == "replicate" else "efsdp"
         require(world_size % self.ep == 0,
                 f"strategy.ep={self.ep} must divide the number of processes ({world_size}): the experts' mesh is "
-                f"(efsdp {world_size}/{self.ep}) x (ep {self.ep})")
+                f"({outer} {world_size}/{self.ep}) x (ep {self.ep})")
 
     def check_run(self, run: RunConfig, world_size: int) -> None:
         super().check_run(run, world_size)
@@ -71,4 +85,5 @@ def build(cfg: FSDPEPConfig, ctx: StrategyContext) -> TorchStrategy:
     return TorchStrategy(cfg.name, ctx, wrapper)
 
 
-FAMILY = StrategyFamily(family="fsdp_ep", schema=FSDPEPConfig, names={"fsdp_ep": {}}, build=build)
+FAMILY = StrategyFamily(family="fsdp_ep", schema=FSDPEPConfig,
+                        names={"fsdp_ep": {}, "ep": {"dp_mode": "replicate"}}, build=build)

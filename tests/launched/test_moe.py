@@ -73,18 +73,21 @@ def _grad_norms(run_dir: Path) -> list[float]:
     return [r["grad_norm"] for r in metrics(run_dir) if r["rank"] == 0]
 
 
-@pytest.mark.beside  # both: balances tests/suite.sh's two sessions
+@pytest.mark.beside  # all: balances tests/suite.sh's two sessions
+@pytest.mark.parametrize("strategy", ["fsdp_ep", "ep"])
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_expert_parallel_trains_as_one_process_to_every_expert_weight(nproc, single_moe_sgd, tmp_path):
+def test_expert_parallel_trains_as_one_process_to_every_expert_weight(strategy, nproc, single_moe_sgd, tmp_path):
     """strategy=fsdp_ep, ep=2: on 2 ranks each holds 4 of the 8 experts (efsdp 1); on 4 ranks, each pair of ranks
-    holding the same 4 shards them again (efsdp 2, FSDP2's forced-sum path). Against one process on the same global
+    holding the same 4 shards them again (efsdp 2, FSDP2's forced-sum path). strategy=ep, ep=2: the dense weights
+    whole on every rank; on 4 ranks each pair holding the same 4 experts all-reduces their gradients (edp 2, FSDP2's
+    replicate, whose forced-sum path would divide them twice: measured). Against one process on the same global
     batch: the loss and the gradient norm of every step within 1e-6, and each expert's and router's weights after
     the last step (after SGD: see SGD). A loss alone would hardly do: the classic bug, expert gradients scaled by the
     expert group's size instead of the number of batches, moved the step-2 loss by 5e-6 here (measured on 2 ranks,
     dividing by world / 2), which this test's 1e-6 catches; the weights and gradient norms are compared too."""
     single_dir, single = single_moe_sgd
-    run_dir = tmp_path / "fsdp_ep"
-    s = train_ok(["strategy=fsdp_ep", "strategy.ep=2", *MOE, *SGD], run_dir=run_dir, nproc=nproc)
+    run_dir = tmp_path / strategy
+    s = train_ok([f"strategy={strategy}", "strategy.ep=2", *MOE, *SGD], run_dir=run_dir, nproc=nproc)
     assert s["data_parallel_size"] == nproc
     for got, want in zip(s["losses"], single["losses"], strict=True):
         assert abs(got - want) < 1e-6, (s["losses"], single["losses"])
@@ -117,11 +120,12 @@ def test_expert_parallel_trains_as_one_process_to_every_expert_weight(nproc, sin
                 assert len(counts) == 8 and sum(counts) == micro * tokens * k
                 received = sum(sum(ranks[s][f"moe/layer{layer}/tokens_per_expert"][4 * pos:4 * pos + 4]) for s in group)
                 assert ranks[r][f"moe/layer{layer}/ep_overload"] == pytest.approx(received / (micro * tokens * k))
-    # each rank stores 4 of the 8 experts of each layer, halved again by efsdp on 4 ranks: 4 x 8 x 3 x 64 x 32 fp32,
-    # as the estimator predicts them (estimate/memory.py expert_param_bytes)
+    # each rank stores 4 of the 8 experts of each layer (4 x 4 x 3 x 64 x 32 fp32), under fsdp_ep halved again by
+    # efsdp on 4 ranks, as the estimator predicts them (estimate/memory.py expert_param_bytes)
     config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
     shape, setup = ModelShape.from_config(config["model"]), setup_from_config(config, world_size=nproc)
-    assert [rec["memory/expert_params_bytes"] for rec in ranks] == [4 * 8 * 3 * 64 * 32 * 4 // nproc] * nproc == (
+    share = nproc if strategy == "fsdp_ep" else 2
+    assert [rec["memory/expert_params_bytes"] for rec in ranks] == [4 * 8 * 3 * 64 * 32 * 4 // share] * nproc == (
         [expert_param_bytes(shape, setup)] * nproc)
 
     # The estimator's collectives for this run (estimate/comm.py): each rank's gathers, reductions and norms exactly,
@@ -132,17 +136,18 @@ def test_expert_parallel_trains_as_one_process_to_every_expert_weight(nproc, sin
             assert rec[f"comm/{op}/count"] == sum(c.calls for c in predicted if c.op == op), op
             if op != "all_to_all":
                 assert rec[f"comm/{op}/bytes"] == sum(c.bytes for c in predicted if c.op == op), op
-        if nproc == 4:  # the experts' FSDP over its own ranks
-            assert rec["comm/efsdp/all_gather/bytes"] == sum(c.bytes for c in predicted if c.dim == "efsdp"
-                                                              and c.op == "all_gather")
+        if nproc == 4:  # the experts' FSDP, or their replicas' all-reduce, over its own ranks
+            key = "efsdp/all_gather" if strategy == "fsdp_ep" else "edp/all_reduce"
+            dim, op = key.split("/")
+            assert rec[f"comm/{key}/bytes"] == sum(c.bytes for c in predicted if c.dim == dim and c.op == op) > 0
     a2a = sum(c.bytes for c in predicted if c.op == "all_to_all")
     for group in ([0, 1], [2, 3])[: nproc // 2]:
         assert sum(ranks[r]["comm/all_to_all/bytes"] for r in group) == len(group) * a2a
     if nproc == 2:  # each rank's parameters, gradients and optimizer state as the estimator predicts them
         rows = compare_from(tmp_path / "compare", single_dir, run_dir)
-        assert rows["fsdp_ep"]["model_state_ok"] is True, rows["fsdp_ep"]
+        assert rows[strategy]["model_state_ok"] is True, rows[strategy]
         # and the dry run (balanced routing) as the real run, rank by rank; its all-to-alls are the estimator's
-        _assert_dry_run_equals(["strategy=fsdp_ep", "strategy.ep=2", *MOE, *SGD], s, nproc=nproc, a2a=a2a)
+        _assert_dry_run_equals([f"strategy={strategy}", "strategy.ep=2", *MOE, *SGD], s, nproc=nproc, a2a=a2a)
 
 
 # ddp (its buckets hold the stacked experts like any parameter), FSDP2 (one block, experts included, per all-gather),

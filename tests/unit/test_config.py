@@ -167,6 +167,7 @@ BATCH_LINES = {
     "fsdp_tp": (4, ["strategy.tp=2"], "micro_batch 2 x accumulation 2 x data_parallel 2 | tensor_parallel 2"),
     "ddp_tp": (4, ["strategy.tp=2"], "micro_batch 2 x accumulation 2 x data_parallel 2 | tensor_parallel 2"),
     "fsdp_ep": (2, ["model=tiny_moe"], "micro_batch 2 x accumulation 2 x data_parallel 2"),
+    "ep": (2, ["model=tiny_moe"], "micro_batch 2 x accumulation 2 x data_parallel 2"),
     "gpipe": (2, [], "micro_batch 2 x pipeline_microbatches 4 x data_parallel 1 | pipeline_stages 2"),
     "1f1b": (2, [], "micro_batch 2 x pipeline_microbatches 4 x data_parallel 1 | pipeline_stages 2"),
     "pp_dp": (4, ["strategy.pp=2"], "micro_batch 2 x pipeline_microbatches 2 x data_parallel 2 | pipeline_stages 2"),

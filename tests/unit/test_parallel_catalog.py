@@ -9,7 +9,7 @@ import pytest
 
 from dist_train.config import ModelConfig
 from dist_train.estimate.comm import SIZERS, predict_comm
-from dist_train.estimate.setup import KNOWN_STRATEGIES, Setup
+from dist_train.estimate.setup import IMPLIED, KNOWN_STRATEGIES, Setup
 from dist_train.estimate.shapes import ModelShape
 from dist_train.estimate.compose import model_config
 from dist_train.parallel.catalog import GRADIENT_NORM, PARALLELISMS, composition
@@ -80,6 +80,15 @@ def test_the_estimator_sizes_every_declared_collective_and_nothing_else():
         ("all_gather", "expert parameters", "efsdp", 4), ("reduce_scatter", "expert gradients", "efsdp", 4),
         ("all_reduce", "expert gradient norm", "efsdp", 4), ("all_gather", "parameters", "dp_shard", 8),
         ("reduce_scatter", "gradients", "dp_shard", 8), ("all_reduce", "gradient norm", "dp_shard", 8)]
+    # over replicas (strategy=ep): the experts split over ep, their replicas over edp, the dense replicas over the rest
+    ep = _setup("ep", 8, **IMPLIED["ep"])
+    assert [p.name for p in ep.parallelisms] == ["ep", "expert_replicate", "replicate"]
+    covered.update(p.name for p in ep.parallelisms)
+    assert [(c.op, c.moves, c.dim, c.group_size, c.calls) for c in predict_comm(MOE_SHAPE, ep)[0]] == [
+        ("all_to_all", "tokens", "ep", 2, 5 * MOE_SHAPE.num_layers * ep.microbatches_per_step),
+        ("all_reduce", "expert gradient norm", "ep", 2, 1),
+        ("all_reduce", "expert gradients", "edp", 4, MOE_SHAPE.num_layers),
+        ("all_reduce", "gradients", "dp_replicate", 8, MOE_SHAPE.num_layers + 1)]
     assert covered == set(PARALLELISMS)
 
 

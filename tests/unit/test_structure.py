@@ -156,7 +156,7 @@ def test_each_strategy_yaml_composes_to_what_its_module_registers(name):
             setup_from_config(OmegaConf.to_container(cfg, resolve=True), world_size=2)
         return
     setup = setup_from_config(OmegaConf.to_container(cfg, resolve=True), world_size=2)
-    assert setup.family == MODELLED_AS.get(family.family, family.family)
+    assert setup.family == MODELLED_AS.get(name, family.family)
 
 
 def test_no_strategy_parallelism_or_estimator_module_names_an_architecture():
