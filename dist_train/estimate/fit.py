@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from dist_train.estimate.memory import SHAPED_OPTIMIZERS, RankMemory, model_state_bytes, predict_memory
-from dist_train.estimate.setup import Setup, family_of
+from dist_train.estimate.setup import Setup, family_of, named_only
 from dist_train.estimate.render import human_count
 from dist_train.estimate.shapes import PRESETS, ModelShape, find_preset
 
@@ -25,8 +25,8 @@ class FitModel:
     name: str
     num_params: float
     shape: Optional[ModelShape] = None
-    # strategy family -> why training refuses this model under it at any world size (a model directory whose
-    # architecture has no pipeline or tensor-parallel plan): its cells are n/a with that reason
+    # strategy -> why training refuses this model under it at any world size (a model directory whose architecture
+    # has no pipeline or tensor-parallel plan, an MoE model under tensor parallelism): its cells are n/a with that reason
     refused: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -47,11 +47,12 @@ def worst_rank(ranks: list[RankMemory]) -> RankMemory:
 def fit_cell(model: FitModel, *, base: Setup, strategy: str, world_size: int, gpu_bytes: float) -> FitCell:
     """`base` gives precision, optimizer, micro-batch, sequence length; a pipeline runs M = K micro-batches."""
     family, stage, schedule = family_of(strategy)
+    own = {} if strategy == base.strategy else named_only(strategy)
     setup = replace(base, strategy=strategy, family=family, zero_stage=stage, schedule=schedule,
                     world_size=world_size, split_points=None,
-                    num_microbatches=world_size if family == "pipeline" else None, global_batch_size=None)
-    if family in model.refused:
-        return FitCell(model.name, strategy, world_size, None, False, model.refused[family])
+                    num_microbatches=world_size if family == "pipeline" else None, global_batch_size=None, **own)
+    if strategy in model.refused:
+        return FitCell(model.name, strategy, world_size, None, False, model.refused[strategy])
     if family == "tp":
         if model.shape is None:
             return FitCell(model.name, strategy, world_size, None, False, "needs a model shape")
@@ -104,7 +105,7 @@ def fit_shape(name: str) -> ModelShape:
 
 
 def model_refusals(run: Any) -> dict[str, str]:
-    """Strategy families training refuses for the run's own model whatever the world size (a model directory
+    """Strategies training refuses for the run's own model whatever the world size (a model directory
     whose architecture has no pipeline or no tensor-parallel plan in transformers), with training's reason: the
     same checks the strategies run (pipeline.check_splittable, base.check_tensor_parallel)."""
     from dist_train.config import ConfigError
@@ -114,12 +115,12 @@ def model_refusals(run: Any) -> dict[str, str]:
     if run.model.path is None:  # the presets and conf/model shapes: GPT-2 and Llama, which both split
         return {}
     out: dict[str, str] = {}
-    for families, check in ((("pipeline",), lambda: check_splittable(run, what="pipelines")),
-                            (("tp", "fsdp_tp"), lambda: check_tensor_parallel(run, 1, what="tensor parallelism"))):
+    for names, check in ((("gpipe", "1f1b", "pp_dp"), lambda: check_splittable(run, what="pipelines")),
+                         (("tp", "fsdp_tp", "ddp_tp"), lambda: check_tensor_parallel(run, 1, what="tensor parallelism"))):
         try:
             check()
         except ConfigError as exc:
-            out.update(dict.fromkeys(families, str(exc)))
+            out.update(dict.fromkeys(names, str(exc)))
     return out
 
 

@@ -9,7 +9,7 @@ not exist yet, by name.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -304,6 +304,18 @@ def _replicas(strategy: Mapping[str, Any], world_size: int) -> int:
     if "replicate" not in strategy:
         return 1
     return int(strategy["replicate"]) if strategy["replicate"] is not None else nodes_of_launch(world_size)
+
+
+# The fields a strategy's own config sets (strategy.<field>): another strategy, named only, takes Setup's defaults
+# for them and what its name implies, not the run's own strategy's values.
+STRATEGY_FIELDS = ("tp", "dp_mode", "ep", "replicate", "pp", "sequence_parallel", "plugin")
+
+
+def named_only(name: str) -> dict[str, Any]:
+    """The strategy fields of strategy `name` named without its config: Setup's defaults and IMPLIED[name] (ddp_tp's
+    replicas, fsdp_ep's and ep's ep of 2, ep's tp of 1)."""
+    defaults = {f.name: f.default for f in fields(Setup) if f.name in STRATEGY_FIELDS}
+    return {**defaults, **IMPLIED.get(name, {})}
 
 
 def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: Any) -> Setup:

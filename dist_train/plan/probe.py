@@ -28,8 +28,9 @@ from dist_train.estimate.shapes import ModelShape
 # The families probed beyond ddp, each by one strategy; a family the world size cannot run is skipped.
 HOOKED = ("fsdp", "tp", "zero1", "zero2", "zero3", "gpipe")
 # Which probe stands for each searched strategy (its overhead_s key is the probe's).
-PROBED_BY = {"fsdp": "fsdp", "hsdp": "fsdp", "fsdp_ep": "fsdp", "tp": "tp", "fsdp_tp": "tp", "ddp_tp": "tp", "zero1": "zero1",
-             "zero2": "zero2", "zero3": "zero3", "gpipe": "gpipe", "1f1b": "gpipe", "pp_dp": "gpipe"}
+PROBED_BY = {"fsdp": "fsdp", "hsdp": "fsdp", "fsdp_ep": "fsdp", "ep": "fsdp", "tp": "tp", "fsdp_tp": "tp",
+             "ddp_tp": "tp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "gpipe": "gpipe", "1f1b": "gpipe",
+             "pp_dp": "gpipe"}
 
 
 def probes_for(strategies: tuple[str, ...]) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ from dist_train.estimate.step_time import StepTime, predict_step
 # What the search enumerates. dp (torch DataParallel: one process drives every GPU) and accelerate (the user's
 # own Accelerate set-up) are left out: neither is a configuration to choose by degrees.
 SEARCHED = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "fsdp_tp", "ddp_tp", "1f1b", "gpipe",
-            "pp_dp", "fsdp_ep")
+            "pp_dp", "fsdp_ep", "ep")
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,8 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
                     continue
                 why = f"tp={tp} does not divide the {heads} heads and {kv} kv heads" if heads % tp or kv % tp else None
                 yield name, {"tp": tp}, (f"strategy={name}", f"strategy.tp={tp}"), why
-        elif name == "fsdp_ep":  # experts over ep ranks of a node, as torchtitan places them; dense weights FSDP
+        elif name in ("fsdp_ep", "ep"):  # experts over ep ranks of a node, as torchtitan places them; dense weights
+            # FSDP-sharded (fsdp_ep) or whole replicas (ep)
             if not shape.num_experts:
                 continue  # a dense model: nothing to split
             for ep in _degrees(min(w, gpus_per_node)):

@@ -189,10 +189,11 @@ def test_the_expert_parallel_crossover_is_the_hand_count_and_the_advisor_searche
     for mode in ("full", "selective"):  # the recomputation runs the dispatch's forward again
         assert expert_crossover(shape, Setup(**{**setup.__dict__, "activation_checkpointing": mode})).ep_bytes == (
             c.ep_bytes * 6 / 4)
-    offered = [(f["ep"], why) for _, f, _, why in layouts(shape, world_size=16, gpus_per_node=8, strategies=("fsdp_ep",))]
-    assert offered == [(2, None), (4, None), (8, None)]
+    offered = [(name, f["ep"], why) for name, f, _, why in layouts(shape, world_size=16, gpus_per_node=8,
+                                                                  strategies=("fsdp_ep", "ep"))]
+    assert offered == [(name, ep, None) for name in ("fsdp_ep", "ep") for ep in (2, 4, 8)]
     dense = ModelShape.from_config({**model_config("tiny_moe"), "num_experts": 0, "ffn_hidden_size": 64})
-    assert list(layouts(dense, world_size=16, gpus_per_node=8, strategies=("fsdp_ep",))) == []
+    assert list(layouts(dense, world_size=16, gpus_per_node=8, strategies=("fsdp_ep", "ep"))) == []
 
 
 @pytest.mark.parametrize(("dims", "n"), [((128, 2048), 1024), ((128,), 1024), ((2048,), 1024), ((7, 3), 4), ((8, 5), 4),
@@ -225,3 +226,48 @@ def test_fsdp_state_per_rank_counts_the_padding_at_scale():
     assert plain / (big.num_params / n) > 7
     small = ModelShape.from_config(model_config("tiny_moe"))
     assert fsdp_rank_elements(small, Setup(strategy="fsdp_ep", family="fsdp", world_size=4, ep=2)) == small.num_params
+
+
+def test_expert_parallelism_borrows_from_the_replicas_where_nothing_shards():
+    """strategy=ep's degrees: whole replicas over every rank (dp_replicate), ep borrowed from them, the experts' mesh
+    (edp, ep); fsdp_ep's borrows from dp_shard, (efsdp, ep). An ep that does not divide the ranks it borrows from is
+    one line naming them."""
+    from dist_train.errors import ConfigError
+    from dist_train.parallel_dims import ParallelDims, layout_dims
+
+    ep = layout_dims("ddp_tp", 8, tp=1, ep=2)
+    assert (ep.dp_replicate, ep.dp_shard, ep.expert_dims, ep.degree("edp"), ep.degree("efsdp")) == (
+        8, 1, ("edp", "ep"), 4, 1)
+    fsdp_ep = layout_dims("fsdp", 8, ep=2)
+    assert (fsdp_ep.expert_dims, fsdp_ep.degree("efsdp"), fsdp_ep.degree("edp")) == (("efsdp", "ep"), 4, 1)
+    with pytest.raises(ConfigError, match=r"^expert-parallel degree ep=3 must divide dp_replicate = 8$"):
+        ParallelDims(8, dp_replicate=8, ep=3)
+    with pytest.raises(ConfigError, match=r"^expert-parallel degree ep=3 must divide dp_shard x cp = 8$"):
+        ParallelDims(8, dp_shard=8, ep=3)
+
+
+def test_the_fit_table_prices_each_expert_layout_by_its_name_and_refuses_only_tensor_parallelism():
+    """fit.strategies=[ddp,fsdp_ep,ep] on an MoE model: ep holds the dense weights whole and E/ep of the experts, so
+    less than ddp; fsdp_ep's FSDP2 less again (each by what its name implies, not the run's own strategy fields: before,
+    fsdp_ep was priced as plain fsdp and ep as fsdp_tp at tp 2). Training refuses tensor parallelism for an MoE model,
+    and the table says so for tp, fsdp_tp and ddp_tp only: ep, which the estimator models as ddp_tp's replicas at tp 1,
+    is priced."""
+    from dist_train.estimate.fit import FitModel, fit_cell
+    from dist_train.estimate.memory import expert_param_bytes, predict_memory
+    from dist_train.estimate.setup import Setup
+
+    shape = ModelShape.from_config(model_config("tiny_moe"))
+    base = Setup(strategy="ddp", family="ddp", world_size=8, micro_batch_size=1, seq_len=64)
+    refused = dict.fromkeys(("tp", "fsdp_tp", "ddp_tp"), "model.num_experts=8: tensor parallelism here splits dense "
+                                                         "blocks only")
+    model = FitModel(shape.name, shape.num_params, shape, refused=refused)
+    cells = {s: fit_cell(model, base=base, strategy=s, world_size=8, gpu_bytes=2**40)
+             for s in ("ddp", "fsdp_ep", "ep", "ddp_tp")}
+    assert cells["ddp_tp"].peak_bytes is None and cells["ddp_tp"].note == refused["ddp_tp"]
+    assert cells["ddp"].peak_bytes > cells["ep"].peak_bytes > cells["fsdp_ep"].peak_bytes
+    # ep's model state: the dense weights whole, E/2 experts (strategy=ep's default ep of 2), fp32 AdamW's 16 B each
+    ep = Setup(strategy="ep", family="fsdp_tp", world_size=8, micro_batch_size=1, seq_len=64, tp=1,
+               dp_mode="replicate", ep=2)
+    held = shape.dense_params + shape.num_layers * shape.expert_params / 2
+    assert predict_memory(shape, ep)[0].model_state == 16 * held
+    assert expert_param_bytes(shape, ep) == 4 * shape.num_layers * shape.expert_params / 2
