@@ -10,11 +10,12 @@
    data-parallel dimension is `dp_replicate` (ddp_tp), FSDP2's replicate instead: whole replicas, each block's
    gradients all-reduced once a step, nothing gathered.
 
-Before step 4, where the degrees have `ep` (fsdp_ep): every MoE layer's experts split over the experts' mesh's `ep`
-dimension, the tokens sent to them by all-to-all (parallel/experts.py), and FSDP2 over its `efsdp` dimension, each
-experts module its own unit; step 4 then leaves them to it.
+Before step 4, where the degrees have `ep` (fsdp_ep, ep): every MoE layer's experts split over the experts' mesh's
+`ep` dimension, the tokens sent to them by all-to-all (parallel/experts.py), and FSDP2 over its `efsdp` dimension
+(or FSDP2's replicate over `edp`, where the dense weights are replicas: ep), each experts module its own unit; step 4
+then leaves them to it.
 
-fsdp, hsdp, tp, fsdp_tp, ddp_tp and fsdp_ep are presets of degrees over this one function
+fsdp, hsdp, tp, fsdp_tp, ddp_tp, fsdp_ep and ep are presets of degrees over this one function
 (strategies/parallelized.py); a pipeline applies it to each of its stages (pp_dp with dp_mode=fsdp). A new axis is one
 more step here, in its place in the order.
 """

@@ -1,5 +1,5 @@
 """The wrapper of every strategy that is a preset of degrees over dist_train.parallel.apply (fsdp, hsdp, tp,
-fsdp_tp, ddp_tp, fsdp_ep): the mesh (and the experts' mesh, where there is expert parallelism) is built once from the
+fsdp_tp, ddp_tp, fsdp_ep, ep): the mesh (and the experts' mesh, where there is expert parallelism) is built once from the
 strategy's ParallelDims, then `parallelize` applies tensor parallelism, the experts' split and FSDP2 in their fixed
 order. Only the degrees and options differ between those strategies."""
 
@@ -26,7 +26,7 @@ class MeshWrapper:
         self.reduce_every_microbatch = reduce_every_microbatch
         self.dims = cfg.parallel_dims(ctx.runtime.world_size)
         self.mesh: Any = None
-        self.expert_mesh: Any = None  # (efsdp, ep) where the degrees have ep (fsdp_ep)
+        self.expert_mesh: Any = None  # (efsdp, ep) or (edp, ep) where the degrees have ep (fsdp_ep, ep)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # The mesh, DTensor and FSDP2 are imported by the runs that use them only (start-up time).

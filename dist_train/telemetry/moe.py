@@ -12,7 +12,7 @@ the host once, and become, for each layer L:
 - `moe/layer{L}/dead_experts`: experts that received no pair;
 
 and over the layers `moe/maxvio` (the worst layer), `moe/dead_experts` (summed) and `moe/expert_utilisation` (the
-mean fraction of experts that received a pair). Under expert parallelism (fsdp_ep), `moe/layer{L}/ep_overload` is
+mean fraction of experts that received a pair). Under expert parallelism (fsdp_ep, ep), `moe/layer{L}/ep_overload` is
 the rows this rank's experts received over the pairs it routed: every rank routes the same number of pairs, so the
 mean over the EP group is 1 and the largest is the most loaded rank's overload (`moe/ep_overload`, the worst layer;
 W&B's `/max` over ranks). `memory/expert_params_bytes` is the part of `memory/params_bytes` that experts hold.
