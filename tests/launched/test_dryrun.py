@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.conftest import CHECKPOINTED, NPROC
 from tests.helpers import FAST, ROOT, env, forked_python
 
 
@@ -23,16 +24,25 @@ def dry_run(overrides: list[str], *, world_size: int, ranks: list[int]) -> subpr
                       f"dryrun.ranks=[{','.join(map(str, ranks))}]", "format=json"])
 
 
+# Where the suite runs a strategy only as conftest's straight_run, the dry run is compared with that run (a step of
+# an 8-step run with checkpoints and evaluations is the same step) rather than with a run of its own.
+SHARED_STRAIGHT = ("tp", "fsdp_tp")
+
+
 @pytest.mark.parametrize(("strategy", "nproc"), [("ddp", 2), ("fsdp", 2), ("hsdp", 4), ("tp", 2), ("fsdp_tp", 4),
                                                   ("ddp_tp", 4), ("pp_dp", 4), ("1f1b", 2), ("zero2", 2), ("zero3", 2)])
-def test_dry_run_equals_a_real_run(strategy, nproc, fast_run):
+def test_dry_run_equals_a_real_run(strategy, nproc, fast_run, straight_run):
     # ddp with 0.2 MB buckets: tiny's 0.96 MB of gradients go in several all-reduces, not one. DeepSpeed's reduction
     # bucket as training sizes it, hidden^2 (4,096 elements; parallel/buckets.py): several reductions too, the larger
     # parameters reduced outside it, and a bucket that does not hide the rest of the peak.
     extra = {"ddp": ["strategy.bucket_cap_mb=0.2"], "hsdp": ["strategy.replicate=2"]}.get(strategy, [])
-    overrides = [f"strategy={strategy}", *FAST, *extra]
-    # the same run tests/launched/test_zero.py and others read
-    _, real = fast_run(f"strategy={strategy}", *extra, nproc=nproc)
+    if strategy in SHARED_STRAIGHT:  # the 8-step checkpointed run the tensor-parallel tests read (conftest.py)
+        overrides = [f"strategy={strategy}", *CHECKPOINTED]
+        _, real = straight_run(strategy)
+        assert NPROC[strategy] == nproc
+    else:  # the same run tests/launched/test_zero.py and others read
+        overrides = [f"strategy={strategy}", *FAST, *extra]
+        _, real = fast_run(f"strategy={strategy}", *extra, nproc=nproc)
     # The first and the last rank, as the comparison's dry-run rows take them: on 4 ranks a pipeline's first and last
     # stage, and the corners of a 2 x 2 mesh (ranks 1 and 2 repeat their roles); a process of its own each.
     _assert_dry_run_equals(strategy, overrides, real, nproc=nproc)

@@ -172,8 +172,7 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_single_and_names_each_dimensions_traffic(
     """tp=2 inside, FSDP2 over the 2 groups: half of TP's per-rank state per rank, Megatron's all-reduces on the
     tp groups, FSDP's gathers and reduce-scatters on the dp_shard groups, and the estimator agrees (compare.from)."""
     single_dir, single = straight_run("single")
-    run_dir = tmp_path / "fsdp_tp"
-    s = train_ok(["strategy=fsdp_tp", "strategy.tp=2", *CHECKPOINTED], run_dir=run_dir, nproc=4)
+    run_dir, s = straight_run("fsdp_tp")  # tp 2 (its default) on 4 ranks: conftest.NPROC
     assert_same_losses(single, s, steps=8)
     assert s["world_size"] == 4 and s["data_parallel_size"] == 2
     tp_rank = s["num_params"] - _split_elements(ModelConfig()) // 2  # what one rank of a TP pair holds
