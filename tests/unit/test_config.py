@@ -55,6 +55,11 @@ def test_defaults_validate_for_one_and_two_processes():
         (["strategy=fsdp_ep", "model=tiny_moe", "strategy.ep=3"], 6, "strategy.ep=3 must divide model.num_experts=8"),
         (["strategy=fsdp_ep", "model=tiny_moe", "strategy.ep=4"], 2, "strategy.ep=4 must divide the number of "
          "processes (2)"),
+        (["strategy=ep"], 2, "strategy=ep: model tiny has no experts (model.num_experts=0)"),
+        (["strategy=ep", "model=tiny_moe", "strategy.ep=4"], 6, "strategy.ep=4 must divide the number of processes "
+         "(6): the experts' mesh is (edp 6/4) x (ep 4)"),
+        (["strategy=ep", "model=tiny_moe", "strategy.dp_mode=shard"], 2, "strategy.dp_mode='shard' is not supported; "
+         "allowed: fsdp, replicate"),
         (["model=tiny_moe", "model.experts_implementation=fused"], 1,
          "model.experts_implementation='fused' is not supported; allowed: eager, grouped_mm, batched_mm"),
         (["strategy=accelerate", "strategy.plugin=zero"], 2, "strategy.plugin='zero' is not supported; allowed: ddp"),
