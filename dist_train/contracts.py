@@ -183,13 +183,19 @@ class ModelState:
     params: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor | None] = field(default_factory=list)
     optimizer: list[torch.Tensor] = field(default_factory=list)
+    # An MoE model's experts' part of the three (a torch optimizer's state, keyed by parameter), None where there is
+    # none or it cannot be told apart (DeepSpeed's flat partitions)
+    experts: ModelState | None = None
 
     def bytes(self) -> dict[str, int]:
-        return {
+        out = {
             "memory/params_bytes": tensor_bytes(self.params),
             "memory/grads_bytes": tensor_bytes(self.grads),
             "memory/optimizer_bytes": tensor_bytes(self.optimizer),
         }
+        if self.experts is not None:  # memory/expert_params_bytes, memory/expert_grads_bytes, ...
+            out.update({k.replace("memory/", "memory/expert_"): v for k, v in self.experts.bytes().items()})
+        return out
 
     def by_dtype(self) -> dict[str, int]:
         """The same bytes split by dtype, as the study notes count them (fp32 master, bf16 weights, fp32

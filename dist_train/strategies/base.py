@@ -204,7 +204,18 @@ class LocalOptimizer:
             params=params,
             grads=[p.grad for p in params],
             optimizer=optimizer_state_tensors(self.optimizer),
+            experts=self._expert_state(model),
         )
+
+    def _expert_state(self, model: nn.Module) -> ModelState | None:
+        """The experts' parameters, gradients and optimizer state (this rank's shards), None for a dense model."""
+        from dist_train.architectures import expert_modules
+
+        params = [p for module in expert_modules(model) for p in module.parameters()]
+        if not params:
+            return None
+        state = [v for p in params for v in self.optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        return ModelState(params=params, grads=[p.grad for p in params], optimizer=state)
 
 
 def accumulate(

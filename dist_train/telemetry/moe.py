@@ -15,7 +15,9 @@ and over the layers `moe/maxvio` (the worst layer), `moe/dead_experts` (summed) 
 mean fraction of experts that received a pair). Under expert parallelism (fsdp_ep, ep), `moe/layer{L}/ep_overload` is
 the rows this rank's experts received over the pairs it routed: every rank routes the same number of pairs, so the
 mean over the EP group is 1 and the largest is the most loaded rank's overload (`moe/ep_overload`, the worst layer;
-W&B's `/max` over ranks). `memory/expert_params_bytes` is the part of `memory/params_bytes` that experts hold.
+W&B's `/max` over ranks). `memory/expert_params_bytes` is the part of `memory/params_bytes` that experts hold (also
+under ZeRO-3's partitions; `memory/expert_grads_bytes` and `memory/expert_optimizer_bytes` come with the strategy's
+ModelState, contracts.py, where its optimizer is torch's).
 
 The loads are this rank's tokens, not the global batch's: summing `tokens_per_expert` over ranks gives the global
 load, and no collective is added to the step to do so. summary.json's `moe_load` does that sum over every window

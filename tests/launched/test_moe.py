@@ -127,6 +127,9 @@ def test_expert_parallel_trains_as_one_process_to_every_expert_weight(strategy, 
     share = nproc if strategy == "fsdp_ep" else 2
     assert [rec["memory/expert_params_bytes"] for rec in ranks] == [4 * 8 * 3 * 64 * 32 * 4 // share] * nproc == (
         [expert_param_bytes(shape, setup)] * nproc)
+    # and their gradients and SGD's momentum buffers (conf/optimizer/sgd.yaml), the same shards in fp32
+    assert [(r["memory/expert_grads_bytes"], r["memory/expert_optimizer_bytes"]) for r in ranks] == (
+        [(4 * 8 * 3 * 64 * 32 * 4 // share,) * 2] * nproc)
 
     # The estimator's collectives for this run (estimate/comm.py): each rank's gathers, reductions and norms exactly,
     # calls and bytes; the all-to-alls at balanced routing, which each EP group's ranks send together exactly
@@ -166,6 +169,14 @@ def test_an_moe_model_trains_as_one_process_does_and_is_predicted(strategy, sing
         assert rec["memory/params_bytes"] > 0
         if strategy in ("ddp", "fsdp"):  # whole, or FSDP2's shard: as the estimator predicts (not modelled for ZeRO)
             assert rec["memory/expert_params_bytes"] == expert_bytes, (strategy, rec["memory/expert_params_bytes"])
+        if strategy != "zero3":  # the experts' fp32 gradients and AdamW's two moments of them, and a step count for
+            # each of the 8 expert tensors (a pipeline stage: its own layers'); DeepSpeed's flat partitions: not split
+            ours = rec["memory/expert_params_bytes"]
+            assert rec["memory/expert_grads_bytes"] == ours > 0, strategy
+            tensors = 2 * (4 if strategy != "1f1b" else 2)  # gate_up_proj and down_proj of each of its layers
+            assert rec["memory/expert_optimizer_bytes"] == 2 * ours + 4 * tensors, strategy
+        else:
+            assert "memory/expert_grads_bytes" not in rec
     # Step 1, the same weights everywhere: the ranks' router loads add up to one process's, layer by layer (under
     # 1f1b each stage counts its own layers, under their model-wide numbers)
     first = [r for r in metrics(run_dir) if r["step"] == 1]
