@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # Strategies whose resume must be bit-exact (issue 8, and tp since), and how many processes each runs.
 RESUMABLE = {"single": 0, "ddp": 2, "fsdp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "gpipe": 2, "1f1b": 2, "tp": 2}
-NPROC = {**RESUMABLE, "dp": 0, "fsdp_tp": 4}  # fsdp_tp: a 2 x 2 mesh
+NPROC = {**RESUMABLE, "dp": 0, "fsdp_tp": 4, "ddp_tp": 4}  # fsdp_tp, ddp_tp: a 2 x 2 mesh
 # 8 steps, a checkpoint after step 4 and step 8, both kept; the held-out loss after each (tests/launched/test_eval.py).
 EVALUATED = ["eval.every_steps=4"]
 CHECKPOINTED = ["logger=none", *FAST, "train.steps=8", "checkpoint.every_steps=4", "checkpoint.keep_last=0", *EVALUATED]

@@ -26,11 +26,13 @@ def dry_run(overrides: list[str], *, world_size: int, ranks: list[int]) -> subpr
 
 # Where the suite runs a strategy only as conftest's straight_run, the dry run is compared with that run (a step of
 # an 8-step run with checkpoints and evaluations is the same step) rather than with a run of its own.
-SHARED_STRAIGHT = ("tp", "fsdp_tp")
+SHARED_STRAIGHT = ("tp", "fsdp_tp", "ddp_tp")
 
 
-@pytest.mark.parametrize(("strategy", "nproc"), [("ddp", 2), ("fsdp", 2), ("hsdp", 4), ("tp", 2), ("fsdp_tp", 4),
-                                                  ("ddp_tp", 4), ("pp_dp", 4), ("1f1b", 2), ("zero2", 2), ("zero3", 2)])
+@pytest.mark.parametrize(("strategy", "nproc"), [
+    ("ddp", 2), ("fsdp", 2), ("hsdp", 4), ("tp", 2), ("fsdp_tp", 4),
+    pytest.param("ddp_tp", 4, marks=pytest.mark.beside),  # beside, where test_tensor_parallel's ddp_tp run is
+    ("pp_dp", 4), ("1f1b", 2), ("zero2", 2), ("zero3", 2)])
 def test_dry_run_equals_a_real_run(strategy, nproc, fast_run, straight_run):
     # ddp with 0.2 MB buckets: tiny's 0.96 MB of gradients go in several all-reduces, not one. DeepSpeed's reduction
     # bucket as training sizes it, hidden^2 (4,096 elements; parallel/buckets.py): several reductions too, the larger

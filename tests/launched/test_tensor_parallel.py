@@ -9,7 +9,6 @@ import pytest
 from dist_train.checkpoint.layout import step_dir_name
 from dist_train.config import ModelConfig
 from dist_train.model import build_model, transformer_blocks
-from tests.conftest import CHECKPOINTED
 from tests.helpers import FAST, assert_same_losses, compare_from, last_step, rel_diff, train_ok
 
 
@@ -119,8 +118,7 @@ def test_ddp_tp_on_a_2x2_mesh_matches_single_holds_a_whole_tp_slice_and_all_redu
     agrees (compare.from); its checkpoint resumes bit-exact on the same mesh. Beside the other launched runs
     (tests/suite.sh): it balances the two sessions."""
     single_dir, single = straight_run("single")
-    run_dir = tmp_path / "ddp_tp"
-    s = train_ok(["strategy=ddp_tp", "strategy.tp=2", *CHECKPOINTED], run_dir=run_dir, nproc=4)
+    run_dir, s = straight_run("ddp_tp")  # tp 2 (its default) on 4 ranks: conftest.NPROC
     assert_same_losses(single, s, steps=8)
     assert s["world_size"] == 4 and s["data_parallel_size"] == 2 and s["accumulation_steps"] == 2
     tp_rank = s["num_params"] - _split_elements(ModelConfig()) // 2  # what one rank of a TP pair holds
