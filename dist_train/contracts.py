@@ -112,8 +112,9 @@ def full_of(t: Any) -> torch.Tensor:
 def place_like(full: torch.Tensor, current: Any) -> Any:
     """`full` laid out as the DTensor `current` is, each rank keeping its own part (no communication). 1-D (tp,
     fsdp): DTensor does it. 2-D (dp, tp) of fsdp_tp: TP's split on the inner dimension by DTensor, then FSDP2's
-    dim-0 chunk of that by hand (DTensor's own scatter of the nested placements is wrong too, see `full_of`); ddp_tp's
-    replicas (Replicate on the outer dimension) keep TP's split whole."""
+    chunk of that by hand, on its dim (0; fsdp_ep's experts split by rows: 1) (DTensor's own scatter of the nested
+    placements is wrong too, see `full_of`); ddp_tp's replicas (Replicate on the outer dimension) keep TP's split
+    whole, as ep's replicas keep their experts."""
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     mesh = current.device_mesh
@@ -121,8 +122,8 @@ def place_like(full: torch.Tensor, current: Any) -> Any:
         return distribute_tensor(full, mesh, current.placements, src_data_rank=None)
     inner = mesh[mesh.mesh_dim_names[1]]
     tp_local = distribute_tensor(full, inner, [current.placements[1]], src_data_rank=None).to_local()
-    local = tp_local if type(current.placements[0]) is Replicate else tp_local.chunk(mesh.size(0), dim=0)[
-        mesh.get_local_rank(0)]
+    outer = current.placements[0]
+    local = tp_local if type(outer) is Replicate else tp_local.chunk(mesh.size(0), dim=outer.dim)[mesh.get_local_rank(0)]
     return DTensor.from_local(local.contiguous(), mesh, current.placements, run_check=False,
                               shape=current.shape, stride=current.stride())
 

@@ -30,7 +30,11 @@ PHI3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 # StableLM: no pipeline and no tensor-parallel plan in transformers; a plain decoder stack, cut into stages by its
 # structure (dist_train.model._stack_layout)
 ONE_STRATEGY = {"phi3": PHI3, "stablelm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                               num_attention_heads=4, num_key_value_heads=4)}
+                                               num_attention_heads=4, num_key_value_heads=4),
+                # Qwen3-MoE, every layer 4 experts of width 32, top-2: saved one expert at a time, stacked when built
+                "qwen3_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                  num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, decoder_sparse_step=1, mlp_only_layers=[])}
 
 
 def make_model_dir(root: Path, arch: str = "llama", *, weights: str = "safetensors", shard: bool = False,

@@ -17,8 +17,9 @@ The all-to-alls appear in telemetry as `comm/all_to_all/...` and `comm/ep/all_to
 micro-batch, the counts, then the rows forward and back, each mirrored in backward.
 
 The estimator models both (parallel/catalog.py's ep, expert_fsdp and expert_replicate; estimate/comm.py), the dry run
-runs them (routing balanced), the advisor searches their ep. Not built yet: the model is built whole on each rank and
-then split (no meta build, so a model must fit one rank's memory first); ep with tensor parallelism or a pipeline.
+runs them (routing balanced), the advisor searches their ep. Built on meta, split and sharded, then each rank fills
+its part (session.loads_own_shard; an MoE model read from a directory is built whole instead, see there). Not built
+yet: ep with tensor parallelism or a pipeline.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class FSDPEPConfig(StrategyConfig):
     dp_mode: str = "fsdp"
 
     transforms_in_parallelize: ClassVar[bool] = True  # parallel/apply.py: checkpointing, compile, experts, FSDP2
+    loads_own_shard: ClassVar[bool] = True  # split and sharded on meta, then each rank fills its experts and rows
 
     @property
     def optimizer_sees_whole_tensors(self) -> bool:
