@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RESUMABLE
-from tests.helpers import ROOT, env
+from tests.conftest import NPROC, RESUMABLE
+from tests.helpers import ROOT, env, train_ok
 
 
 STRATEGIES = [s for s in RESUMABLE]  # single, ddp, fsdp, zero1-3, gpipe, 1f1b
@@ -52,11 +52,19 @@ def test_fp32_runs_are_predicted_within_ten_percent(straight_run, tmp_path):
 BF16 = [s for s in STRATEGIES if s not in ("1f1b", "zero1", "gpipe")]
 
 
-@pytest.mark.beside  # its own comparison, a minute: balances the two sessions (tests/suite.sh)
+@pytest.mark.beside  # balances the two sessions (tests/suite.sh)
 def test_bf16_and_fp16_runs_are_predicted_within_ten_percent(tmp_path):
-    rows = _compare(tmp_path, f"compare.strategies=[{','.join(BF16 + FP16)}]", "compare.nproc=2",
-                    "precision=bf16", "logger=none", "model=tiny", "train.steps=2",
-                    "train.global_batch_size=8")  # 2 micro-batches per rank: accumulation is predicted too
+    """Each row's run forked (tests/forkserver.py: their own comparison's torchrun rows took 74 s of the suite), then
+    compared as compare.from compares finished runs, as the fp32 rows above are."""
+    common = ["precision=bf16", "logger=none", "model=tiny", "train.steps=2",
+              "train.global_batch_size=8"]  # 2 micro-batches per rank: accumulation is predicted too
+    dirs = {label: tmp_path / label.replace("+", "_").replace("=", "-") for label in BF16 + FP16}  # Hydra's paths
+    for label, run_dir in dirs.items():
+        name, *extra = label.split("+")
+        train_ok([f"strategy={name}", *common, *extra], run_dir=run_dir, nproc=NPROC[name])
+    table = _compare(tmp_path / "compare", f"compare.from=[{','.join(map(str, dirs.values()))}]")
+    label_of = {run_dir.name: label for label, run_dir in dirs.items()}
+    rows = {label_of[Path(row["run_dir"]).name]: row for row in table.values()}
     _assert_predicted(rows, BF16 + FP16)
     # the new categories were really there to compare
     assert rows["single"]["mem_weight_copies_max_bytes"] > 0 and rows["single"]["err_weight_copies"] == 0
