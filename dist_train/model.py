@@ -60,8 +60,11 @@ def weight_source(cfg: ModelConfig, seed: int) -> Any:
 
     if cfg.path is not None and cfg.init == "pretrained":
         from dist_train.pretrained import ModelDir
+        from dist_train.weights import experts_stacked
 
-        return ModelDir.open(cfg.path)
+        d = ModelDir.open(cfg.path)
+        # an MoE model's files hold each expert apart, where the model stacks them
+        return experts_stacked(d, d.raw_config().get("model_type", "")) if cfg.num_experts else d
     make = _constructor(cfg)
     with torch.device("meta"):
         reference = make()

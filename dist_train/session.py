@@ -212,11 +212,9 @@ def attach_router_load(run: RunConfig, model: Any) -> Any:
 def loads_own_shard(run: RunConfig) -> bool:
     """Whether the model is built without weights and each rank fills only what it holds, from the files or the
     seeded random init: under a strategy that can (fsdp, fsdp_tp, tp, zero3, the pipelines, fsdp_ep, ep). LoRA's
-    adapters are made on the built model: it is built whole. So is an MoE model read from a directory: its files hold
-    each expert apart (transformers' save_pretrained) where the model stacks them, and that conversion is
-    transformers' loading's, which the shard-by-shard reader (weights.py) does not do."""
-    moe_files = run.model.path is not None and run.model.num_experts > 0
-    return run.peft.name == "none" and run.strategy.loads_own_shard and not moe_files
+    adapters are made on the built model: it is built whole. An MoE model's files, which hold each expert apart, are
+    read stacked as the model holds them (weights.StackedExperts)."""
+    return run.peft.name == "none" and run.strategy.loads_own_shard
 
 
 def _materializer(run: RunConfig, runtime: Any, memory: dict[str, int]) -> Any:

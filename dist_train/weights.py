@@ -63,10 +63,78 @@ class WeightSource:
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Tensor `name`, or only its rows [start, stop) (dim 0): from safetensors, only those bytes are read."""
-        handle = self._handle(self.locations[name])
+        return self._read(self.locations[name], name, start, stop)
+
+    def _read(self, unit: Any, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        handle = self._handle(unit)
         if start is None:
             return handle.get_tensor(name) if hasattr(handle, "get_tensor") else handle[name]
         return handle.get_slice(name)[start:stop] if hasattr(handle, "get_slice") else handle[name][start:stop]
+
+
+class StackedExperts(WeightSource):
+    """A model directory whose files hold each expert of an MoE layer apart (transformers' save_pretrained:
+    `mlp.experts.3.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.3.w1.weight`), read as the built model
+    stacks them (`mlp.experts.gate_up_proj`, E x 2I x h; `mlp.experts.down_proj`, E x h x I): transformers' own
+    conversion for the architecture (its WeightRenamings, and its WeightConverters that stack the experts,
+    MergeModulelist on dim 0, then Concatenate on dim 1 for gate and up), applied as each tensor is read. Rows
+    [start, stop) of a stacked tensor are experts start to stop - 1: a rank reads only its experts' tensors."""
+
+    def __init__(self, source: WeightSource, mapping: list[Any]) -> None:
+        import re
+
+        self.source = source
+        renames = [(a, b) for t in mapping if type(t).__name__ == "WeightRenaming"
+                   for a, b in zip(t.source_patterns, t.target_patterns)]
+        stacks = [t for t in mapping if type(t).__name__ == "WeightConverter" and _stacks_experts(t)]
+        self.saved: dict[str, str] = {}  # the model's name of each saved tensor that is not an expert's
+        self.stacked: dict[str, list[dict[int, str]]] = {}  # stacked name -> per source pattern, expert -> saved
+        patterns = [(conv, k, re.compile("^(.*)" + re.escape(p).replace(r"\*", r"(\d+)") + "$"))
+                    for conv in stacks for k, p in enumerate(conv.source_patterns)]
+        for saved in source.locations:
+            name = saved
+            for a, b in renames:
+                name = name.replace(a, b)
+            for conv, k, pattern in patterns:
+                found = pattern.match(name)
+                if found:
+                    target = found.group(1) + conv.target_patterns[0]
+                    parts = self.stacked.setdefault(target, [{} for _ in conv.source_patterns])
+                    parts[k][int(found.group(2))] = saved
+                    break
+            else:
+                self.saved[name] = saved
+        self.locations = {name: source.locations[saved] for name, saved in self.saved.items()}
+        self.locations.update({name: source.locations[parts[0][min(parts[0])]] for name, parts in self.stacked.items()})
+
+    def _open_unit(self, unit: Any) -> Any:
+        return self.source._open_unit(unit)
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        if name not in self.stacked:
+            return self._read(self.locations[name], self.saved[name], start, stop)
+        parts = self.stacked[name]
+        experts = sorted(parts[0])[start:stop]
+        stacked = [torch.stack([self._read(self.source.locations[p[e]], p[e]) for e in experts]) for p in parts]
+        return torch.cat(stacked, dim=1) if len(stacked) > 1 else stacked[0]
+
+
+def _stacks_experts(converter: Any) -> bool:
+    """A WeightConverter that stacks one tensor per expert (MergeModulelist on dim 0), then joins gate and up
+    (Concatenate on dim 1): the only conversion StackedExperts does."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    single = all(p.count("*") == 1 for p in converter.source_patterns) and len(converter.target_patterns) == 1
+    return single and ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
+
+
+def experts_stacked(source: WeightSource, model_type: str) -> WeightSource:
+    """`source` read as an MoE model of `model_type` stacks its experts, where its files hold them apart and
+    transformers has a conversion for it; `source` itself otherwise."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    mapping = get_checkpoint_conversion_mapping(model_type) or []
+    stacked = StackedExperts(source, mapping)
+    return stacked if stacked.stacked else source
 
 
 def unit_seed(seed: int, unit: str) -> int:

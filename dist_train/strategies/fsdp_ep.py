@@ -18,7 +18,7 @@ micro-batch, the counts, then the rows forward and back, each mirrored in backwa
 
 The estimator models both (parallel/catalog.py's ep, expert_fsdp and expert_replicate; estimate/comm.py), the dry run
 runs them (routing balanced), the advisor searches their ep. Built on meta, split and sharded, then each rank fills
-its part (session.loads_own_shard; an MoE model read from a directory is built whole instead, see there). Not built
+its part, from the seeded init or a directory's files (weights.StackedExperts reads its experts stacked). Not built
 yet: ep with tensor parallelism or a pipeline.
 """
 

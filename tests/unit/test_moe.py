@@ -271,3 +271,38 @@ def test_the_fit_table_prices_each_expert_layout_by_its_name_and_refuses_only_te
     held = shape.dense_params + shape.num_layers * shape.expert_params / 2
     assert predict_memory(shape, ep)[0].model_state == 16 * held
     assert expert_param_bytes(shape, ep) == 4 * shape.num_layers * shape.expert_params / 2
+
+
+def test_an_moe_directorys_experts_are_read_stacked_and_only_the_asked_ones(tmp_path):
+    """Mixtral's files hold each expert apart, under block_sparse_moe and as w1/w3/w2 (save_pretrained writes what
+    transformers' conversion reads back): weights.experts_stacked reads them as the model holds them, transformers'
+    own conversion applied per read. Rows [1, 3) of a stacked tensor are experts 1 and 2, equal to the loaded
+    model's, and only their tensors are read (a rank holding 2 of 4 experts reads half of them)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    from dist_train.pretrained import ModelDir
+    from dist_train.weights import StackedExperts, experts_stacked
+
+    cfg = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=128)
+    torch.manual_seed(3)
+    MixtralForCausalLM(cfg).save_pretrained(tmp_path)
+    d = ModelDir.open(str(tmp_path))
+    assert any(".block_sparse_moe.experts.3.w1.weight" in n for n in d.locations)  # saved apart, as Mixtral's
+    source = experts_stacked(d, "mixtral")
+    assert isinstance(source, StackedExperts)
+    loaded = dict(AutoModelForCausalLM.from_pretrained(tmp_path).named_parameters())
+    assert set(source.locations) == set(loaded)  # every tensor of the built model, by its own name
+    read: list[str] = []
+    source._read = lambda unit, name, *a, _read=source._read: read.append(name) or _read(unit, name, *a)
+    for name, parts in (("model.layers.1.mlp.experts.gate_up_proj", ("w1", "w3")),
+                        ("model.layers.1.mlp.experts.down_proj", ("w2",))):
+        read.clear()
+        assert torch.equal(source.read(name, 1, 3), loaded[name][1:3].detach())
+        assert read == [f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight" for w in parts for e in (1, 2)]
+        assert torch.equal(source.read(name), loaded[name].detach())
+    assert torch.equal(source.read("model.layers.0.self_attn.q_proj.weight"),
+                       loaded["model.layers.0.self_attn.q_proj.weight"].detach())
+    # a dense directory, or one saved stacked, is read as it is
+    assert experts_stacked(d, "llama") is d
