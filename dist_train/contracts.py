@@ -121,9 +121,10 @@ def place_like(full: torch.Tensor, current: Any) -> Any:
     if mesh.ndim == 1:
         return distribute_tensor(full, mesh, current.placements, src_data_rank=None)
     inner = mesh[mesh.mesh_dim_names[1]]
-    tp_local = distribute_tensor(full, inner, [current.placements[1]], src_data_rank=None).to_local()
+    local = distribute_tensor(full, inner, [current.placements[1]], src_data_rank=None).to_local()
     outer = current.placements[0]
-    local = tp_local if type(outer) is Replicate else tp_local.chunk(mesh.size(0), dim=outer.dim)[mesh.get_local_rank(0)]
+    if type(outer) is not Replicate:
+        local = local.chunk(mesh.size(0), dim=outer.dim)[mesh.get_local_rank(0)]
     return DTensor.from_local(local.contiguous(), mesh, current.placements, run_check=False,
                               shape=current.shape, stride=current.stride())
 

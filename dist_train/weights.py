@@ -116,6 +116,8 @@ class StackedExperts(WeightSource):
         parts = self.stacked[name]
         experts = sorted(parts[0])[start:stop]
         stacked = [torch.stack([self._read(self.source.locations[p[e]], p[e]) for e in experts]) for p in parts]
+        for unit in [u for u in self._handles if u != self.locations[name]]:  # other files its experts were in:
+            self._handles.pop(unit)  # by_unit holds one unit at a time, the one it files this name under
         return torch.cat(stacked, dim=1) if len(stacked) > 1 else stacked[0]
 
 

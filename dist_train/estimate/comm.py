@@ -137,7 +137,7 @@ def _gradient_norm(shape: ModelShape, setup: Setup) -> Sized:
 def _expert_tensors(shape: ModelShape, setup: Setup) -> int:
     """Under expert parallelism, the experts' gradient tensors (gate_up_proj and down_proj of each MoE layer), whose
     norm is reduced on the experts' own mesh; 0 otherwise."""
-    return int(_expert_norm(shape).bytes) // 4 if setup.ep > 1 else 0
+    return _num_expert_tensors(shape) if setup.ep > 1 else 0
 
 
 def _zero3_sub_groups(shape: ModelShape, setup: Setup) -> int:
@@ -308,8 +308,13 @@ def expert_crossover(shape: ModelShape, setup: Setup) -> Optional[ExpertCrossove
     return ExpertCrossover(ep, gather, crossover)
 
 
+def _num_expert_tensors(shape: ModelShape) -> int:
+    """gate_up_proj and down_proj of each MoE layer."""
+    return sum(shape.is_experts(d) for d in shape.param_shapes())
+
+
 def _expert_norm(shape: ModelShape) -> Sized:
-    values = sum(shape.is_experts(d) for d in shape.param_shapes())  # gate_up_proj and down_proj of each MoE layer
+    values = _num_expert_tensors(shape)
     return Sized(values * 4, f"the experts' gradient norm: {values} fp32 values", 4, 1)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from dist_train.estimate.memory import SHAPED_OPTIMIZERS, RankMemory, model_state_bytes, predict_memory
-from dist_train.estimate.setup import Setup, family_of, named_only
+from dist_train.estimate.setup import KNOWN_STRATEGIES, MODELLED_AS, Setup, family_of, named_only
 from dist_train.estimate.render import human_count
 from dist_train.estimate.shapes import PRESETS, ModelShape, find_preset
 
@@ -26,7 +26,8 @@ class FitModel:
     num_params: float
     shape: Optional[ModelShape] = None
     # strategy -> why training refuses this model under it at any world size (a model directory whose architecture
-    # has no pipeline or tensor-parallel plan, an MoE model under tensor parallelism): its cells are n/a with that reason
+    # has no pipeline or tensor-parallel plan, an MoE model under tensor parallelism): its cells are n/a with that
+    # reason
     refused: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -104,6 +105,12 @@ def fit_shape(name: str) -> ModelShape:
                      f"{', '.join(s.name for s in PRESETS.values())}, {', '.join(groups)}")
 
 
+def _named(families: tuple[str, ...]) -> tuple[str, ...]:
+    """The strategies of these estimator families, less those only modelled as one (ep as ddp_tp's replicas at
+    tp 1 splits no projection)."""
+    return tuple(n for n, (family, _, _) in KNOWN_STRATEGIES.items() if family in families and n not in MODELLED_AS)
+
+
 def model_refusals(run: Any) -> dict[str, str]:
     """Strategies training refuses for the run's own model whatever the world size (a model directory
     whose architecture has no pipeline or no tensor-parallel plan in transformers), with training's reason: the
@@ -115,8 +122,8 @@ def model_refusals(run: Any) -> dict[str, str]:
     if run.model.path is None:  # the presets and conf/model shapes: GPT-2 and Llama, which both split
         return {}
     out: dict[str, str] = {}
-    for names, check in ((("gpipe", "1f1b", "pp_dp"), lambda: check_splittable(run, what="pipelines")),
-                         (("tp", "fsdp_tp", "ddp_tp"), lambda: check_tensor_parallel(run, 1, what="tensor parallelism"))):
+    for names, check in ((_named(("pipeline",)), lambda: check_splittable(run, what="pipelines")),
+                         (_named(("tp", "fsdp_tp")), lambda: check_tensor_parallel(run, 1, what="tensor parallelism"))):
         try:
             check()
         except ConfigError as exc:

@@ -2,8 +2,8 @@
 collectives it issues, per block, per micro-batch or per step. Pure data: no torch.
 
 A run is a composition of these, read from its degrees (`composition`): a pipeline over `pp`, tensor parallelism over
-`tp`, the experts over `ep` and their FSDP over `efsdp` (or their replicas over `edp`), FSDP or a ZeRO stage over `dp_shard`, replicas over
-`dp_replicate`. fsdp_tp is tensor parallelism then FSDP,
+`tp`, the experts over `ep` and their FSDP over `efsdp` (or their replicas over `edp`), FSDP or a ZeRO stage over
+`dp_shard`, replicas over `dp_replicate`. fsdp_tp is tensor parallelism then FSDP,
 hsdp is FSDP then replicas, pp_dp a pipeline then replicas or FSDP of each stage: no combination has an entry of
 its own. The estimator sizes every declared collective (dist_train/estimate/comm.py has one sizer per entry here, and
 a test checks that it has no other), its memory model divides the state each one partitions, its step-time model
@@ -131,8 +131,8 @@ PARALLELISMS: dict[str, Parallelism] = {p.name: p for p in (
 
 # Where each parallelism is applied, innermost first: a pipeline cuts the model, tensor parallelism splits each
 # stage's blocks, then the data-parallel dimensions shard and replicate what a rank holds (parallel/apply.py's order).
-APPLICATION_ORDER = ("pipeline", "tp", "sequence_parallel", "ep", "expert_fsdp", "expert_replicate", "fsdp", "zero1", "zero2", "zero3",
-                     "replicate")
+APPLICATION_ORDER = ("pipeline", "tp", "sequence_parallel", "ep", "expert_fsdp", "expert_replicate", "fsdp", "zero1",
+                     "zero2", "zero3", "replicate")
 SHARDERS = ("fsdp", "zero1", "zero2", "zero3")
 
 

@@ -150,6 +150,7 @@ class LocalOptimizer:
         # GradScaler (tested with DIST_TRAIN_FAULT=overflow in one rank's shard); a ShardedGradScaler would
         # all-reduce the same verdict a second time.
         self.scaler = torch.amp.GradScaler(ctx.runtime.device.type) if ctx.precision.loss_scaling else None
+        self._expert_params: dict[int, list[nn.Parameter]] = {}  # per model: its experts' parameters, found once
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -211,7 +212,9 @@ class LocalOptimizer:
         """The experts' parameters, gradients and optimizer state (this rank's shards), None for a dense model."""
         from dist_train.architectures import expert_modules
 
-        params = [p for module in expert_modules(model) for p in module.parameters()]
+        if id(model) not in self._expert_params:
+            self._expert_params[id(model)] = [p for module in expert_modules(model) for p in module.parameters()]
+        params = self._expert_params[id(model)]
         if not params:
             return None
         state = [v for p in params for v in self.optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 # Strategy families whose set-up and step run under a fake process group and FakeTensorMode (tested at world
 # sizes 2 and 4 against real gloo runs: tests/launched/test_dryrun.py; fsdp_ep and ep, which the estimator models as
-# fsdp and as ddp_tp's replicas at tp 1, and an MoE model under ddp: tests/launched/test_moe.py). MoE tokens are routed balanced there (fake.py).
+# fsdp and as ddp_tp's replicas at tp 1, and an MoE model under ddp: tests/launched/test_moe.py). MoE tokens are
+# routed balanced there (fake.py).
 DRYRUN_FAMILIES = ("ddp", "fsdp", "tp", "fsdp_tp", "pipeline", "zero")
 # Why the others do not run there yet (each found by trying it).
 NOT_YET = {
