@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch import nn
@@ -216,9 +217,22 @@ class _Recomputed:
             return self.fn(*args, **kwargs)
 
 
+def _entry_handles(meter: ActivationMeter, entry: Any) -> list[_Saved]:
+    """Handles that keep a cache entry's tensors counted by `meter` while the entry holds them."""
+    from torch.utils._pytree import tree_leaves
+
+    handles = []
+    for leaf in tree_leaves(entry):
+        tensor = getattr(leaf, "val", None)  # torch's _VersionWrapper around a cached output
+        key = meter._track(tensor) if isinstance(tensor, torch.Tensor) else None
+        if key is not None:
+            handles.append(_Saved(None, key, meter))
+    return handles
+
+
 class _MeteredCache(dict):
-    """One op's entries in selective checkpointing's cache (call index -> what the call returned, wrapped, or a
-    marker): the meter counts the tensors of an entry while the entry holds them."""
+    """One op's entries in selective checkpointing's cache as torch 2.13 keeps them (call index -> what the call
+    returned, wrapped, or a marker): the meter counts the tensors of an entry while the entry holds them."""
 
     def __init__(self, meter: ActivationMeter) -> None:
         super().__init__()
@@ -226,29 +240,45 @@ class _MeteredCache(dict):
         self.handles: dict[int, list[_Saved]] = {}
 
     def __setitem__(self, index: int, entry: Any) -> None:
-        from torch.utils._pytree import tree_leaves
-
         super().__setitem__(index, entry)
-        handles = []  # the entry's previous handles (if any) are dropped, and with them its count
-        for leaf in tree_leaves(entry):
-            tensor = getattr(leaf, "val", None)  # torch's _VersionWrapper around a cached output
-            key = self.meter._track(tensor) if isinstance(tensor, torch.Tensor) else None
-            if key is not None:
-                handles.append(_Saved(None, key, self.meter))
-        self.handles[index] = handles
+        self.handles[index] = _entry_handles(self.meter, entry)  # an entry's previous handles, and count, dropped
+
+
+class _MeteredQueue(list):
+    """The same as torch before 2.12 keeps it (torch 2.11 on the GPU machines): a list per op that the forward
+    appends to and the recomputation pops from the front."""
+
+    def __init__(self, meter: ActivationMeter) -> None:
+        super().__init__()
+        self.meter = meter
+        self.handles: list[list[_Saved]] = []
+
+    def append(self, entry: Any) -> None:
+        super().append(entry)
+        self.handles.append(_entry_handles(self.meter, entry))
+
+    def pop(self, index: SupportsIndex = -1) -> Any:
+        self.handles.pop(index)
+        return super().pop(index)
+
+
+# the cache's per-op container, by the one torch's create_selective_checkpoint_contexts makes
+_METERED = {dict: _MeteredCache, list: _MeteredQueue}
 
 
 def _metered_contexts(context_fn: Any) -> Any:
     """`context_fn` whose selective-checkpointing cache the active meter counts: torch's two dispatch modes (the
     forward's, which fills the cache, and the recomputation's, which empties it) share one `storage`, a
-    dict of op -> _MeteredCache here. Any other context_fn is left as it is."""
+    defaultdict of op -> its entries, which becomes one of op -> _MeteredCache (or _MeteredQueue) here. A storage
+    of another form, or any other context_fn, is left as it is: the run trains, its meter misses those outputs."""
 
     def contexts() -> tuple[Any, Any]:
         forward, recompute = context_fn()
         meter = _ACTIVE
         storage = getattr(forward, "storage", None)
-        if meter is not None and isinstance(storage, dict) and storage is getattr(recompute, "storage", None):
-            forward.storage = recompute.storage = collections.defaultdict(lambda: _MeteredCache(meter))
+        metered = _METERED.get(getattr(storage, "default_factory", None))
+        if meter is not None and metered is not None and storage is getattr(recompute, "storage", None):
+            forward.storage = recompute.storage = collections.defaultdict(functools.partial(metered, meter))
         return forward, recompute
 
     return contexts
@@ -260,6 +290,8 @@ def metered_checkpoint(fn: Any, *args: Any, **kwargs: Any) -> Any:
     checkpoint_wrapper (which passes its own keyword arguments, `context_fn`, on with the block's)."""
     from torch.utils.checkpoint import checkpoint
 
-    if kwargs.get("context_fn") is not None:
+    # compiled (train.compile), dynamo takes the policy at trace time and only as the function or partial it was
+    # given (a closure made here is refused): the kept outputs are then inductor's, which no meter sees anyway
+    if kwargs.get("context_fn") is not None and not torch.compiler.is_compiling():
         kwargs["context_fn"] = _metered_contexts(kwargs["context_fn"])
     return checkpoint(_Recomputed(fn), *args, use_reentrant=False, **kwargs)

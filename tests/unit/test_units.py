@@ -123,6 +123,41 @@ def test_activation_meter_counts_saved_tensors_and_frees_them_after_backward():
     assert meter.live_bytes == 0 and meter.peak_bytes == 2 * 32 * 256 * 4
 
 
+@pytest.mark.parametrize("container", [dict, list])
+def test_selective_checkpointing_cache_is_counted_in_either_form_torch_keeps_it(container):
+    """Selective checkpointing's kept outputs sit in a cache shared by torch's two dispatch modes: per op, a dict
+    of call index -> entry (torch 2.13: an entry is replaced by a marker when backward consumes it) or a list
+    appended to and popped from the front (torch 2.11, the GPU machines' image: training with
+    train.activation_checkpointing=selective failed there, the list form having no `append` under the meter).
+    Either way the meter counts an entry's tensor while the cache holds it."""
+    import collections
+    import types
+
+    from dist_train.telemetry.activations import _metered_contexts
+
+    def context_fn():
+        forward, recompute = types.SimpleNamespace(), types.SimpleNamespace()
+        forward.storage = recompute.storage = collections.defaultdict(container)
+        return forward, recompute
+
+    meter = ActivationMeter()
+    kept = types.SimpleNamespace(val=torch.randn(64, 64))  # as torch's _VersionWrapper holds an output
+    with meter.measuring():
+        forward, recompute = _metered_contexts(context_fn)()
+        assert forward.storage is recompute.storage
+        cache = forward.storage["aten.mm.default"]
+        if container is dict:
+            cache[0] = kept
+        else:
+            cache.append(kept)
+        assert meter.live_bytes == 64 * 64 * 4
+        if container is dict:
+            cache[0] = object()  # torch's _CONSUMED
+        else:
+            assert recompute.storage["aten.mm.default"].pop(0) is kept
+        assert meter.live_bytes == 0 and meter.peak_bytes == 64 * 64 * 4
+
+
 def test_flops_per_token_and_peak_lookup():
     # 6 * (non-embedding params) + 12 * layers * hidden * seq
     assert flops_per_token(num_params=1000, num_embedding_params=200, num_layers=2, hidden_size=8, seq_len=4) == 6 * 800 + 12 * 2 * 8 * 4
