@@ -26,6 +26,7 @@ device it measures nothing and exits 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -45,6 +46,8 @@ MODELS = {
     "llama-70b": dict(hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256),
 }
 SEQS = (4096, 8192)
+# the layer's activation checkpointing, as train.activation_checkpointing names it (selective: dist_train's policy)
+CHECKPOINTING = ("none", "full", "selective")
 TP = 8
 HEAD_DIM = 128
 
@@ -170,9 +173,13 @@ def layer_flops(model: str, seq: int, *, recompute: bool) -> float:
 
 def layers() -> list[dict[str, Any]]:
     import torch
-    from torch.utils.checkpoint import checkpoint
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from dist_train.model import saved_ops, selective_policy
+
+    selective = functools.partial(create_selective_checkpoint_contexts, selective_policy(saved_ops()))
 
     rows = []
     for model, s in MODELS.items():
@@ -193,27 +200,37 @@ def layers() -> list[dict[str, Any]]:
             x = torch.randn(1, seq, s["hidden"], dtype=torch.bfloat16, device="cuda", requires_grad=True)
             pos = torch.arange(seq, device="cuda")[None]
             cos_sin = rotary(x, pos)
-            for recompute in (False, True):
+            for mode in CHECKPOINTING:
+
+                def forward():
+                    if mode == "none":
+                        return layer(x, position_embeddings=cos_sin, position_ids=pos)
+                    kwargs = {"context_fn": selective} if mode == "selective" else {}
+                    return checkpoint(layer, x, position_embeddings=cos_sin, position_ids=pos, use_reentrant=False,
+                                      **kwargs)
 
                 def step():
-                    if recompute:
-                        y = checkpoint(layer, x, position_embeddings=cos_sin, position_ids=pos, use_reentrant=False)
-                    else:
-                        y = layer(x, position_embeddings=cos_sin, position_ids=pos)
+                    y = forward()
                     y = y[0] if isinstance(y, tuple) else y
                     y.backward(torch.ones_like(y))
 
                 torch.cuda.reset_peak_memory_stats()
                 sec = timed(step, reps=5)
-                flops = layer_flops(model, seq, recompute=recompute)
+                peak_bytes = torch.cuda.max_memory_allocated()
+                before = torch.cuda.memory_allocated()
+                y = forward()  # what the forward leaves for backward, the output included
+                saved = torch.cuda.memory_allocated() - before
+                del y
+                flops = layer_flops(model, seq, recompute=mode == "full")
                 rows.append(
                     {
                         "model": model,
                         "seq": seq,
-                        "checkpointing": recompute,
+                        "checkpointing": mode,
                         "s": sec,
                         "model_flops_per_s": flops / sec,
-                        "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+                        "peak_allocated_bytes": peak_bytes,
+                        "saved_bytes": saved,
                     }
                 )
                 layer.zero_grad(set_to_none=True)
@@ -437,12 +454,19 @@ def profile_from(calib: dict[str, Any]):
     return replace(base, **changes, source=source)
 
 
+def checkpointing_of(row: dict[str, Any]) -> str:
+    """A layer row's checkpointing as train.activation_checkpointing names it (files before 2026-11-28 kept a bool:
+    full or none)."""
+    value = row["checkpointing"]
+    return value if isinstance(value, str) else ("full" if value else "none")
+
+
 def predicted_layers(calib: dict[str, Any], hw) -> list[float]:  # noqa: ANN001
     """The per-operation model's seconds for each measured decoder layer (batch 1, bf16) under `hw`."""
     from dist_train.estimate.ops import layer_compute
 
     return [layer_compute(layer_shape(r["model"]), batch=1, seq_len=r["seq"], tp=1, sequence_parallel=False,
-                          recompute="full" if r["checkpointing"] else "none", hw=hw, peak=hw.flops["bf16"],
+                          recompute=checkpointing_of(r), hw=hw, peak=hw.flops["bf16"],
                           element_bytes=2).total_s for r in calib["layers"]]
 
 
@@ -490,16 +514,18 @@ def render(calib: dict[str, Any]) -> str:
         parts.append(
             "One decoder layer, forward + backward, batch 1, bf16 (model FLOPs as the time model counts them):\n\n"
             + md_table(
-                ["model", "seq", "checkpointing", "ms", "TFLOP/s", "of peak", "peak allocated (GiB)"],
+                ["model", "seq", "checkpointing", "ms", "TFLOP/s", "of peak", "peak allocated (GiB)",
+                 "kept for backward (GiB)"],
                 [
                     [
                         r["model"],
                         r["seq"],
-                        "yes" if r["checkpointing"] else "no",
+                        checkpointing_of(r),
                         f"{r['s'] * 1e3:.2f}",
                         f"{r['model_flops_per_s'] / tf:.0f}",
                         pct(r["model_flops_per_s"]),
                         f"{r['peak_allocated_bytes'] / 2**30:.2f}",
+                        f"{r['saved_bytes'] / 2**30:.3f}" if "saved_bytes" in r else "-",
                     ]
                     for r in calib["layers"]
                 ],
@@ -578,7 +604,7 @@ def render(calib: dict[str, Any]) -> str:
             parts.append("The per-operation model with this profile against the measured decoder layers (nothing "
                          "in it was fitted to them):\n\n" + md_table(
                              ["model", "seq", "checkpointing", "measured ms", "predicted ms", "error"],
-                             [[r["model"], r["seq"], "yes" if r["checkpointing"] else "no", f"{r['s'] * 1e3:.2f}",
+                             [[r["model"], r["seq"], checkpointing_of(r), f"{r['s'] * 1e3:.2f}",
                                f"{p * 1e3:.2f}", f"{p / r['s'] - 1:+.1%}"]
                               for r, p in zip(calib["layers"], predicted_layers(calib, prof))]))
     if calib.get("skipped"):

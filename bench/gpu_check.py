@@ -40,6 +40,7 @@ def train(args: argparse.Namespace, run_dir: Path) -> dict:
     cmd = [PYTHON, "launch/train.py", "strategy=single", "model=llama_1b", "precision=bf16", "logger=none",
            f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch}",
            f"train.global_batch_size={args.micro_batch * args.accumulation}", f"train.steps={args.steps}",
+           f"train.activation_checkpointing={args.checkpointing}",
            "telemetry.warmup_steps=3", f"train.compile={str(args.compile).lower()}", f"hydra.run.dir={run_dir}"]
     run(cmd, timeout=3600)
     return json.loads((run_dir / "summary.json").read_text())
@@ -48,7 +49,8 @@ def train(args: argparse.Namespace, run_dir: Path) -> dict:
 def predicted(args: argparse.Namespace) -> dict:
     proc, _ = run([PYTHON, "-m", "dist_train.estimate", "strategy=single", "model=llama_1b", "precision=bf16",
                    f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch}",
-                   f"train.global_batch_size={args.micro_batch * args.accumulation}", "world_size=1", "format=json"])
+                   f"train.global_batch_size={args.micro_batch * args.accumulation}",
+                   f"train.activation_checkpointing={args.checkpointing}", "world_size=1", "format=json"])
     return json.loads(proc.stdout)["memory_per_rank"][0]
 
 
@@ -59,6 +61,8 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--checkpointing", choices=("none", "full", "selective"), default="none",
+                        help="train.activation_checkpointing")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="train.compile: torch.compile each block (the MFU target reaches for it)")
     args = parser.parse_args()
@@ -85,8 +89,10 @@ def main() -> int:
 
     rows = [row(cat, pred.get(cat, 0) if cat in spoken_for else None, rank.get(f"memory/{cat}_bytes", 0))
             for cat in ("params", "grads", "optimizer", "activations", "weight_copies")]
-    rows.append(row("peak allocated (CUDA) against the predicted total",
-                    pred["total"] if set(EAGER_ONLY) <= set(spoken_for) else None,
+    # the allocator's peak against the estimator's peak of live tensors (the loss's backward temporaries and the
+    # recomputation beside the categories), not against the categories' sum
+    rows.append(row("peak allocated (CUDA) against the predicted peak of live tensors",
+                    pred.get("peak_live") if set(EAGER_ONLY) <= set(spoken_for) else None,
                     rank.get("memory/peak_allocated_bytes", 0)))
     mfu = summary.get("mfu")
     body = "\n\n".join([
@@ -103,7 +109,8 @@ def main() -> int:
         tests = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
         print(proc.stdout[-3000:])
     cmd = (f"python bench/gpu_check.py --steps {args.steps} --seq-len {args.seq_len} --micro-batch {args.micro_batch} "
-           f"--accumulation {args.accumulation}{'' if args.compile else ' --no-compile'}")
+           f"--accumulation {args.accumulation}{'' if args.compile else ' --no-compile'}"
+           + (f" --checkpointing {args.checkpointing}" if args.checkpointing != "none" else ""))
     write_section("gpu", "GPU check", body + f"\n\nCUDA tests: {tests}", command=cmd)
     return 0
 

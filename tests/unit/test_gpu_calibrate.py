@@ -106,3 +106,25 @@ def test_a_kept_moe_measurement_renders_its_models_and_makes_no_profile():
     assert "Profile written" not in text
     for m in gpu_calibrate.MOE_MODELS:
         assert text.count(f"| {m['model']} |") == 2 * len(gpu_calibrate.MOE_TOKENS), m["model"]
+
+
+def test_selective_checkpointings_kept_bytes_on_an_h200_are_the_estimators():
+    """bench/data/gpu_calibrate-h200-2026-11-27.json measured each decoder layer's bytes left for backward by its
+    forward (the output included) under none, full and selective (dist_train's policy, torch 2.11 on an H200).
+    Selective keeps what the estimator says (estimate/memory.py selective_kept_bytes) beside the output, at both
+    sizes and sequences, to the allocator's 1 KiB more: flash attention's RNG seed and offset, two 8-byte tensors
+    in a 512-byte block each. Full keeps the output alone; none keeps more than selective."""
+    from dist_train.estimate.memory import selective_kept_bytes
+
+    calib = json.loads((ROOT / "bench" / "data" / "gpu_calibrate-h200-2026-11-27.json").read_text())
+    kept = {(r["model"], r["seq"], r["checkpointing"]): r["saved_bytes"] for r in calib["layers"]}
+    assert len(kept) == len(gpu_calibrate.MODELS) * len(gpu_calibrate.SEQS) * 3
+    for model in gpu_calibrate.MODELS:
+        shape = gpu_calibrate.layer_shape(model)
+        for seq in gpu_calibrate.SEQS:
+            output = seq * shape.hidden_size * 2
+            assert kept[model, seq, "full"] == output
+            formula = selective_kept_bytes(shape, micro_batch_size=1, seq_len=seq, elem=2)
+            assert kept[model, seq, "selective"] == formula + output + 2 * 512
+            assert kept[model, seq, "none"] > kept[model, seq, "selective"]
+    assert "| llama-70b | 8192 | selective |" in gpu_calibrate.render(calib)
