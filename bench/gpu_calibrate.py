@@ -247,6 +247,22 @@ MOE = MOE_MODELS[0]
 MOE_TOKENS = (4096, 8192, 16384)
 
 
+def moe_measured(calib: dict[str, Any]) -> list[tuple[Any, int, float]]:
+    """A calibration's MoE blocks as estimate/ops.py fit_experts takes them: (the block's shape, with the experts
+    implementation it ran, tokens, measured seconds)."""
+    from dist_train.estimate.shapes import ModelShape
+
+    sizes = {m["model"]: m for m in MOE_MODELS}
+    out = []
+    for r in calib.get("moe", []):
+        s = sizes[r["model"]]
+        shape = ModelShape(name=r["model"], arch="llama", num_layers=1, hidden_size=s["hidden"], num_heads=1,
+                           vocab_size=1, max_seq_len=1, num_experts=s["experts"], experts_per_token=s["top_k"],
+                           moe_ffn_hidden_size=s["ffn"], experts_implementation=r["implementation"])
+        out.append((shape, r["tokens"], r["s"]))
+    return out
+
+
 def moe_blocks() -> list[dict[str, Any]]:
     """One transformers `Qwen3MoeSparseMoeBlock` (router, top-k, experts) forward + backward at each MOE_MODELS
     shape (Qwen3-MoE's block with that model's sizes: the experts' products are the same), bf16, under each experts
@@ -421,7 +437,7 @@ def profile_from(calib: dict[str, Any]):
     from dataclasses import replace
 
     from dist_train.estimate.hardware import PROFILES, profile_for_device
-    from dist_train.estimate.ops import fit_attention, fit_gemm
+    from dist_train.estimate.ops import fit_attention, fit_experts, fit_gemm
 
     kind = profile_for_device(calib["device"])
     if kind not in PROFILES or not any(calib.get(k) for k in ("memory_bandwidth", "matmuls", "attention", "step")):
@@ -444,6 +460,9 @@ def profile_from(calib: dict[str, Any]):
         eff, seq_half = fit_attention(calib["attention"], peak=peak)
         changes.update(attention_efficiency=eff, attention_seq_half=seq_half)
         source["attention_efficiency"] = source["attention_seq_half"] = f"{where}: fitted to SDPA at each shape"
+    if calib.get("moe"):
+        changes["experts"] = fit_experts(moe_measured(calib), replace(base, **changes))
+        source["experts"] = f"{where}: fitted to {len(calib['moe'])} MoE blocks (estimate/ops.py fit_experts)"
     if calib.get("step"):
         changes["efficiency"] = round(step_efficiency(calib, replace(base, **changes)), 4)
         source["efficiency"] = (

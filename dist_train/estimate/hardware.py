@@ -68,6 +68,11 @@ class Hardware:
     # ZeRO-3's gathers, DTensor's dispatch under tensor parallelism, a pipeline's schedule), beside the bytes
     # they move, keyed as overhead_key() names them. Absent: 0.
     overhead_s: dict[str, float] = field(default_factory=dict)
+    # An MoE layer's experts beyond their products (estimate/ops.py experts_compute), by model.experts_implementation:
+    # {"gemm_factor": on the grouped kernel's product efficiency, "routing_passes": passes over the routed rows'
+    # bytes (permuting, weighting and scattering them back, forward and backward), "fixed_s": per layer and
+    # micro-batch}. Absent: 1, 0, 0.
+    experts: dict[str, dict[str, float]] = field(default_factory=dict)
     # What each figure rests on: "datasheet", "assumed", or how it was measured.
     source: dict[str, str] = field(default_factory=dict)
 
@@ -112,6 +117,14 @@ GPU_OVERHEAD_S = {"zero3": 2e-3}
 #   held). MosaicML's H100 rows imply an attention at about 0.2 of the peak against torch's SDPA's 0.71 measured: MPT's
 #   ALiBi attention is another kernel, so bench/published.py fits it to those rows as their stack's, not the H100's.
 _H100_MEASURED = "measured: bench/gpu_calibrate.py on an H100 80GB HBM3, 2026-11-27"
+# The experts' constants: fitted (ops.fit_experts) to 18 MoE blocks measured on an H100 (bench/gpu_calibrate.py --only
+# moe: Qwen3-30B-A3B's, OLMoE's and Mixtral's sizes, 4k-16k tokens, eager and grouped_mm;
+# bench/data/gpu_moe-h100-2026-11-27.json); the same 18 measured on an H200 (gpu_calibrate-h200-2026-11-27.json)
+# are the held-out check (tests/unit/test_time_ops.py).
+_MOE_FITTED = ("measured: 18 MoE blocks on an H100 (bench/data/gpu_moe-h100-2026-11-27.json), the constants by "
+               "estimate/ops.py fit_experts")
+EXPERTS_HOPPER = {"eager": {"gemm_factor": 1.0, "routing_passes": 64.0, "fixed_s": 0.005},
+                  "grouped_mm": {"gemm_factor": 0.9, "routing_passes": 36.0, "fixed_s": 0.00125}}
 _HOPPER_MEASURED = "measured: bench/gpu_calibrate.py on an H200, 2026-11-26"
 _FITTED = "fitted: python bench/published.py --fit (MosaicML's {gpu} rows of ../shared/GPU-PUBLISHED.md)"
 _HOPPER = dict(sm_count=132, gemm_efficiency=0.725, gemm_k_half=350.0, memory_efficiency=0.885)
@@ -119,20 +132,23 @@ _OPS_SOURCE_HOPPER = {"sm_count": "datasheet", "gemm_efficiency": _HOPPER_MEASUR
                       "memory_efficiency": _HOPPER_MEASURED}
 OPS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "h100": (dict(sm_count=132, gemm_efficiency=0.71, gemm_k_half=400.0, memory_efficiency=0.897,
-                  attention_efficiency=0.71, attention_seq_half=2925.0),
-             {"sm_count": "datasheet", **{k: _H100_MEASURED for k in (
+                  attention_efficiency=0.71, attention_seq_half=2925.0, experts=EXPERTS_HOPPER),
+             {"sm_count": "datasheet", "experts": _MOE_FITTED, **{k: _H100_MEASURED for k in (
                  "gemm_efficiency", "gemm_k_half", "memory_efficiency", "attention_efficiency",
                  "attention_seq_half")}}),
-    "h200": ({**_HOPPER, "attention_efficiency": 0.706, "attention_seq_half": 2700.0},
-             {**_OPS_SOURCE_HOPPER, "attention_efficiency": _HOPPER_MEASURED, "attention_seq_half": _HOPPER_MEASURED}),
+    "h200": ({**_HOPPER, "attention_efficiency": 0.706, "attention_seq_half": 2700.0, "experts": EXPERTS_HOPPER},
+             {**_OPS_SOURCE_HOPPER, "attention_efficiency": _HOPPER_MEASURED, "attention_seq_half": _HOPPER_MEASURED,
+              "experts": _MOE_FITTED + "; checked on an H200's same 18 blocks"}),
     "a100": (dict(sm_count=108, gemm_efficiency=0.8, gemm_k_half=350.0, memory_efficiency=0.885,
-                  attention_efficiency=0.8, attention_seq_half=0.0),
+                  attention_efficiency=0.8, attention_seq_half=0.0, experts=EXPERTS_HOPPER),
              {"sm_count": "datasheet", "gemm_efficiency": _FITTED.format(gpu="A100"),
+              "experts": "assumed: the H100's, " + _MOE_FITTED.removeprefix("measured: "),
               "attention_efficiency": _FITTED.format(gpu="A100"), "attention_seq_half": _FITTED.format(gpu="A100"),
               "gemm_k_half": "assumed: the H200's", "memory_efficiency": "assumed: the H200's"}),
     "l40s": (dict(sm_count=142, gemm_efficiency=0.725, gemm_k_half=350.0, memory_efficiency=0.885,
-                  attention_efficiency=0.706, attention_seq_half=2700.0),
-             {"sm_count": "datasheet", **{k: "assumed: the H200's" for k in (
+                  attention_efficiency=0.706, attention_seq_half=2700.0, experts=EXPERTS_HOPPER),
+             {"sm_count": "datasheet", "experts": "assumed: the H100's, " + _MOE_FITTED.removeprefix("measured: "),
+              **{k: "assumed: the H200's" for k in (
                  "gemm_efficiency", "gemm_k_half", "memory_efficiency", "attention_efficiency",
                  "attention_seq_half")}}),
 }

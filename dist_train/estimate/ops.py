@@ -13,6 +13,13 @@ and the loss, forward, backward and recompute. step_time.py adds communication, 
 - **Memory-bound work**, read and written at `memory_efficiency` x the memory bandwidth: the norms, the activation,
   rotary positions, the residual adds and attention's layout copy, as the eager modules of transformers run them
   (ELEMENTWISE below, bytes per element of each kernel), backward BACKWARD_TRAFFIC times the forward's bytes.
+- **Experts** (an MoE layer's, `experts_compute`): each local expert's products over its share of the routed rows
+  (top-k x tokens x ep / experts, as even routing gives them), priced as the products above: one product per expert
+  under model.experts_implementation=eager, where a few hundred rows leave most SMs idle; one grouped kernel over
+  all of them under grouped_mm, its tiles sharing the waves, at the profile's `gemm_factor`. Beside the products,
+  the routing (permuting the rows, weighting them, scattering them back) as passes over the routed rows' bytes at
+  the memory bandwidth, and a fixed cost per layer (the profile's `experts`, fitted to MoE blocks measured on an
+  H100 and checked on an H200's).
 - **The loss**: LOSS_BYTES_PER_LOGIT per logit (cross-entropy over the vocabulary in fp32, forward and backward,
   measured on an H200) at the memory bandwidth.
 
@@ -73,14 +80,52 @@ def projections(shape: ModelShape, tp: int) -> list[tuple[int, int]]:
     h, q, kv, f = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.ffn
     feats = shape.features
     attention = [(h, (q + 2 * kv) // tp)] if feats.fused_qkv else [(h, q // tp), (h, kv // tp), (h, kv // tp)]
-    if shape.num_experts:  # the router, then each token's top-k experts (priced as k dense products of their width)
-        i, k = shape.moe_ffn, shape.experts_per_token
-        return [*attention, (q // tp, h), (h, shape.num_experts), *[(h, 2 * i)] * k, *[(i, h)] * k]
+    if shape.num_experts:  # the router; the experts are experts_compute's
+        return [*attention, (q // tp, h), (h, shape.num_experts)]
     if not feats.gated_mlp:
         mlp = [(h, f // tp)]
     else:
         mlp = [(h, 2 * f // tp)] if feats.fused_gate_up else [(h, f // tp), (h, f // tp)]
     return [*attention, (q // tp, h), *mlp, (f // tp, h)]
+
+
+def grouped_gemm_seconds(groups: int, m: int, k: int, n: int, hw: Hardware, peak: float, element_bytes: int,
+                         factor: float) -> float:
+    """`groups` products of an m x k and a k x n matrix in one grouped kernel: their output tiles share the waves."""
+    tiles = groups * math.ceil(m / TILE_M) * math.ceil(n / TILE_N)
+    wave = tiles / (math.ceil(tiles / hw.sm_count) * hw.sm_count) if hw.sm_count > 0 else 1.0
+    eff = hw.gemm_efficiency * factor * wave * k / (k + hw.gemm_k_half)
+    compute = 2.0 * groups * m * k * n / (peak * eff)
+    traffic = element_bytes * groups * (m * k + k * n + m * n) / hw.memory_bw
+    return max(compute, traffic)
+
+
+def experts_compute(shape: ModelShape, *, tokens: int, ep: int, recompute: str, hw: Hardware, peak: float,
+                    element_bytes: int, constants: Optional[dict[str, float]] = None) -> tuple[float, float]:
+    """(products, routing) seconds of one MoE layer's experts on one rank for `tokens` of its tokens, forward +
+    backward + recompute: the E / ep local experts, each with tokens x k x ep / E rows. Full checkpointing
+    recomputes the forward; selective too under grouped_mm (its grouped products are not among what selective
+    keeps, dist_train.model._SAVED_OPS), only the routing under eager (its products are kept)."""
+    h, i, k = shape.hidden_size, shape.moe_ffn, shape.experts_per_token
+    local = shape.num_experts // ep
+    rows = max(1, round(tokens * k * ep / shape.num_experts))
+    impl = shape.experts_implementation
+    c = hw.experts.get(impl, {}) if constants is None else constants
+    fwd = bwd = 0.0
+    for a, b in ((h, 2 * i), (i, h)):  # gate and up as one product, then down
+        if impl == "grouped_mm":
+            factor = c.get("gemm_factor", 1.0)
+            fwd += grouped_gemm_seconds(local, rows, a, b, hw, peak, element_bytes, factor)
+            bwd += (grouped_gemm_seconds(local, rows, b, a, hw, peak, element_bytes, factor)
+                    + grouped_gemm_seconds(local, a, rows, b, hw, peak, element_bytes, factor))
+        else:
+            fwd += local * gemm_seconds(rows, a, b, hw, peak, element_bytes)
+            bwd += local * (gemm_seconds(rows, b, a, hw, peak, element_bytes)
+                            + gemm_seconds(a, rows, b, hw, peak, element_bytes))
+    again = recompute == "full" or (recompute == "selective" and impl == "grouped_mm")
+    routing = (c.get("routing_passes", 0.0) * tokens * k * h * element_bytes / hw.memory_bw
+               + c.get("fixed_s", 0.0))  # forward and backward: the forward a third, as BACKWARD_TRAFFIC has it
+    return fwd * (2 if again else 1) + bwd, routing * (1 + (1 / 3 if recompute != "none" else 0))
 
 
 def projection_pass_seconds(tokens: int, pairs: list[tuple[int, int]], hw: Hardware, peak: float,
@@ -149,18 +194,22 @@ class MicroBatchCompute:
 
 
 def layer_compute(shape: ModelShape, *, batch: int, seq_len: int, tp: int, sequence_parallel: bool, recompute: str,
-                  hw: Hardware, peak: float, element_bytes: int) -> MicroBatchCompute:
-    """One layer, one micro-batch of `batch` sequences, on one rank."""
+                  hw: Hardware, peak: float, element_bytes: int, ep: int = 1) -> MicroBatchCompute:
+    """One layer, one micro-batch of `batch` sequences, on one rank (its experts split over `ep` ranks)."""
     tokens = batch * seq_len
     fwd, bwd = projection_pass_seconds(tokens, projections(shape, tp), hw, peak, element_bytes)
+    experts_s = routing_s = 0.0
+    if shape.num_experts:
+        experts_s, routing_s = experts_compute(shape, tokens=tokens, ep=ep, recompute=recompute, hw=hw, peak=peak,
+                                               element_bytes=element_bytes)
     att = attention_forward_seconds(shape, batch=batch, seq_len=seq_len, tp=tp, hw=hw, peak=peak)
     ew = tokens * elementwise_bytes_per_token(shape, tp=tp, sequence_parallel=sequence_parallel,
                                               element_bytes=element_bytes) / (hw.memory_bw * hw.memory_efficiency)
     full = recompute == "full"
     return MicroBatchCompute(
-        gemm_s=fwd * (2 if full else 1) + bwd,
+        gemm_s=fwd * (2 if full else 1) + bwd + experts_s,
         attention_s=att * (1 + ATTENTION_BACKWARD + (1 if full else 0)),
-        elementwise_s=ew * (1 + BACKWARD_TRAFFIC + (1 if recompute != "none" else 0)),
+        elementwise_s=ew * (1 + BACKWARD_TRAFFIC + (1 if recompute != "none" else 0)) + routing_s,
         loss_s=0.0,
     )
 
@@ -204,6 +253,42 @@ def fit_gemm(rows: list[dict], *, sms: int, peak: float) -> tuple[float, float]:
 
     return _least_log_squares([x / 1000 for x in range(500, 951, 5)], [float(x) for x in range(0, 1201, 25)],
                               points, model)
+
+
+# The grids fit_experts searches: the grouped kernel's factor, passes over the routed rows, fixed seconds per layer.
+_EXPERT_GRID = ([x / 100 for x in range(40, 101, 5)], [float(x) for x in range(0, 97, 4)],
+                [x * 2.5e-4 for x in range(0, 41)])
+
+
+def moe_block_seconds(shape: ModelShape, tokens: int, hw: Hardware, constants: dict[str, float]) -> float:
+    """The model's seconds for one MoE block of `shape` (its router and experts, one rank) over `tokens`, forward +
+    backward in bf16, as bench/gpu_calibrate.py measures it: the router's product and experts_compute."""
+    peak = hw.flops["bf16"]
+    fwd, bwd = projection_pass_seconds(tokens, [(shape.hidden_size, shape.num_experts)], hw, peak, 2)
+    experts_s, routing_s = experts_compute(shape, tokens=tokens, ep=1, recompute="none", hw=hw, peak=peak,
+                                           element_bytes=2, constants=constants)
+    return fwd + bwd + experts_s + routing_s
+
+
+def fit_experts(blocks: list[tuple[ModelShape, int, float]], hw: Hardware) -> dict[str, dict[str, float]]:
+    """Hardware.experts from measured MoE blocks ((shape, tokens, measured seconds), each shape's
+    experts_implementation): per implementation, the grid point of least squared log error of moe_block_seconds
+    (grouped_mm's gemm_factor; eager has none)."""
+    out = {}
+    for impl in sorted({shape.experts_implementation for shape, _, _ in blocks}):
+        mine = [b for b in blocks if b[0].experts_implementation == impl]
+        factors = _EXPERT_GRID[0] if impl == "grouped_mm" else [1.0]
+        best: Optional[tuple[float, dict[str, float]]] = None
+        for factor in factors:
+            for passes in _EXPERT_GRID[1]:
+                for fixed in _EXPERT_GRID[2]:
+                    c = {"gemm_factor": factor, "routing_passes": passes, "fixed_s": fixed}
+                    loss = sum(math.log(moe_block_seconds(shape, tokens, hw, c) / s) ** 2 for shape, tokens, s in mine)
+                    if best is None or loss < best[0]:
+                        best = (loss, c)
+        assert best is not None
+        out[impl] = best[1]
+    return out
 
 
 def fit_attention(rows: list[dict], *, peak: float) -> tuple[float, float]:

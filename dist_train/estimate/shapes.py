@@ -44,6 +44,7 @@ class ModelShape:
     num_experts: int = 0
     experts_per_token: int = 0
     moe_ffn_hidden_size: Optional[int] = None
+    experts_implementation: str = "eager"  # model.experts_implementation: how the experts' products run
 
     def __post_init__(self) -> None:
         if self.num_experts and self.features.biased_projections:
@@ -66,6 +67,7 @@ class ModelShape:
             mlp_bias=bool(get("mlp_bias", False)), qk_norm=bool(get("qk_norm", False)),
             num_experts=int(get("num_experts", 0) or 0), experts_per_token=int(get("experts_per_token", 0) or 0),
             moe_ffn_hidden_size=get("moe_ffn_hidden_size"),
+            experts_implementation=str(get("experts_implementation", "eager") or "eager"),
         )
 
     @staticmethod

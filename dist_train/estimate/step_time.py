@@ -121,7 +121,7 @@ def micro_batch_compute(shape: ModelShape, setup: Setup, hw: Hardware, *, peak: 
     tp = setup.tensor_parallel_size
     common = dict(batch=setup.micro_batch_size, seq_len=setup.seq_len, hw=hw, peak=peak,
                   element_bytes=element_bytes(setup.precision))
-    layer = layer_compute(shape, tp=tp, sequence_parallel=setup.sequence_parallel,
+    layer = layer_compute(shape, tp=tp, sequence_parallel=setup.sequence_parallel, ep=setup.ep,
                           recompute=recompute_mode(setup.activation_checkpointing), **common)
     out = layer.scaled(layers)
     return out + head_compute(shape, tp=tp, **common) if head else out

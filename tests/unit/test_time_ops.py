@@ -123,3 +123,91 @@ def test_every_datasheet_profile_names_the_source_of_each_per_operation_constant
         for key in ("sm_count", "gemm_efficiency", "gemm_k_half", "attention_efficiency", "attention_seq_half",
                     "memory_efficiency"):
             assert prof.source.get(key), (prof.name, key)
+
+
+# ------------------------------------------------------------------ an MoE layer's experts
+MOE = ModelShape(name="m", arch="llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, vocab_size=1000,
+                 max_seq_len=128, num_experts=8, experts_per_token=2, moe_ffn_hidden_size=128)
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_the_experts_are_their_own_products_over_their_rows_then_the_routing(impl):
+    """By hand, on a device without shape effects: 64 tokens, top-2 of 8 experts split over 2 ranks: 4 local
+    experts of 64 x 2 x 2 / 8 = 32 rows each, each a gate-and-up product (256 -> 256) and a down product
+    (128 -> 256), 3 passes of 2 m k n FLOPs each (forward, the input's and the weight's gradients). The routing:
+    passes over the 64 x 2 routed rows of 256 bf16 elements at the memory bandwidth, plus the fixed cost; a
+    recomputation adds a third of it."""
+    from dist_train.estimate.ops import experts_compute
+
+    hw = replace(HW, sm_count=0, gemm_efficiency=1.0, gemm_k_half=0, memory_bw=1e30)  # products at the peak
+    shape = replace(MOE, experts_implementation=impl)
+    c = {"gemm_factor": 1.0, "routing_passes": 10.0, "fixed_s": 1e-3}
+    forward = 4 * (2 * 32 * 256 * 256 + 2 * 32 * 128 * 256) / PEAK
+    routing_bw = 1e12
+    products, routing = experts_compute(shape, tokens=64, ep=2, recompute="none", hw=replace(hw), peak=PEAK,
+                                        element_bytes=2, constants=c)
+    assert products == pytest.approx(3 * forward)
+    assert routing == pytest.approx(1e-3)  # the routing's bytes at an unbounded bandwidth: the fixed cost alone
+    _, routing = experts_compute(shape, tokens=64, ep=2, recompute="none", hw=replace(hw, memory_bw=routing_bw),
+                                 peak=PEAK, element_bytes=2, constants=c)
+    assert routing == pytest.approx(10 * 64 * 2 * 256 * 2 / routing_bw + 1e-3)
+    full = experts_compute(shape, tokens=64, ep=2, recompute="full", hw=hw, peak=PEAK, element_bytes=2, constants=c)
+    assert full == pytest.approx((4 * forward, 1e-3 * 4 / 3))
+    # selective keeps eager's products (aten.mm) but not grouped_mm's: those run forward again
+    selective, _ = experts_compute(shape, tokens=64, ep=2, recompute="selective", hw=hw, peak=PEAK, element_bytes=2,
+                                   constants=c)
+    assert selective == pytest.approx((4 if impl == "grouped_mm" else 3) * forward)
+    # one rank holding all 8 experts: 16 rows each, the same FLOPs
+    alone, _ = experts_compute(shape, tokens=64, ep=1, recompute="none", hw=hw, peak=PEAK, element_bytes=2,
+                               constants=c)
+    assert alone == pytest.approx(3 * forward)
+
+
+def test_few_rows_per_expert_leave_the_sms_idle_under_eager_and_share_the_waves_under_grouped_mm():
+    """Qwen3-30B-A3B's layer (128 experts of width 768, top-8, hidden 2048), 4,096 tokens: 256 rows an expert.
+    Eager runs 128 small products, each 2 x 6 tiles on 132 SMs; grouped_mm runs them as one kernel of 1,536
+    tiles; both are slower than the same FLOPs as one dense product, which the model priced them as before."""
+    from dist_train.estimate.ops import experts_compute
+
+    h100 = PROFILES["h100"]
+    qwen = replace(MOE, hidden_size=2048, num_experts=128, experts_per_token=8, moe_ffn_hidden_size=768)
+    none = {"routing_passes": 0.0, "fixed_s": 0.0}
+    eager, _ = experts_compute(qwen, tokens=4096, ep=1, recompute="none", hw=h100, peak=h100.flops["bf16"],
+                               element_bytes=2, constants=none)
+    grouped, _ = experts_compute(replace(qwen, experts_implementation="grouped_mm"), tokens=4096, ep=1,
+                                 recompute="none", hw=h100, peak=h100.flops["bf16"], element_bytes=2,
+                                 constants={**none, "gemm_factor": 1.0})
+    dense = sum(gemm_seconds(m, k, n, h100, h100.flops["bf16"], 2) for m, k, n in (
+        (4096, 2048, 1536), (4096, 1536, 2048), (2048, 4096, 1536), (4096, 768, 2048), (4096, 2048, 768),
+        (768, 4096, 2048))) * 8
+    assert dense < grouped < eager
+
+
+def test_the_hopper_experts_constants_are_the_fit_to_an_h100s_blocks_and_hold_on_an_h200s():
+    """PROFILES' experts constants are what fit_experts finds in bench/data/gpu_moe-h100-2026-11-27.json (18 MoE
+    blocks: Qwen3-30B-A3B's, OLMoE's, Mixtral's sizes, 4k-16k tokens, eager and grouped_mm), which they then
+    predict within 10%. The same 18 blocks measured on an H200 (gpu_calibrate-h200-2026-11-27.json), not fitted,
+    within 16% with the H200's profile (the worst: Mixtral's grouped_mm at 16k tokens, +15.0%). Pricing the experts
+    as k dense products over all the tokens, as the model did before, was 2.5-9 times short on the fine-grained
+    ones (docs/BENCHMARKS.md)."""
+    import json
+    import sys
+
+    from dist_train.estimate.hardware import EXPERTS_HOPPER
+    from dist_train.estimate.ops import fit_experts, moe_block_seconds
+    from tests.helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_calibrate import moe_measured
+
+    h100 = moe_measured(json.loads((ROOT / "bench/data/gpu_moe-h100-2026-11-27.json").read_text()))
+    h200 = moe_measured(json.loads((ROOT / "bench/data/gpu_calibrate-h200-2026-11-27.json").read_text()))
+    assert len(h100) == len(h200) == 18
+    assert fit_experts(h100, PROFILES["h100"]) == EXPERTS_HOPPER
+    for gpu, rows, within in (("h100", h100, 0.10), ("h200", h200, 0.16)):
+        hw = PROFILES[gpu]
+        assert hw.experts == EXPERTS_HOPPER
+        for shape, tokens, measured in rows:
+            predicted = moe_block_seconds(shape, tokens, hw, hw.experts[shape.experts_implementation])
+            assert predicted == pytest.approx(measured, rel=within), (gpu, shape.name, shape.experts_implementation,
+                                                                      tokens)
