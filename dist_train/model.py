@@ -402,6 +402,21 @@ def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:
     return sum(whole_numel(p) for p in distinct if p.requires_grad or not trainable_only)
 
 
+def idle_expert_params(model: nn.Module, experts_per_token: int) -> int:
+    """Parameters of the experts a token does not pass through: in each MoE layer's stacked experts, all but
+    `experts_per_token` experts' worth. MFU counts a model's active parameters (the N of 6·N·tokens), as the MoE
+    papers and torchtitan do: an MoE model's total would count every expert for every token."""
+    from dist_train.architectures import expert_modules
+
+    idle = 0
+    for module in expert_modules(model):
+        gate_up = module.gate_up_proj
+        experts = (getattr(gate_up, "ds_shape", None) or gate_up.shape)[0]
+        held = sum(whole_numel(p) for p in module.parameters())
+        idle += held * (experts - experts_per_token) // experts
+    return idle
+
+
 class NEFTune:
     """NEFTune (Jain et al. 2023): noise on the token embeddings while training, as a forward hook on the
     embedding module (so it survives any wrapping, and a pipeline's first stage keeps it).

@@ -116,7 +116,7 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     just before the model was built (`memory/setup_baseline_rss_bytes`, and its anonymous part
     `memory/setup_baseline_anon_bytes`: imports, process group, the strategy's own libraries) and the peak once this rank's weights were in (`memory/load_peak_rss_bytes`), before a strategy
     allocates its training state (DeepSpeed's engine does at set-up)."""
-    from dist_train.model import build_model, count_params, qlora_base
+    from dist_train.model import build_model, count_params, idle_expert_params, qlora_base
     from dist_train.optim import OptimizerFactory
     from dist_train.strategies.base import StrategyContext
     from dist_train.strategies.registry import build_strategy
@@ -155,8 +155,9 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
                  "each rank fills only what it holds" if sharded else "built whole on each rank")
     transform_model(run, model, compute_dtype=compute_dtype)
     num_params, num_trainable = count_params(model), count_params(model, trainable_only=True)
+    active = num_params - idle_expert_params(model, run.model.experts_per_token)  # MoE: a token's top-k experts
     fpt = flops_per_token(
-        num_params=num_params, num_embedding_params=embedding_params(model),
+        num_params=active, num_embedding_params=embedding_params(model),
         num_layers=run.model.num_layers, hidden_size=run.model.hidden_size, seq_len=t.seq_len,
     )
     strategy.setup(model)

@@ -69,8 +69,9 @@ class StepTime:
 
 
 def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
-    """telemetry.flops.flops_per_token for a shape: what MFU divides by."""
-    return flops_per_token(num_params=shape.num_params, num_embedding_params=shape.embedding_params(),
+    """telemetry.flops.flops_per_token for a shape, of its active parameters (an MoE model's top-k experts, as
+    training's MFU counts them): what MFU divides by."""
+    return flops_per_token(num_params=shape.active_params, num_embedding_params=shape.embedding_params(),
                            num_layers=shape.num_layers, hidden_size=shape.hidden_size, seq_len=seq_len)
 
 

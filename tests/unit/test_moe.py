@@ -32,6 +32,16 @@ def test_the_estimators_expert_and_dense_counts_are_the_built_models():
     assert shape.num_params == expert + dense == 281_280
     # a token passes through its top-2 of 8 experts: a quarter of the experts' parameters, all the dense ones
     assert shape.active_params == dense + expert * 2 // 8
+    # MFU's N, in training (session.py) and in the advisor (model_flops_per_token): the active parameters, not all
+    from dist_train.estimate.step_time import model_flops_per_token
+    from dist_train.model import count_params, idle_expert_params
+    from dist_train.telemetry.flops import flops_per_token
+
+    assert count_params(built) - idle_expert_params(built, cfg.experts_per_token) == shape.active_params
+    assert model_flops_per_token(shape, 128) == flops_per_token(
+        num_params=shape.active_params, num_embedding_params=shape.embedding_params(), num_layers=4, hidden_size=64,
+        seq_len=128) < flops_per_token(num_params=shape.num_params, num_embedding_params=shape.embedding_params(),
+                                       num_layers=4, hidden_size=64, seq_len=128)
     # the experts run as the preset pins them, whatever transformers would choose on this machine
     assert built.config._experts_implementation == "eager"
 
