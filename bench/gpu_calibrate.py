@@ -13,7 +13,8 @@ It measures, in bf16 on the visible GPU (each figure the median of timed repetit
   with and without activation checkpointing;
 - fused AdamW over 256M fp32 parameters; the loss over a 128,256-token vocabulary;
 - a whole eager training step of model=llama_1b (2 micro-batches of 4 x 2048 tokens);
-- one Qwen3-MoE block (router and experts) at Qwen3-30B-A3B's sizes, eager and grouped_mm experts.
+- one Qwen3-MoE block (router and experts) at Qwen3-30B-A3B's, OLMoE's and Mixtral's sizes, eager and grouped_mm
+  experts, in bf16, and again with fp32 weights under bf16 autocast, as dist_train trains (`moe_autocast`).
 
 From them it writes a hardware profile (dist_train/estimate/hardware.py) where `cluster.gpu=<kind>` finds it on
 this host (plan.profile_dir, default ~/.cache/dist_train/profiles): the datasheet's peaks, the measured memory
@@ -263,12 +264,15 @@ def moe_measured(calib: dict[str, Any]) -> list[tuple[Any, int, float]]:
     return out
 
 
-def moe_blocks() -> list[dict[str, Any]]:
+def moe_blocks(*, autocast: bool = False, tokens_list: tuple[int, ...] = MOE_TOKENS) -> list[dict[str, Any]]:
     """One transformers `Qwen3MoeSparseMoeBlock` (router, top-k, experts) forward + backward at each MOE_MODELS
     shape (Qwen3-MoE's block with that model's sizes: the experts' products are the same), bf16, under each experts
     implementation dist_train pins (model.experts_implementation). batched_mm is
     left out: it gathers one expert's weights per routed row (T x k x 3 x H x F elements, 0.6 TB at 4,096 tokens).
-    FLOPs are the active ones: the router and the top-k experts' three products, forward + backward."""
+    FLOPs are the active ones: the router and the top-k experts' three products, forward + backward.
+    `autocast`: the block's weights in fp32 under bf16 autocast, as dist_train's precision=bf16 trains them."""
+    import contextlib
+
     import torch
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -280,12 +284,17 @@ def moe_blocks() -> list[dict[str, Any]]:
                                 norm_topk_prob=True, num_hidden_layers=1)
         config._experts_implementation = impl
         with torch.device("cuda"):
-            block = Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
-        for tokens in MOE_TOKENS:
-            x = torch.randn(1, tokens, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            block = Qwen3MoeSparseMoeBlock(config)
+        if not autocast:
+            block = block.to(torch.bfloat16)
+        for tokens in tokens_list:
+            x = torch.randn(1, tokens, h, dtype=torch.float32 if autocast else torch.bfloat16, device="cuda",
+                            requires_grad=True)
 
             def step():
-                y = block(x)
+                cast = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+                with cast:
+                    y = block(x)
                 y = y[0] if isinstance(y, tuple) else y
                 y.backward(torch.ones_like(y))
 
@@ -293,6 +302,7 @@ def moe_blocks() -> list[dict[str, Any]]:
             sec = timed(step, reps=5)
             flops = 3 * 2 * tokens * (h * e + k * 3 * h * f)
             rows.append({"model": moe["model"], "implementation": impl, "tokens": tokens, "s": sec,
+                         "precision": "autocast" if autocast else "bf16",
                          "active_flops_per_s": flops / sec,
                          "peak_allocated_bytes": torch.cuda.max_memory_allocated()})
             block.zero_grad(set_to_none=True)
@@ -413,6 +423,7 @@ def measure(budget_s: float, *, only: set[str] | None = None) -> dict[str, Any]:
         ("loss", loss_over_vocab),
         ("step", whole_step),
         ("moe", moe_blocks),
+        ("moe_autocast", functools.partial(moe_blocks, autocast=True, tokens_list=MOE_TOKENS[:2])),
     ):
         if only is not None and name not in only:
             continue
@@ -581,6 +592,15 @@ def render(calib: dict[str, Any]) -> str:
             f"{st['tokens_per_s']:,.0f} tokens/s, model FLOPs at {pct(st['model_flops'] / st['s'])} of the peak, "
             f"peak allocated {st['peak_allocated_bytes'] / 2**30:.2f} GiB."
         )
+    if calib.get("moe_autocast"):
+        parts.append(
+            "The same MoE blocks with fp32 weights under bf16 autocast (dist_train's precision=bf16); not fitted:\n\n"
+            + md_table(["model", "experts implementation", "tokens", "ms", "TFLOP/s", "of peak",
+                        "peak allocated (GiB)"],
+                       [[r["model"], r["implementation"], r["tokens"], f"{r['s'] * 1e3:.2f}",
+                         f"{r['active_flops_per_s'] / tf:.0f}", pct(r["active_flops_per_s"]),
+                         f"{r['peak_allocated_bytes'] / 2**30:.2f}"] for r in calib["moe_autocast"]])
+        )
     if calib.get("moe"):
         parts.append(
             "One MoE block (router, top-k experts) at each model's sizes ("
@@ -649,7 +669,7 @@ def main() -> int:
     parser.add_argument("--profile-dir", type=Path, help="where cluster.gpu= finds it (default: plan.profile_dir's)")
     parser.add_argument("--no-docs", action="store_true")
     parser.add_argument("--only", help="measure only these, comma-separated (memory_bandwidth, layers, matmuls, "
-                                       "attention, optimizer, loss, step, moe)")
+                                       "attention, optimizer, loss, step, moe, moe_autocast)")
     args = parser.parse_args()
     if args.from_file:
         calib = json.loads(args.from_file.read_text())

@@ -194,14 +194,18 @@ class MicroBatchCompute:
 
 
 def layer_compute(shape: ModelShape, *, batch: int, seq_len: int, tp: int, sequence_parallel: bool, recompute: str,
-                  hw: Hardware, peak: float, element_bytes: int, ep: int = 1) -> MicroBatchCompute:
-    """One layer, one micro-batch of `batch` sequences, on one rank (its experts split over `ep` ranks)."""
+                  hw: Hardware, peak: float, element_bytes: int, ep: int = 1,
+                  experts_fp32: bool = False) -> MicroBatchCompute:
+    """One layer, one micro-batch of `batch` sequences, on one rank (its experts split over `ep` ranks).
+    `experts_fp32`: the experts' products run in fp32 (grouped_mm over fp32 weights under autocast, which does not
+    cast them: transformers casts the input to the weights' dtype instead)."""
     tokens = batch * seq_len
     fwd, bwd = projection_pass_seconds(tokens, projections(shape, tp), hw, peak, element_bytes)
     experts_s = routing_s = 0.0
     if shape.num_experts:
-        experts_s, routing_s = experts_compute(shape, tokens=tokens, ep=ep, recompute=recompute, hw=hw, peak=peak,
-                                               element_bytes=element_bytes)
+        experts_s, routing_s = experts_compute(shape, tokens=tokens, ep=ep, recompute=recompute, hw=hw,
+                                               peak=hw.peak("fp32") if experts_fp32 else peak,
+                                               element_bytes=4 if experts_fp32 else element_bytes)
     att = attention_forward_seconds(shape, batch=batch, seq_len=seq_len, tp=tp, hw=hw, peak=peak)
     ew = tokens * elementwise_bytes_per_token(shape, tp=tp, sequence_parallel=sequence_parallel,
                                               element_bytes=element_bytes) / (hw.memory_bw * hw.memory_efficiency)

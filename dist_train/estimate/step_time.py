@@ -122,8 +122,10 @@ def micro_batch_compute(shape: ModelShape, setup: Setup, hw: Hardware, *, peak: 
     tp = setup.tensor_parallel_size
     common = dict(batch=setup.micro_batch_size, seq_len=setup.seq_len, hw=hw, peak=peak,
                   element_bytes=element_bytes(setup.precision))
+    # grouped_mm is not autocast-enabled: over fp32 weights (torch autocast's regime) the experts multiply in fp32
+    experts_fp32 = shape.experts_implementation == "grouped_mm" and setup.autocast_16bit
     layer = layer_compute(shape, tp=tp, sequence_parallel=setup.sequence_parallel, ep=setup.ep,
-                          recompute=recompute_mode(setup.activation_checkpointing), **common)
+                          experts_fp32=experts_fp32, recompute=recompute_mode(setup.activation_checkpointing), **common)
     out = layer.scaled(layers)
     return out + head_compute(shape, tp=tp, **common) if head else out
 
