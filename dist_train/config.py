@@ -221,6 +221,9 @@ class TrainConfig:
     # backward; selective: keep what its matrix products and attention produce and recompute the rest (norms,
     # activations, residuals, casts), torchtitan's per-op policy. true and false are full and none.
     activation_checkpointing: str = "none"
+    # Checkpoint every k-th block only (blocks k, 2k, ... counted from 1, as torchtitan's layer-frequency option), the
+    # others keep all their activations; 1 = every block. Applies to full and selective.
+    checkpoint_every: int = 1
     # torch.compile each transformer block (after checkpointing, before the strategy wraps it, as torchtitan).
     compile: bool = False
     # NEFTune (Jain et al. 2023): uniform noise of scale alpha / sqrt(seq_len * hidden) on the token embeddings
@@ -466,7 +469,7 @@ def validate_fields(run: RunConfig) -> None:
     """The checks that do not depend on the number of processes (the estimator and compare run these too)."""
     require(isinstance(run.strategy, StrategyConfig), "strategy is not set; pick one with strategy=<name>")
     t, m = run.train, run.model
-    for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_every"):
+    for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_every", "checkpoint_every"):
         value = getattr(t, key)
         require(value is None and key == "global_batch_size" or value >= 1, f"train.{key}={value} must be >= 1")
     require(t.lr > 0, f"train.lr={t.lr} must be > 0")

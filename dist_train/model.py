@@ -325,8 +325,14 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
                         f"its _no_split_modules {sorted(whole)})") from None
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> None:
-    """Recompute each transformer block's activations in backward instead of keeping them: all of them (`full`:
+def checkpointed_blocks(num_blocks: int, every: int) -> list[int]:
+    """The indices of the blocks that train.checkpoint_every=`every` checkpoints: every k-th, counted from 1."""
+    return [i for i in range(num_blocks) if (i + 1) % every == 0]
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every: int = 1) -> None:
+    """Recompute each transformer block's activations in backward instead of keeping them (every `every`-th block
+    only: `checkpointed_blocks`): all of them (`full`:
     the block keeps its input), or all but what its matrix products and attention produce (`selective`, torchtitan's
     per-op policy: those are kept, the cheap ops between them, norms, activations, residuals, rotary, casts, are
     recomputed; `selective_policy`). `none` changes nothing.
@@ -348,7 +354,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> None
 
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_policy(saved_ops()))
     blocks = transformer_blocks(model)
-    for i, block in enumerate(blocks):
+    for i in checkpointed_blocks(len(blocks), every):
+        block = blocks[i]
         # torch's non-reentrant checkpoint, through a function that lets the activation meter see the
         # recomputation and selective checkpointing's kept outputs (telemetry/activations.py); the wrapper keeps
         # the state dict's keys unchanged.

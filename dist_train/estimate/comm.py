@@ -234,11 +234,15 @@ def _ep(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     m, layers, k = setup.microbatches_per_step, shape.num_layers, shape.experts_per_token
     rows = setup.micro_batch_size * setup.seq_len * k * shape.hidden_size * element_bytes(setup.precision)
     counts = 8 * shape.num_experts
-    forwards = 1 if setup.activation_checkpointing == "none" else 2
-    per_layer = forwards * (counts + 2 * rows) + 2 * rows
-    calls = m * layers * (3 * forwards + 2)
+    recomputed = setup.checkpointed_layers(layers)  # their forward's exchanges run again
+
+    def per_layer(forwards: int) -> int:
+        return forwards * (counts + 2 * rows) + 2 * rows
+
+    total = m * (recomputed * per_layer(2) + (layers - recomputed) * per_layer(1))
+    calls = m * (recomputed * 8 + (layers - recomputed) * 5)
     return {
-        ("all_to_all", "tokens"): Sized(m * layers * per_layer, f"routed rows: {calls // (m * layers)} exchanges a "
+        ("all_to_all", "tokens"): Sized(total, f"routed rows: {calls / (m * layers):g} exchanges a "
                                         "layer and micro-batch (counts, rows there and back, both ways in backward)",
                                         element_bytes(setup.precision), calls),
         ("all_reduce", "expert gradient norm"): _expert_norm(shape),
@@ -299,7 +303,7 @@ def expert_crossover(shape: ModelShape, setup: Setup) -> Optional[ExpertCrossove
     m, layers, k, h = setup.microbatches_per_step, shape.num_layers, shape.experts_per_token, shape.hidden_size
     e = element_bytes(setup.precision)
     tokens = setup.micro_batch_size * setup.seq_len
-    sends = 4 if setup.activation_checkpointing == "none" else 6
+    sends = 4 + 2 * setup.checkpointed_layers(layers) / layers  # 6 where every layer is recomputed
     experts = shape.expert_params
     gathers = 2 if setup.reshard_after_forward else 1
     ep = m * layers * sends * tokens * k * h * e

@@ -482,9 +482,12 @@ def weight_copy_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_
         return 0.0
     layer = shape.layer_matmul_weights() / setup.tensor_parallel_size
     head = shape.head_matmul_weights() / setup.tensor_parallel_size if with_head else 0
-    if setup.activation_checkpointing != "none":  # selective recomputes the casts too
-        # the blocks' copies exist only while one block is recomputed, after its micro-batch's head is released
-        return float(((in_flight - 1) * head + max(head, layer)) * element_bytes(setup.precision))
+    checkpointed = setup.checkpointed_layers(num_layers)
+    if checkpointed:  # selective recomputes the casts too
+        # a checkpointed block's copies exist only while it is recomputed, after its micro-batch's head is
+        # released; the blocks train.checkpoint_every leaves out keep theirs
+        plain = in_flight * (num_layers - checkpointed) * layer
+        return float((plain + (in_flight - 1) * head + max(head, layer)) * element_bytes(setup.precision))
     return float(in_flight * (num_layers * layer + head) * element_bytes(setup.precision))
 
 
@@ -612,7 +615,7 @@ def backward_start_extra(shape: ModelShape, setup: Setup) -> float:
     """What the start of backward holds above the activation category (whose peak is the end of forward, or
     under checkpointing the first recomputed layer): the loss's backward temporaries, with the head's tensors."""
     extra = loss_backward_bytes(shape, setup)
-    if setup.activation_checkpointing == "none":
+    if setup.activation_checkpointing == "none" or setup.checkpointed_layers(shape.num_layers) == 0:
         return extra
     layer, head = _layer_and_head_bytes(shape, setup, with_head=True)
     return max(0.0, head + extra - max(head, layer - _kept_bytes(shape, setup)))
@@ -635,7 +638,11 @@ def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_h
     s, b = setup.seq_len, setup.micro_batch_size
     tp, sp = setup.tensor_parallel_size, setup.sequence_parallel and setup.tensor_parallel_size > 1
     layer, head = _layer_and_head_bytes(shape, setup, with_head=with_head)
-    if setup.activation_checkpointing != "none":
+    checkpointed = setup.checkpointed_layers(num_layers)
+    if checkpointed:
+        # train.checkpoint_every: the other blocks keep every activation, as without checkpointing
+        plain = in_flight * (num_layers - checkpointed) * layer
+        num_layers = checkpointed
         # Each micro-batch in flight keeps its layers' inputs (the residual stream: fp32 under autocast), and under
         # selective checkpointing their kept outputs. The peak is either the end of the last forward (its head's
         # tensors alive) or the first recomputation in backward, by when that micro-batch's head has been
@@ -645,7 +652,7 @@ def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_h
         kept_layers = 1 + (num_layers - 1) / tp if sp and num_layers > 0 else num_layers
         inputs = in_flight * kept_layers * s * b * shape.hidden_size * norm_elem
         kept = _kept_bytes(shape, setup)
-        return inputs + in_flight * num_layers * kept + (in_flight - 1) * head + max(head, layer - kept)
+        return plain + inputs + in_flight * num_layers * kept + (in_flight - 1) * head + max(head, layer - kept)
     return in_flight * (num_layers * layer + head)
 
 

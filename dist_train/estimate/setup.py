@@ -85,6 +85,7 @@ class Setup:
     # fsdp: reduce-scatter after every micro-batch instead of once a step (strategy.reduce_every_microbatch)
     reduce_every_microbatch: bool = False
     activation_checkpointing: str = "none"  # none | full | selective (config.CHECKPOINTING)
+    checkpoint_every: int = 1  # train.checkpoint_every: only every k-th block checkpointed
     regime: str = "auto"
     # ZeRO-3's gathering, as DeepSpeed is configured (zero_optimization.stage3_*; in elements). The persistence
     # threshold is this project's default (0: every parameter partitioned), the prefetch follows the model (None:
@@ -205,6 +206,11 @@ class Setup:
         # train.global_batch_size=null trains micro_batch_size x world_size samples a step (config.default_global_batch)
         global_batch = self.global_batch_size or self.micro_batch_size * self.world_size
         return max(1, global_batch // (self.micro_batch_size * self.data_parallel_size))
+
+    def checkpointed_layers(self, num_layers: int) -> int:
+        """Of `num_layers` consecutive blocks, how many train.activation_checkpointing checkpoints (every
+        checkpoint_every-th; a pipeline stage's count as if its blocks were numbered from 1)."""
+        return 0 if self.activation_checkpointing == "none" else num_layers // self.checkpoint_every
 
     @property
     def autocast_16bit(self) -> bool:
@@ -339,6 +345,7 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         micro_batch_size=int(train.get("micro_batch_size", 1)), seq_len=int(train.get("seq_len", 2048)),
         global_batch_size=train.get("global_batch_size"),
         activation_checkpointing=checkpointing_mode(train.get("activation_checkpointing", "none")),
+        checkpoint_every=int(train.get("checkpoint_every", 1) or 1),
         num_microbatches=strategy.get("num_microbatches"),
         split_points=tuple(split) if split else None,
         reshard_after_forward=bool(strategy.get("reshard_after_forward", True)),

@@ -124,9 +124,11 @@ def micro_batch_compute(shape: ModelShape, setup: Setup, hw: Hardware, *, peak: 
                   element_bytes=element_bytes(setup.precision))
     # grouped_mm is not autocast-enabled: over fp32 weights (torch autocast's regime) the experts multiply in fp32
     experts_fp32 = shape.experts_implementation == "grouped_mm" and setup.autocast_16bit
-    layer = layer_compute(shape, tp=tp, sequence_parallel=setup.sequence_parallel, ep=setup.ep,
-                          experts_fp32=experts_fp32, recompute=recompute_mode(setup.activation_checkpointing), **common)
-    out = layer.scaled(layers)
+    per_layer = dict(tp=tp, sequence_parallel=setup.sequence_parallel, ep=setup.ep, experts_fp32=experts_fp32, **common)
+    recomputed = setup.checkpointed_layers(layers)  # train.checkpoint_every: the others run once
+    out = layer_compute(shape, recompute=recompute_mode(setup.activation_checkpointing), **per_layer).scaled(recomputed)
+    if recomputed < layers:
+        out = out + layer_compute(shape, recompute="none", **per_layer).scaled(layers - recomputed)
     return out + head_compute(shape, tp=tp, **common) if head else out
 
 

@@ -40,7 +40,8 @@ class MeshWrapper:
             model = onto(model, rt.device)  # DTensor places each shard where the model is
         return parallelize(model, mesh=self.mesh, dims=self.dims, precision=self.ctx.precision,
                            sharding=self.sharding, sequence_parallel=self.sequence_parallel,
-                           checkpointing=self.ctx.train.activation_checkpointing, compile=self.ctx.train.compile,
+                           checkpointing=self.ctx.train.activation_checkpointing,
+                           checkpoint_every=self.ctx.train.checkpoint_every, compile=self.ctx.train.compile,
                            expert_mesh=self.expert_mesh)
 
     def no_sync(self, wrapped: nn.Module) -> ContextManager[Any]:

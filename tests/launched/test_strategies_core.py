@@ -76,14 +76,19 @@ def test_compile_is_refused_where_it_is_not_wired():
 def test_checkpointing_is_applied_inside_the_one_parallelize_and_trains_as_one_process(single_run, fast_run):
     """fsdp with train.activation_checkpointing=true: checkpointing applied by dist_train.parallel.apply between tensor
     parallelism and FSDP2 (not as a transform before the strategy), the same losses as one process, fewer saved
-    activations than the same fsdp run without it."""
+    activations than the same fsdp run without it. With train.checkpoint_every=2 (blocks 2 and 4 of 4) the same
+    losses, and saved activations strictly between."""
     _, single = single_run
     plain_dir, _ = fast_run("strategy=fsdp", nproc=2)
     full_dir, s = fast_run("strategy=fsdp", "train.activation_checkpointing=true", nproc=2)  # true: full
     assert_same_losses(single, s)
+    half_dir, half = fast_run("strategy=fsdp", "train.activation_checkpointing=full", "train.checkpoint_every=2",
+                              nproc=2)
+    assert_same_losses(single, half)
     plain = {r["rank"]: r["memory/activations_bytes"] for r in last_step(plain_dir)}
+    halves = {r["rank"]: r["memory/activations_bytes"] for r in last_step(half_dir)}
     for rec in last_step(full_dir):
-        assert 0 < rec["memory/activations_bytes"] < plain[rec["rank"]]
+        assert 0 < rec["memory/activations_bytes"] < halves[rec["rank"]] < plain[rec["rank"]]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp", "1f1b"])

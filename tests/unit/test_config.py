@@ -39,6 +39,7 @@ def test_defaults_validate_for_one_and_two_processes():
         (["precision.name=fp8"], 1, "precision.name='fp8'"),
         (["train.activation_checkpointing=some"], 1,
          "train.activation_checkpointing='some' is not supported; allowed: none, full, selective (true = full"),
+        (["train.checkpoint_every=0"], 1, "train.checkpoint_every=0 must be >= 1"),
         (["train.seq_len=4096"], 1, "train.seq_len=4096 exceeds model.max_seq_len"),
         (["model.num_heads=5"], 1, "model.hidden_size=64 must be divisible by model.num_heads=5"),
         (["strategy=tp"], 3, "strategy=tp splits model.num_heads=4 3 ways"),
