@@ -42,16 +42,21 @@ def main() -> None:
     top_k_index = torch.stack([first, (first + 1) % 4], dim=1)
     top_k_weights = torch.softmax(torch.randn(tokens, 2), dim=-1)
 
+    from dist_train.telemetry.activations import ActivationMeter
+
     ours_in = hidden.clone().requires_grad_(True)
-    ours = holder.experts(ours_in, top_k_index, top_k_weights)
-    (ours * torch.arange(16.0)).sum().backward()  # a contiguous gradient, different per column
+    meter = ActivationMeter()
+    with meter.measuring():  # what this rank's dispatch and experts keep for backward
+        ours = holder.experts(ours_in, top_k_index, top_k_weights)
+        saved = meter.live_bytes
+        (ours * torch.arange(16.0)).sum().backward()  # a contiguous gradient, different per column
     theirs_in = hidden.clone().requires_grad_(True)
     theirs = reference(theirs_in, top_k_index, top_k_weights)
     (theirs * torch.arange(16.0)).sum().backward()
 
     # The reference's expert gradients summed over both ranks' tokens: what this rank's experts must hold.
     local = slice(4 * rank, 4 * rank + 4)
-    found = {"rank": rank, "output": float((ours - theirs).detach().abs().max()),
+    found = {"rank": rank, "saved_bytes": saved, "output": float((ours - theirs).detach().abs().max()),
              "input_grad": float((ours_in.grad - theirs_in.grad).abs().max())}
     for name in ("gate_up_proj", "down_proj"):
         summed = getattr(reference, name).grad.clone()

@@ -59,6 +59,7 @@ class EstimateArgs:
     activation_checkpointing: Optional[str] = None  # none | full | selective; None = train.activation_checkpointing
     kv_batch: Optional[int] = None  # None = train.micro_batch_size
     kv_context: Optional[int] = None  # None = model.max_seq_len
+    ep_overload: float = 1.0  # expert parallelism: the busiest rank's received rows over its share (1 = balanced)
     fit: FitArgs = field(default_factory=FitArgs)
     dryrun: DryRunArgs = field(default_factory=DryRunArgs)
     # text: tables for a person; json: the same figures in bytes, for tools.
@@ -73,6 +74,12 @@ class EstimateArgs:
             raise ValueError(f"format={self.format!r} is not supported; allowed: text, json")
         if self.gpu_gib <= 0:
             raise ValueError(f"gpu_gib={self.gpu_gib} must be > 0")
+        if self.ep_overload < 1:
+            raise ValueError(f"ep_overload={self.ep_overload} must be >= 1 (the busiest rank's received rows over "
+                             "its balanced share; 1 = balanced routing)")
+        if self.ep_overload != 1 and self.dryrun.ranks:
+            raise ValueError(f"ep_overload={self.ep_overload}: the dry run routes tokens balanced; predict with "
+                             "ep_overload=1 beside it, or drop dryrun.ranks")
 
 
 # What --help says of each estimator option; its default is read from the dataclasses above.
@@ -86,6 +93,9 @@ OPTION_HELP = {
                                 "none or full beside it)",
     "kv_batch": "batch of the inference KV-cache line (null: train.micro_batch_size)",
     "kv_context": "context of the inference KV-cache line (null: the model's max_seq_len)",
+    "ep_overload": "expert parallelism (fsdp_ep, ep): the busiest rank's received rows over its balanced share, as "
+                   "moe/ep_overload measures it (at most strategy.ep); its experts' activations and compute scale "
+                   "with it",
     "format": "text: tables for a person; json: the same figures in bytes, for tools",
     "fit.models": f"other models for the fit table: presets {preset_names()} or conf/model names "
                   "(the run's own model is always in it)",
@@ -189,8 +199,8 @@ def checkpointing_option(option: Optional[str], train: dict[str, Any]) -> dict[s
     return {"activation_checkpointing": mode}
 
 
-_OWN_KEYS = ("world_size", "gpu_gib", "regime", "activation_checkpointing", "kv_batch", "kv_context", "fit", "format",
-             "dryrun")
+_OWN_KEYS = ("world_size", "gpu_gib", "regime", "activation_checkpointing", "kv_batch", "kv_context", "ep_overload",
+             "fit", "format", "dryrun")
 
 
 def split_options(argv: list[str], own_keys: tuple[str, ...]) -> tuple[list[str], list[str]]:

@@ -94,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         adapters = str((cfg.get("peft") or {}).get("name", "none")) != "none" and bool(args.dryrun.ranks)
         setup = setup_from_config(
             {**cfg, "peft": {"name": "none"}} if adapters else cfg, world_size=args.world_size, regime=args.regime,
-            **checkpointing, **({"strategy": unlisted} if unlisted else {}),
+            ep_overload=args.ep_overload, **checkpointing, **({"strategy": unlisted} if unlisted else {}),
         )
+        if args.ep_overload > max(setup.ep, 1) or (args.ep_overload != 1 and setup.ep <= 1):
+            raise ValueError(f"ep_overload={args.ep_overload} must be between 1 and strategy.ep={setup.ep} (every "
+                             "token on one rank's experts); it applies to fsdp_ep and ep only")
         dryrun_overrides = resolve_model_choice(training)
         if args.dryrun.ranks:
             why_not = supported(setup.family, setup.strategy, num_experts=shape.num_experts,

@@ -542,11 +542,17 @@ def ep_dispatch_bytes(shape: ModelShape, setup: Setup) -> float:
     transformers' own experts loop, at balanced routing (each rank's experts receive the T x k rows it sends): the
     rows back from the experts, T k h in the compute dtype, which the top-k weighting keeps, and the sorted pairs'
     order (int64). Measured in one process with the experts on a one-rank ep mesh, model=tiny_moe: exactly this
-    (tests/unit/test_moe.py); on more ranks the received rows follow the routing."""
+    (tests/unit/test_moe.py); on more ranks the received rows follow the routing: the busiest rank's experts hold
+    setup.ep_overload times the balanced share (measured on 2 ranks, every token routed to rank 0's experts:
+    tests/launched/test_moe.py)."""
     if setup.ep <= 1 or not shape.num_experts:
         return 0.0
     pairs = setup.micro_batch_size * setup.seq_len * shape.experts_per_token
-    return pairs * (shape.hidden_size * element_bytes(setup.precision) + 8)
+    elem = element_bytes(setup.precision)
+    # the busiest rank (setup.ep_overload): its experts keep what they save for every row they receive beyond
+    # the balanced share: the row in and out, the gated MLP's 4 intermediates, the experts loop's int64 row index
+    received = (setup.ep_overload - 1) * pairs * ((4 * shape.moe_ffn + 2 * shape.hidden_size) * elem + 8)
+    return pairs * (shape.hidden_size * elem + 8) + received
 
 
 def moe_routing_bytes(shape: ModelShape, elem: int) -> float:

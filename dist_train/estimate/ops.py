@@ -101,14 +101,16 @@ def grouped_gemm_seconds(groups: int, m: int, k: int, n: int, hw: Hardware, peak
 
 
 def experts_compute(shape: ModelShape, *, tokens: int, ep: int, recompute: str, hw: Hardware, peak: float,
-                    element_bytes: int, constants: Optional[dict[str, float]] = None) -> tuple[float, float]:
+                    element_bytes: int, constants: Optional[dict[str, float]] = None,
+                    overload: float = 1.0) -> tuple[float, float]:
     """(products, routing) seconds of one MoE layer's experts on one rank for `tokens` of its tokens, forward +
     backward + recompute: the E / ep local experts, each with tokens x k x ep / E rows. Full checkpointing
     recomputes the forward; selective too under grouped_mm (its grouped products are not among what selective
-    keeps, dist_train.model._SAVED_OPS), only the routing under eager (its products are kept)."""
+    keeps, dist_train.model._SAVED_OPS), only the routing under eager (its products are kept). `overload`: the rank's
+    received rows over the balanced share (the busiest EP rank's, Setup.ep_overload), which its experts compute."""
     h, i, k = shape.hidden_size, shape.moe_ffn, shape.experts_per_token
     local = shape.num_experts // ep
-    rows = max(1, round(tokens * k * ep / shape.num_experts))
+    rows = max(1, round(tokens * k * ep * overload / shape.num_experts))
     impl = shape.experts_implementation
     c = hw.experts.get(impl, {}) if constants is None else constants
     fwd = bwd = 0.0
@@ -123,7 +125,7 @@ def experts_compute(shape: ModelShape, *, tokens: int, ep: int, recompute: str, 
             bwd += local * (gemm_seconds(rows, b, a, hw, peak, element_bytes)
                             + gemm_seconds(a, rows, b, hw, peak, element_bytes))
     again = recompute == "full" or (recompute == "selective" and impl == "grouped_mm")
-    routing = (c.get("routing_passes", 0.0) * tokens * k * h * element_bytes / hw.memory_bw
+    routing = (c.get("routing_passes", 0.0) * tokens * overload * k * h * element_bytes / hw.memory_bw
                + c.get("fixed_s", 0.0))  # forward and backward: the forward a third, as BACKWARD_TRAFFIC has it
     return fwd * (2 if again else 1) + bwd, routing * (1 + (1 / 3 if recompute != "none" else 0))
 
@@ -195,7 +197,7 @@ class MicroBatchCompute:
 
 def layer_compute(shape: ModelShape, *, batch: int, seq_len: int, tp: int, sequence_parallel: bool, recompute: str,
                   hw: Hardware, peak: float, element_bytes: int, ep: int = 1,
-                  experts_fp32: bool = False) -> MicroBatchCompute:
+                  experts_fp32: bool = False, ep_overload: float = 1.0) -> MicroBatchCompute:
     """One layer, one micro-batch of `batch` sequences, on one rank (its experts split over `ep` ranks).
     `experts_fp32`: the experts' products run in fp32 (grouped_mm over fp32 weights under autocast, which does not
     cast them: transformers casts the input to the weights' dtype instead)."""
@@ -205,7 +207,8 @@ def layer_compute(shape: ModelShape, *, batch: int, seq_len: int, tp: int, seque
     if shape.num_experts:
         experts_s, routing_s = experts_compute(shape, tokens=tokens, ep=ep, recompute=recompute, hw=hw,
                                                peak=hw.peak("fp32") if experts_fp32 else peak,
-                                               element_bytes=4 if experts_fp32 else element_bytes)
+                                               element_bytes=4 if experts_fp32 else element_bytes,
+                                               overload=ep_overload if ep > 1 else 1.0)
     att = attention_forward_seconds(shape, batch=batch, seq_len=seq_len, tp=tp, hw=hw, peak=peak)
     ew = tokens * elementwise_bytes_per_token(shape, tp=tp, sequence_parallel=sequence_parallel,
                                               element_bytes=element_bytes) / (hw.memory_bw * hw.memory_efficiency)

@@ -121,6 +121,9 @@ class Setup:
     replicate: int = 1
     # fsdp_ep, ep: ranks that split each MoE layer's experts (strategy.ep); 1 = no expert parallelism
     ep: int = 1
+    # Under expert parallelism, the busiest rank's received rows over the rows it sends (telemetry's
+    # moe/ep_overload; 1 = balanced routing): its experts' activations and compute scale with it
+    ep_overload: float = 1.0
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:

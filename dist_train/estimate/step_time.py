@@ -124,7 +124,8 @@ def micro_batch_compute(shape: ModelShape, setup: Setup, hw: Hardware, *, peak: 
                   element_bytes=element_bytes(setup.precision))
     # grouped_mm is not autocast-enabled: over fp32 weights (torch autocast's regime) the experts multiply in fp32
     experts_fp32 = shape.experts_implementation == "grouped_mm" and setup.autocast_16bit
-    per_layer = dict(tp=tp, sequence_parallel=setup.sequence_parallel, ep=setup.ep, experts_fp32=experts_fp32, **common)
+    per_layer = dict(tp=tp, sequence_parallel=setup.sequence_parallel, ep=setup.ep, experts_fp32=experts_fp32,
+                     ep_overload=setup.ep_overload, **common)
     recomputed = setup.checkpointed_layers(layers)  # train.checkpoint_every: the others run once
     out = layer_compute(shape, recompute=recompute_mode(setup.activation_checkpointing), **per_layer).scaled(recomputed)
     if recomputed < layers:

@@ -36,6 +36,9 @@ class PlanOptions:
     optimizers: list[str] = field(default_factory=list)  # empty: the training config's optimizer only
     distinct: bool = True  # one configuration per strategy and degrees (its fastest); false: every one
     memory_fraction: float = 0.9  # the share of a device's memory a configuration may fill at its peak
+    # expert parallelism: the busiest rank's received rows over its balanced share (moe/ep_overload), at most each
+    # configuration's ep (capped there); 1 = balanced routing
+    ep_overload: float = 1.0
     out_dir: Optional[str] = None  # plan.verify's and a cpu calibration's runs; null: outputs/plan-<time>
     timeout_s: float = 900.0  # per verified or calibrating run
 
@@ -50,6 +53,8 @@ class PlanOptions:
         bad = [s for s in self.strategies if s not in SEARCHED]
         if bad:
             raise ValueError(f"plan.strategies: {', '.join(bad)} cannot be searched; allowed: {', '.join(SEARCHED)}")
+        if self.ep_overload < 1:
+            raise ValueError(f"plan.ep_overload={self.ep_overload} must be >= 1 (1 = balanced routing)")
         if any(b < 1 for b in self.micro_batch_sizes):
             raise ValueError(f"plan.micro_batch_sizes={self.micro_batch_sizes}: each must be >= 1")
 
@@ -347,7 +352,7 @@ def _search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, args: PlanArgs
     return search(shape, cfg, hw, nodes=args.cluster.nodes, strategies=tuple(p.strategies),
                   micro_batch_sizes=list(p.micro_batch_sizes) or None,
                   checkpointing=tuple(checkpointing_mode(c, "plan.checkpointing") for c in p.checkpointing),
-                  optimizers=list(p.optimizers) or None, memory_fraction=p.memory_fraction,
+                  optimizers=list(p.optimizers) or None, memory_fraction=p.memory_fraction, ep_overload=p.ep_overload,
                   check=candidate_check(training, global_batch, world, here=args.cluster.gpu == "cpu"),
                   top=max(p.top, p.verify),
                   distinct=p.distinct)

@@ -156,7 +156,7 @@ def _accumulations(name: str, microbatches: int) -> tuple[bool, ...]:
 
 def search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, *, nodes: int, strategies: tuple[str, ...] = SEARCHED,
            micro_batch_sizes: Optional[list[int]] = None, checkpointing: tuple[str, ...] = CHECKPOINTING,
-           optimizers: Optional[list[str]] = None, memory_fraction: float = 0.9,
+           optimizers: Optional[list[str]] = None, memory_fraction: float = 0.9, ep_overload: float = 1.0,
            check: Optional[Callable[[Candidate], Optional[str]]] = None, top: int = 0,
            distinct: bool = False) -> Search:
     """Ranked candidates and the rejected ones; with `distinct`, only the fastest of each layout (strategy and
@@ -180,6 +180,8 @@ def search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, *, nodes: int, 
         base = replace(base, family=family, zero_stage=stage, schedule=extra.get("schedule", schedule),
                        global_batch_size=global_batch, num_microbatches=None, split_points=None,
                        **{k: v for k, v in extra.items() if k != "schedule"})
+        if base.ep > 1:  # the busiest EP rank's received rows, at most all of its group's (plan.ep_overload)
+            base = replace(base, ep_overload=min(ep_overload, base.ep))
         dp = base.data_parallel_size
         if global_batch < dp:
             rejected.append(Rejected(name, strategy_overrides, f"global batch {global_batch} is not a multiple of "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from omegaconf import OmegaConf
 from dist_train.checkpoint.layout import step_dir_name
 from dist_train.estimate import ModelShape, setup_from_config
 from dist_train.estimate.comm import predict_comm
-from dist_train.estimate.memory import expert_param_bytes
+from dist_train.estimate.memory import ep_dispatch_bytes, expert_param_bytes
+from dist_train.estimate.setup import Setup
 from tests.helpers import FAST, ROOT, assert_same_losses, compare_from, env, forked, last_step, metrics, train_ok
 from tests.launched.test_dryrun import dry_run
 
@@ -199,7 +201,8 @@ def test_an_moe_model_trains_as_one_process_does_and_is_predicted(strategy, sing
 def test_a_rank_whose_experts_receive_no_token_stays_in_every_exchange_with_zero_gradients(tmp_path):
     """Every token of both ranks routed to rank 0's experts (tests/ep_dispatch_script.py): no hang; each rank's output
     and input gradient are transformers' own module's with all 8 experts; rank 0's expert gradients sum both ranks'
-    tokens, and rank 1's, whose experts received nothing, are zeros (they still exist: the reduction has them).
+    tokens, and rank 1's, whose experts received nothing, are zeros (they still exist: the reduction has them); what
+    rank 0 keeps for backward beyond rank 1 is what the estimator's ep_overload adds.
     Before the received rows were kept in the graph, rank 1 skipped the first exchange's backward and rank 0 waited
     in it."""
     proc = forked([], run_dir=tmp_path, nproc=2, script=ROOT / "tests" / "ep_dispatch_script.py", timeout=300)
@@ -210,6 +213,14 @@ def test_a_rank_whose_experts_receive_no_token_stays_in_every_exchange_with_zero
         assert rank["gate_up_proj_grad"] < 1e-6 and rank["down_proj_grad"] < 1e-6, rank  # relative to the largest
     assert not found[0]["gate_up_proj_grad_all_zero"] and not found[0]["down_proj_grad_all_zero"]
     assert found[1]["gate_up_proj_grad_all_zero"] and found[1]["down_proj_grad_all_zero"]
+    # The estimator's overload knob (ep_overload): rank 0's experts received both ranks' 2 x 24 x 2 rows, twice the
+    # balanced share, rank 1's none. What rank 0 keeps beyond rank 1 is those 96 rows at what the estimator adds per
+    # row beyond the balanced share (estimate/memory.py ep_dispatch_bytes at ep_overload 2 against 1, per sent row).
+    shape = ModelShape(name="e", arch="llama", num_layers=1, hidden_size=16, num_heads=1, vocab_size=1, max_seq_len=24,
+                       num_experts=8, experts_per_token=2, moe_ffn_hidden_size=8)
+    balanced = Setup(strategy="fsdp_ep", family="fsdp", world_size=2, ep=2, micro_batch_size=1, seq_len=24)
+    per_row = (ep_dispatch_bytes(shape, replace(balanced, ep_overload=2.0)) - ep_dispatch_bytes(shape, balanced)) / 48
+    assert found[0]["saved_bytes"] - found[1]["saved_bytes"] == 96 * per_row
 
 
 @pytest.mark.beside

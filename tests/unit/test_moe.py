@@ -316,3 +316,50 @@ def test_an_moe_directorys_experts_are_read_stacked_and_only_the_asked_ones(tmp_
                        loaded["model.layers.0.self_attn.q_proj.weight"].detach())
     # a dense directory, or one saved stacked, is read as it is
     assert experts_stacked(d, "llama") is d
+
+
+def test_the_overload_knob_scales_the_busiest_ranks_experts_and_refuses_what_cannot_be(capsys):
+    """ep_overload (estimator) and plan.ep_overload (advisor): the busiest EP rank's received rows over its balanced
+    share. model=tiny_moe under fsdp_ep, ep=2 on 2 ranks: at 1.5, each layer's activations grow by half a balanced
+    share of received rows at what a received row keeps (measured on 2 ranks: tests/launched/test_moe.py), and the
+    experts' compute by half. Values it cannot take are one line each."""
+    import dataclasses
+
+    from dist_train.estimate.cli import main as estimate_main
+    from dist_train.estimate.setup import Setup
+    from dist_train.estimate.hardware import PROFILES
+    from dist_train.estimate.step_time import predict_step
+
+    def replace_gpus(hw, n):  # noqa: ANN001, ANN202
+        return dataclasses.replace(hw, gpus_per_node=n)
+
+    def activations(*extra: str) -> int:
+        assert estimate_main(["model=tiny_moe", "strategy=fsdp_ep", "world_size=2", "format=json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["memory_per_rank"][0]["activations"]
+
+    base, over = activations(), activations("ep_overload=1.5")
+    shape = ModelShape.from_config(model_config("tiny_moe"))
+    pairs = 2 * 64 * 2  # the default micro-batch of 2 x 64 tokens, top-2, fp32
+    assert over - base == 4 * 0.5 * pairs * ((4 * 32 + 2 * 64) * 4 + 8)  # 4 layers
+    setup = Setup(strategy="fsdp_ep", family="fsdp", world_size=2, ep=2, micro_batch_size=2, seq_len=64,
+                  precision="bf16")
+    h100 = PROFILES["h100"]
+    t1 = predict_step(shape, setup, h100).ops.gemm_s
+    t2 = predict_step(shape, dataclasses.replace(setup, ep_overload=2.0), h100).ops.gemm_s
+    assert t2 > t1
+    # the advisor: each expert-parallel layout at plan.ep_overload, capped at its ep (every token on one rank)
+    from dist_train.estimate.cli import compose
+    from dist_train.plan.search import search
+
+    cfg, _ = compose(["model=tiny_moe", "train.global_batch_size=16"])
+    for overload in (1.0, 1.5, 4.0):
+        found = search(shape, cfg, replace_gpus(h100, 4), nodes=1, strategies=("fsdp_ep", "ep"), ep_overload=overload)
+        assert found.ranked and {c.setup.ep_overload for c in found.ranked} == (
+            {min(overload, c.setup.ep) for c in found.ranked})
+    for extra, why in ((["ep_overload=0.5"], "ep_overload=0.5 must be >= 1"),
+                       (["ep_overload=3"], "ep_overload=3.0 must be between 1 and strategy.ep=2"),
+                       (["ep_overload=2", "strategy=ddp"], "it applies to fsdp_ep and ep only"),
+                       (["ep_overload=2", "dryrun.ranks=[0]"], "the dry run routes tokens balanced")):
+        assert estimate_main(["model=tiny_moe", "strategy=fsdp_ep", "world_size=2", *extra]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
