@@ -141,6 +141,22 @@ def _build_gpt2(cfg: ModelConfig) -> nn.Module:
     return GPT2LMHeadModel(hf)
 
 
+_GROUPED_MM_AUTOCAST: set[str] = set()  # the devices whose autocast now casts grouped_mm (autocast_grouped_mm)
+
+
+def autocast_grouped_mm(devices: tuple[str, ...] = ("cpu", "cuda")) -> None:
+    """Make torch's grouped matrix product autocast to bf16, which torch does not do (pytorch/pytorch#174763).
+    transformers' grouped_mm experts cast their input to the weights' dtype instead, so over torch autocast's fp32
+    weights (single, dp, ddp, the pipelines, tp under precision=bf16) the experts multiplied in fp32: a whole step of
+    a 64-expert model on an H200 took 176 ms (docs/BENCHMARKS.md), and the arithmetic differed from FSDP2's and
+    DeepSpeed's, whose parameters are bf16 in compute. Registered once per process, for bf16 runs: the cast dtype
+    is fixed at registration (an fp16 run's grouped_mm stays in fp32)."""
+    for device in devices:
+        if device not in _GROUPED_MM_AUTOCAST:
+            torch.library.register_autocast("aten::_grouped_mm", device, torch.bfloat16)
+            _GROUPED_MM_AUTOCAST.add(device)
+
+
 def pin_experts(hf: Any, cfg: ModelConfig) -> None:
     """An MoE config's experts implementation, pinned to model.experts_implementation (transformers would choose
     grouped_mm where it can dispatch, eager elsewhere: arithmetic that differs between machines)."""

@@ -116,7 +116,7 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
     just before the model was built (`memory/setup_baseline_rss_bytes`, and its anonymous part
     `memory/setup_baseline_anon_bytes`: imports, process group, the strategy's own libraries) and the peak once this rank's weights were in (`memory/load_peak_rss_bytes`), before a strategy
     allocates its training state (DeepSpeed's engine does at set-up)."""
-    from dist_train.model import build_model, count_params, idle_expert_params, qlora_base
+    from dist_train.model import autocast_grouped_mm, build_model, count_params, idle_expert_params, qlora_base
     from dist_train.optim import OptimizerFactory
     from dist_train.strategies.base import StrategyContext
     from dist_train.strategies.registry import build_strategy
@@ -147,6 +147,8 @@ def _strategy(run: RunConfig, runtime: Any, tracker: Any) -> tuple[Any, int, int
         memory["memory/setup_baseline_anon_bytes"] = baseline_anon
     compute_dtype = getattr(torch, PRECISIONS[run.precision.name][0])  # QLoRA's 4-bit layers compute in it
     quantize = qlora_base(run.peft, compute_dtype) if run.peft.name == "qlora" else None
+    if run.model.num_experts and run.model.experts_implementation == "grouped_mm" and run.precision.name == "bf16":
+        autocast_grouped_mm()  # grouped_mm multiplies in bf16 under autocast too, as under FSDP2's bf16 weights
     model = build_model(run.model, seed=t.seed, empty=empty, quantize=quantize)
     if not sharded:  # the weights are all in: what loading them cost
         memory["memory/load_peak_rss_bytes"] = host.peak_bytes()

@@ -363,3 +363,43 @@ def test_the_overload_knob_scales_the_busiest_ranks_experts_and_refuses_what_can
         assert estimate_main(["model=tiny_moe", "strategy=fsdp_ep", "world_size=2", *extra]) == 2
         err = capsys.readouterr().err
         assert why in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_grouped_mm_experts_multiply_in_bf16_under_autocast_once_registered():
+    """torch does not autocast its grouped matrix product and transformers' grouped_mm experts cast their input to
+    the weights' dtype: under bf16 autocast over fp32 weights (single, ddp, the pipelines) they multiplied in fp32
+    (an H200 step: docs/BENCHMARKS.md). model.autocast_grouped_mm, which a bf16 run's set-up calls, makes them bf16:
+    here on the CPU, model=tiny_moe, the experts' outputs are bf16, the experts' fp32 weights get fp32 gradients,
+    and the loss is the eager experts' within bf16's rounding."""
+    from dist_train.model import autocast_grouped_mm
+
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):  # the dtypes the experts' matrix products run in
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func in (torch.ops.aten._grouped_mm.default, torch.ops.aten.mm.default):
+                self.dtypes.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    def run(impl: str) -> tuple[float, set, torch.nn.Module]:
+        model = build_model(ModelConfig(**{**model_config("tiny_moe"), "experts_implementation": impl}), seed=0)
+        with torch.autocast("cpu", dtype=torch.bfloat16), Products() as seen:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.item(), seen.dtypes, model
+
+    _, before, _ = run("grouped_mm")
+    autocast_grouped_mm(("cpu",))
+    loss, after, model = run("grouped_mm")
+    eager, eager_dtypes, _ = run("eager")
+    assert torch.float32 in before and after == eager_dtypes == {torch.bfloat16}
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    assert experts and all(p.dtype == p.grad.dtype == torch.float32 and p.grad.abs().sum() > 0
+                           for m in experts for p in m.parameters())
+    assert loss == pytest.approx(eager, rel=2e-2)
