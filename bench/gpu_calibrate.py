@@ -485,8 +485,8 @@ def profile_from(calib: dict[str, Any]):
 
 
 def checkpointing_of(row: dict[str, Any]) -> str:
-    """A layer row's checkpointing as train.activation_checkpointing names it (files before 2026-11-28 kept a bool:
-    full or none)."""
+    """A layer row's checkpointing as train.activation_checkpointing names it (the files of 2026-11-26 and of the H100
+    kept a bool: full or none)."""
     value = row["checkpointing"]
     return value if isinstance(value, str) else ("full" if value else "none")
 

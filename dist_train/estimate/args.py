@@ -74,7 +74,7 @@ class EstimateArgs:
             raise ValueError(f"format={self.format!r} is not supported; allowed: text, json")
         if self.gpu_gib <= 0:
             raise ValueError(f"gpu_gib={self.gpu_gib} must be > 0")
-        if self.ep_overload < 1:
+        if not self.ep_overload >= 1:  # NaN too
             raise ValueError(f"ep_overload={self.ep_overload} must be >= 1 (the busiest rank's received rows over "
                              "its balanced share; 1 = balanced routing)")
         if self.ep_overload != 1 and self.dryrun.ranks:

@@ -303,7 +303,7 @@ def expert_crossover(shape: ModelShape, setup: Setup) -> Optional[ExpertCrossove
     m, layers, k, h = setup.microbatches_per_step, shape.num_layers, shape.experts_per_token, shape.hidden_size
     e = element_bytes(setup.precision)
     tokens = setup.micro_batch_size * setup.seq_len
-    sends = 4 + 2 * setup.checkpointed_layers(layers) / layers  # 6 where every layer is recomputed
+    sends = 4 + 2 * setup.checkpointed_layers(layers) / max(layers, 1)  # 6 where every layer is recomputed
     experts = shape.expert_params
     gathers = 2 if setup.reshard_after_forward else 1
     ep = m * layers * sends * tokens * k * h * e

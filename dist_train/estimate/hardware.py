@@ -96,6 +96,9 @@ class Hardware:
     def from_json(cls, data: dict[str, Any]) -> "Hardware":
         known = {f.name for f in fields(cls)}
         data = {k: v for k, v in data.items() if k in known}
+        if "experts" not in data and data.get("name") in OPS:  # stored before the experts' constants existed
+            data["experts"] = OPS[data["name"]][0].get("experts", {})
+            data["source"] = {**data.get("source", {}), "experts": OPS[data["name"]][1].get("experts", "")}
         return cls(**{**data, "intra": Link(**data["intra"]), "inter": Link(**data["inter"])})
 
 

@@ -284,7 +284,8 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
     out = []
     for stage in range(k):
         state = model_state_bytes(params[stage], setup)
-        shared = dict(num_layers=layers[stage], with_head=stage == k - 1, in_flight=pipeline_in_flight(setup, stage=stage))
+        shared = dict(num_layers=layers[stage], with_head=stage == k - 1, in_flight=pipeline_in_flight(setup, stage=stage),
+                      first_layer=sum(layers[:stage]))
         act = activation_bytes(shape, setup=setup, **shared)
         copies = weight_copy_bytes(shape, setup=setup, **shared)
         out.append(RankMemory(state.params, state.grads, state.master, state.optimizer, act, copies))
@@ -476,18 +477,21 @@ def zero_step_grads(num_params: float, setup: Setup) -> float:
     return 4.0 * num_params / setup.data_parallel_size
 
 
-def weight_copy_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int) -> float:
+def weight_copy_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int,
+                      first_layer: int = 0) -> float:
     """Autocast's 16-bit copies of the matmul weights a rank keeps for backward, per micro-batch in flight."""
     if not setup.autocast_16bit:
         return 0.0
     layer = shape.layer_matmul_weights() / setup.tensor_parallel_size
     head = shape.head_matmul_weights() / setup.tensor_parallel_size if with_head else 0
-    checkpointed = setup.checkpointed_layers(num_layers)
+    checkpointed = setup.checkpointed_layers(num_layers, first_layer)
     if checkpointed:  # selective recomputes the casts too
         # a checkpointed block's copies exist only while it is recomputed, after its micro-batch's head is
-        # released; the blocks train.checkpoint_every leaves out keep theirs
+        # released; the blocks train.checkpoint_every leaves out keep theirs (those after the last checkpointed
+        # one until backward reaches it)
         plain = in_flight * (num_layers - checkpointed) * layer
-        return float((plain + (in_flight - 1) * head + max(head, layer)) * element_bytes(setup.precision))
+        freed = setup.trailing_plain_layers(num_layers, first_layer) * layer
+        return float((plain + (in_flight - 1) * head + max(head, layer - freed)) * element_bytes(setup.precision))
     return float(in_flight * (num_layers * layer + head) * element_bytes(setup.precision))
 
 
@@ -638,16 +642,20 @@ def _kept_bytes(shape: ModelShape, setup: Setup) -> float:
                                 sequence_parallel=setup.sequence_parallel and tp > 1)
 
 
-def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int) -> float:
-    """Activations a rank holds at its peak: `in_flight` micro-batches through `num_layers` layers."""
+def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int,
+                     first_layer: int = 0) -> float:
+    """Activations a rank holds at its peak: `in_flight` micro-batches through `num_layers` layers from block
+    `first_layer` (a pipeline stage's)."""
     norm_elem = 4 if setup.autocast_16bit else element_bytes(setup.precision)
     s, b = setup.seq_len, setup.micro_batch_size
     tp, sp = setup.tensor_parallel_size, setup.sequence_parallel and setup.tensor_parallel_size > 1
     layer, head = _layer_and_head_bytes(shape, setup, with_head=with_head)
-    checkpointed = setup.checkpointed_layers(num_layers)
+    checkpointed = setup.checkpointed_layers(num_layers, first_layer)
     if checkpointed:
-        # train.checkpoint_every: the other blocks keep every activation, as without checkpointing
+        # train.checkpoint_every: the other blocks keep every activation, as without checkpointing; those after the
+        # last checkpointed one are freed by the time backward recomputes it
         plain = in_flight * (num_layers - checkpointed) * layer
+        freed = setup.trailing_plain_layers(num_layers, first_layer) * layer
         num_layers = checkpointed
         # Each micro-batch in flight keeps its layers' inputs (the residual stream: fp32 under autocast), and under
         # selective checkpointing their kept outputs. The peak is either the end of the last forward (its head's
@@ -658,7 +666,8 @@ def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_h
         kept_layers = 1 + (num_layers - 1) / tp if sp and num_layers > 0 else num_layers
         inputs = in_flight * kept_layers * s * b * shape.hidden_size * norm_elem
         kept = _kept_bytes(shape, setup)
-        return plain + inputs + in_flight * num_layers * kept + (in_flight - 1) * head + max(head, layer - kept)
+        return (plain + inputs + in_flight * num_layers * kept + (in_flight - 1) * head
+                + max(head, layer - kept - freed))
     return in_flight * (num_layers * layer + head)
 
 

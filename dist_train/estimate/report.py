@@ -84,6 +84,12 @@ def header(shape: ModelShape, setup: Setup, *, unlisted: bool) -> str:
         f"regime {setup.resolved_regime} | micro-batch {setup.micro_batch_size} x {setup.seq_len} tokens, "
         f"{setup.microbatches_per_step} per step",
     ]
+    if setup.activation_checkpointing != "none" and setup.checkpoint_every > 1:
+        lines.append(f"{setup.activation_checkpointing} checkpointing of one block in {setup.checkpoint_every} "
+                     f"({setup.checkpointed_layers(shape.num_layers)} of {shape.num_layers}: "
+                     f"train.checkpoint_every={setup.checkpoint_every})")
+    if setup.ep > 1 and setup.ep_overload != 1:
+        lines.append(f"the busiest EP rank's experts receive {setup.ep_overload:g} x the balanced rows (ep_overload)")
     if unlisted:
         lines.append(f"(no conf/strategy/{setup.strategy}.yaml: predicted from the strategy's name and defaults)")
     return "\n".join(lines)
@@ -109,7 +115,9 @@ def memory_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs) -> st
         ["= total (peak)", "", "", *(human_bytes(ranks[r].total) for r in show)],
         *([["peak of live tensors", "", "", *(human_bytes(ranks[r].peak_live) for r in show)]]
           if all(ranks[r].peak_live is not None for r in show) else []),
-        [f"(activations {other} checkpointing)", "", "", *(human_bytes(ckpt[r].activations) for r in show)],
+        [f"(activations {other} checkpointing"
+         + (f" of one block in {setup.checkpoint_every})" if other == "with full" and setup.checkpoint_every > 1
+            else ")"), "", "", *(human_bytes(ckpt[r].activations) for r in show)],
     ]
     kv_batch = args.kv_batch or setup.micro_batch_size
     kv_ctx = args.kv_context or shape.max_seq_len

@@ -132,6 +132,10 @@ class Setup:
             raise ValueError(f"regime={self.regime!r} unknown; allowed: {', '.join(REGIMES)}")
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size} must be >= 1")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"train.checkpoint_every={self.checkpoint_every} must be >= 1")
+        if not self.ep_overload >= 1:  # NaN too
+            raise ValueError(f"ep_overload={self.ep_overload} must be >= 1 (1 = balanced routing)")
         # True and False (the bool it was) stay full and none
         object.__setattr__(self, "activation_checkpointing", checkpointing_mode(self.activation_checkpointing))
         self.dims  # noqa: B018 - the degrees must multiply to the world (ConfigError, one line)
@@ -210,10 +214,16 @@ class Setup:
         global_batch = self.global_batch_size or self.micro_batch_size * self.world_size
         return max(1, global_batch // (self.micro_batch_size * self.data_parallel_size))
 
-    def checkpointed_layers(self, num_layers: int) -> int:
-        """Of `num_layers` consecutive blocks, how many train.activation_checkpointing checkpoints (every
-        checkpoint_every-th; a pipeline stage's count as if its blocks were numbered from 1)."""
-        return 0 if self.activation_checkpointing == "none" else num_layers // self.checkpoint_every
+    def checkpointed_layers(self, num_layers: int, first: int = 0) -> int:
+        """Of the `num_layers` blocks from block `first` (0-based; a pipeline stage's first), how many
+        train.activation_checkpointing checkpoints: every checkpoint_every-th of the model, counted from 1."""
+        if self.activation_checkpointing == "none":
+            return 0
+        return (first + num_layers) // self.checkpoint_every - first // self.checkpoint_every
+
+    def trailing_plain_layers(self, num_layers: int, first: int = 0) -> int:
+        """The blocks after the last checkpointed one among those: freed before backward recomputes any."""
+        return (first + num_layers) % self.checkpoint_every
 
     @property
     def autocast_16bit(self) -> bool:
@@ -348,7 +358,7 @@ def setup_from_config(cfg: Mapping[str, Any], *, world_size: int, **overrides: A
         micro_batch_size=int(train.get("micro_batch_size", 1)), seq_len=int(train.get("seq_len", 2048)),
         global_batch_size=train.get("global_batch_size"),
         activation_checkpointing=checkpointing_mode(train.get("activation_checkpointing", "none")),
-        checkpoint_every=int(train.get("checkpoint_every", 1) or 1),
+        checkpoint_every=int(train.get("checkpoint_every", 1)),
         num_microbatches=strategy.get("num_microbatches"),
         split_points=tuple(split) if split else None,
         reshard_after_forward=bool(strategy.get("reshard_after_forward", True)),

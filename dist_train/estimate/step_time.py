@@ -117,7 +117,7 @@ def element_bytes(precision: str) -> int:
 
 
 def micro_batch_compute(shape: ModelShape, setup: Setup, hw: Hardware, *, peak: float, layers: int,
-                        head: bool) -> MicroBatchCompute:
+                        head: bool, first_layer: int = 0) -> MicroBatchCompute:
     """One micro-batch of `layers` blocks (and the LM head and loss) on one rank, operation by operation."""
     tp = setup.tensor_parallel_size
     common = dict(batch=setup.micro_batch_size, seq_len=setup.seq_len, hw=hw, peak=peak,
@@ -128,7 +128,7 @@ def micro_batch_compute(shape: ModelShape, setup: Setup, hw: Hardware, *, peak: 
                     and setup.precision != "bf16")
     per_layer = dict(tp=tp, sequence_parallel=setup.sequence_parallel, ep=setup.ep, experts_fp32=experts_fp32,
                      ep_overload=setup.ep_overload, **common)
-    recomputed = setup.checkpointed_layers(layers)  # train.checkpoint_every: the others run once
+    recomputed = setup.checkpointed_layers(layers, first_layer)  # train.checkpoint_every: the others run once
     out = layer_compute(shape, recompute=recompute_mode(setup.activation_checkpointing), **per_layer).scaled(recomputed)
     if recomputed < layers:
         out = out + layer_compute(shape, recompute="none", **per_layer).scaled(layers - recomputed)
@@ -145,8 +145,8 @@ def predict_step(shape: ModelShape, setup: Setup, hw: Hardware, *, allow_tf32: b
         k = setup.num_stages
         split = list(setup.split_points) if setup.split_points else None
         layers = stage_layers(shape, num_stages=k, split_points=split)
-        per_stage = [micro_batch_compute(shape, setup, hw, peak=peak, layers=n, head=i == k - 1)
-                     for i, n in enumerate(layers)]
+        per_stage = [micro_batch_compute(shape, setup, hw, peak=peak, layers=n, head=i == k - 1,
+                                         first_layer=sum(layers[:i])) for i, n in enumerate(layers)]
         one = [c.total_s / hw.efficiency + n * hw.layer_overhead_s for c, n in zip(per_stage, layers)]
         busiest = max(range(k), key=lambda i: one[i])
         ops = per_stage[busiest].scaled(m / hw.efficiency)

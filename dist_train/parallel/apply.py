@@ -46,7 +46,8 @@ def data_parallel_mesh(mesh: Any, dims: ParallelDims) -> Any:
 
 def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: PrecisionConfig | None,
                 sharding: Sharding | None, sequence_parallel: bool = False, checkpointing: str = "none",
-                checkpoint_every: int = 1, compile: bool = False, blocks: list[nn.Module] | None = None, expert_mesh: Any = None) -> nn.Module:
+                checkpoint_every: int = 1, compile: bool = False, blocks: list[nn.Module] | None = None,
+                expert_mesh: Any = None) -> nn.Module:
     """`model` (on this rank's device, or on meta) parallelized in place over `mesh` by the degrees of `dims`, in the
     order above: tensor parallelism where the mesh has `tp`, checkpointing and compile where asked, then FSDP2 where
     `sharding` is given. A pipeline applies it to each stage (`blocks`: the stage's own; precision None: no mixed

@@ -53,7 +53,7 @@ class PlanOptions:
         bad = [s for s in self.strategies if s not in SEARCHED]
         if bad:
             raise ValueError(f"plan.strategies: {', '.join(bad)} cannot be searched; allowed: {', '.join(SEARCHED)}")
-        if self.ep_overload < 1:
+        if not self.ep_overload >= 1:  # NaN too
             raise ValueError(f"plan.ep_overload={self.ep_overload} must be >= 1 (1 = balanced routing)")
         if any(b < 1 for b in self.micro_batch_sizes):
             raise ValueError(f"plan.micro_batch_sizes={self.micro_batch_sizes}: each must be >= 1")

@@ -347,6 +347,13 @@ def test_the_overload_knob_scales_the_busiest_ranks_experts_and_refuses_what_can
     t1 = predict_step(shape, setup, h100).ops.gemm_s
     t2 = predict_step(shape, dataclasses.replace(setup, ep_overload=2.0), h100).ops.gemm_s
     assert t2 > t1
+    # the experts' products alone, on a device without shape effects: twice the rows, twice the time
+    from dist_train.estimate.ops import experts_compute
+
+    flat = dataclasses.replace(h100, sm_count=0, gemm_k_half=0.0, memory_bw=1e30)
+    one, two = (experts_compute(shape, tokens=128, ep=2, recompute="none", hw=flat, peak=1e15, element_bytes=2,
+                                constants={}, overload=x)[0] for x in (1.0, 2.0))
+    assert two == pytest.approx(2 * one)
     # the advisor: each expert-parallel layout at plan.ep_overload, capped at its ep (every token on one rank)
     from dist_train.estimate.cli import compose
     from dist_train.plan.search import search
