@@ -14,7 +14,7 @@ out=${1:-gpu_followup}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-"$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+"$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || {
   echo "gpu_followup: no CUDA device is visible; nothing was run"; exit 0; }
 model="model=tiny_moe model.hidden_size=2048 model.num_heads=16 model.num_kv_heads=4 model.head_dim=128
   model.ffn_hidden_size=6144 model.num_experts=64 model.experts_per_token=8 model.moe_ffn_hidden_size=1024
