@@ -289,7 +289,8 @@ def main() -> None:
             "shorter), so these rows test that assumption more than the compute. " if held_out else "")
     summary = (f"Within target: MosaicML {m[0]} of {m[1]} rows within 10%; Megatron {g[0]} of {g[1]} predicted rows "
                f"within 20%. {held}The profiles are the datasheet ones, with the per-operation constants of "
-               f"dist_train/estimate/hardware.py's OPS: the H100's measured on an H100 (its products, SDPA and memory), "
+               f"dist_train/estimate/hardware.py's OPS: the H100's measured on an H100 (its products, SDPA and "
+               f"memory), "
                f"the A100's products and attention fitted to these MosaicML rows (--fit); MosaicML's H100 rows take "
                f"their own attention, fitted to them (STACKS: MPT's ALiBi kernel, not torch's SDPA).")
     print(text)

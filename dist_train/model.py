@@ -346,7 +346,7 @@ def checkpointed_blocks(num_blocks: int, every: int) -> list[int]:
     return [i for i in range(num_blocks) if (i + 1) % every == 0]
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every: int = 1) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full", *, every: int = 1) -> None:
     """Recompute each transformer block's activations in backward instead of keeping them (every `every`-th block
     only: `checkpointed_blocks`): all of them (`full`:
     the block keeps its input), or all but what its matrix products and attention produce (`selective`, torchtitan's

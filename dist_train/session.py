@@ -184,7 +184,7 @@ def transform_model(run: RunConfig, model: Any, *, compute_dtype: Any) -> None:
                  f"{count_params(model, trainable_only=True):,}", f"{count_params(model):,}")
     if run.strategy.transforms_in_parallelize:
         return
-    apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every)  # none | full | selective
+    apply_activation_checkpointing(model, t.activation_checkpointing, every=t.checkpoint_every)  # none | full | selective
     if t.compile:
         compile_blocks(model)
 

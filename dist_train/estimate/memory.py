@@ -284,8 +284,8 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
     out = []
     for stage in range(k):
         state = model_state_bytes(params[stage], setup)
-        shared = dict(num_layers=layers[stage], with_head=stage == k - 1, in_flight=pipeline_in_flight(setup, stage=stage),
-                      first_layer=sum(layers[:stage]))
+        shared = dict(num_layers=layers[stage], with_head=stage == k - 1,
+                      in_flight=pipeline_in_flight(setup, stage=stage), first_layer=sum(layers[:stage]))
         act = activation_bytes(shape, setup=setup, **shared)
         copies = weight_copy_bytes(shape, setup=setup, **shared)
         out.append(RankMemory(state.params, state.grads, state.master, state.optimizer, act, copies))

@@ -267,7 +267,7 @@ _EXPERT_GRID = ([x / 100 for x in range(40, 101, 5)], [float(x) for x in range(0
                 [x * 2.5e-4 for x in range(0, 41)])
 
 
-def moe_block_seconds(shape: ModelShape, tokens: int, hw: Hardware, constants: dict[str, float]) -> float:
+def moe_block_seconds(shape: ModelShape, *, tokens: int, hw: Hardware, constants: dict[str, float]) -> float:
     """The model's seconds for one MoE block of `shape` (its router and experts, one rank) over `tokens`, forward +
     backward in bf16, as bench/gpu_calibrate.py measures it: the router's product and experts_compute."""
     peak = hw.flops["bf16"]
@@ -290,7 +290,7 @@ def fit_experts(blocks: list[tuple[ModelShape, int, float]], hw: Hardware) -> di
             for passes in _EXPERT_GRID[1]:
                 for fixed in _EXPERT_GRID[2]:
                     c = {"gemm_factor": factor, "routing_passes": passes, "fixed_s": fixed}
-                    loss = sum(math.log(moe_block_seconds(shape, tokens, hw, c) / s) ** 2 for shape, tokens, s in mine)
+                    loss = sum(math.log(moe_block_seconds(shape, tokens=tokens, hw=hw, constants=c) / s) ** 2 for shape, tokens, s in mine)
                     if best is None or loss < best[0]:
                         best = (loss, c)
         assert best is not None

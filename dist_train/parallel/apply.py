@@ -58,7 +58,7 @@ def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: P
         from dist_train.parallel.tensor_parallel import parallelize as apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
-    apply_activation_checkpointing(model, checkpointing, checkpoint_every)  # none | full | selective
+    apply_activation_checkpointing(model, checkpointing, every=checkpoint_every)  # none | full | selective
     if compile:
         compile_blocks(model)
     if expert_mesh is not None:

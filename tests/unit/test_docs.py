@@ -146,6 +146,7 @@ DOCS_RUN_BY = {
     "python bench/gpu_check.py": "a GPU machine (docs/GPU.md)",
     "python bench/gpu_calibrate.py": "a GPU machine (docs/GPU.md); its kept output: tests/unit/test_gpu_calibrate.py",
     "pytest -q tests/launched/test_cuda.py": "a GPU machine (docs/GPU.md)",
+    "bash bench/gpu_followup.sh": "a GPU machine (docs/GPU.md); without one it runs nothing",
     "python launch/train.py --help": "tests/launched/test_help.py::test_every_entry_point_has_help",
     "python launch/train.py --cfg job": "Hydra's own (prints the composed config)",
     "python launch/train.py strategy=single checkpoint.resume=outputs/fsdp-long/":

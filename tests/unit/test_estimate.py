@@ -241,7 +241,7 @@ def test_checkpointing_every_kth_block_is_measured_between_and_predicted(mode):
         measured, grads = {}, {}
         for every, ckpt in ((1, "none"), (1, mode), (2, mode), (3, mode)):
             model = build_model(cfg, seed=0).train()
-            apply_activation_checkpointing(model, ckpt, every)
+            apply_activation_checkpointing(model, ckpt, every=every)
             meter = ActivationMeter()
             with meter.measuring(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
                 model(input_ids=ids, labels=ids).loss.backward()

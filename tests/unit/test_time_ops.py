@@ -208,7 +208,8 @@ def test_the_hopper_experts_constants_are_the_fit_to_an_h100s_blocks_and_hold_on
         hw = PROFILES[gpu]
         assert hw.experts == EXPERTS_HOPPER
         for shape, tokens, measured in rows:
-            predicted = moe_block_seconds(shape, tokens, hw, hw.experts[shape.experts_implementation])
+            predicted = moe_block_seconds(shape, tokens=tokens, hw=hw,
+                                          constants=hw.experts[shape.experts_implementation])
             assert predicted == pytest.approx(measured, rel=within), (gpu, shape.name, shape.experts_implementation,
                                                                       tokens)
 
