@@ -184,7 +184,8 @@ def transform_model(run: RunConfig, model: Any, *, compute_dtype: Any) -> None:
                  f"{count_params(model, trainable_only=True):,}", f"{count_params(model):,}")
     if run.strategy.transforms_in_parallelize:
         return
-    apply_activation_checkpointing(model, t.activation_checkpointing, every=t.checkpoint_every)  # none | full | selective
+    # none | full | selective, of every block or every checkpoint_every-th
+    apply_activation_checkpointing(model, t.activation_checkpointing, every=t.checkpoint_every)
     if t.compile:
         compile_blocks(model)
 

@@ -236,11 +236,12 @@ def _ep(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     counts = 8 * shape.num_experts
     recomputed = setup.checkpointed_layers(layers)  # their forward's exchanges run again
 
-    def per_layer(forwards: int) -> int:
-        return forwards * (counts + 2 * rows) + 2 * rows
+    def per_layer(forwards: int) -> tuple[int, int]:  # (bytes, exchanges) of one layer and micro-batch
+        return forwards * (counts + 2 * rows) + 2 * rows, 3 * forwards + 2
 
-    total = m * (recomputed * per_layer(2) + (layers - recomputed) * per_layer(1))
-    calls = m * (recomputed * 8 + (layers - recomputed) * 5)
+    (again, again_calls), (once, once_calls) = per_layer(2), per_layer(1)
+    total = m * (recomputed * again + (layers - recomputed) * once)
+    calls = m * (recomputed * again_calls + (layers - recomputed) * once_calls)
     return {
         ("all_to_all", "tokens"): Sized(total, f"routed rows: {calls / (m * layers):g} exchanges a "
                                         "layer and micro-batch (counts, rows there and back, both ways in backward)",

@@ -58,19 +58,22 @@ def recompute_mode(value: object) -> str:
     return "selective" if value == "selective" else "none"
 
 
-def wave_utilisation(m: int, n: int, sms: int) -> float:
-    """The busy fraction of the SMs over a product's waves of output tiles (1 with no SM count: a CPU)."""
+def wave_utilisation(m: int, n: int, sms: int, groups: int = 1) -> float:
+    """The busy fraction of the SMs over the waves of output tiles of `groups` products in one kernel (1 with no SM
+    count: a CPU)."""
     if sms <= 0:
         return 1.0
-    tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N)
+    tiles = groups * math.ceil(m / TILE_M) * math.ceil(n / TILE_N)
     return tiles / (math.ceil(tiles / sms) * sms)
 
 
-def gemm_seconds(m: int, k: int, n: int, hw: Hardware, peak: float, element_bytes: int) -> float:
-    """One product of an m x k and a k x n matrix."""
-    eff = hw.gemm_efficiency * wave_utilisation(m, n, hw.sm_count) * k / (k + hw.gemm_k_half)
-    compute = 2.0 * m * k * n / (peak * eff)
-    traffic = element_bytes * (m * k + k * n + m * n) / hw.memory_bw
+def gemm_seconds(m: int, k: int, n: int, hw: Hardware, peak: float, element_bytes: int, *, groups: int = 1,
+                 factor: float = 1.0) -> float:
+    """One product of an m x k and a k x n matrix; or `groups` of them in one grouped kernel, whose output tiles
+    share the waves, at `factor` times a product's efficiency."""
+    eff = hw.gemm_efficiency * factor * wave_utilisation(m, n, hw.sm_count, groups) * k / (k + hw.gemm_k_half)
+    compute = 2.0 * groups * m * k * n / (peak * eff)
+    traffic = element_bytes * groups * (m * k + k * n + m * n) / hw.memory_bw
     return max(compute, traffic)
 
 
@@ -89,17 +92,6 @@ def projections(shape: ModelShape, tp: int) -> list[tuple[int, int]]:
     return [*attention, (q // tp, h), *mlp, (f // tp, h)]
 
 
-def grouped_gemm_seconds(groups: int, m: int, k: int, n: int, hw: Hardware, peak: float, element_bytes: int,
-                         factor: float) -> float:
-    """`groups` products of an m x k and a k x n matrix in one grouped kernel: their output tiles share the waves."""
-    tiles = groups * math.ceil(m / TILE_M) * math.ceil(n / TILE_N)
-    wave = tiles / (math.ceil(tiles / hw.sm_count) * hw.sm_count) if hw.sm_count > 0 else 1.0
-    eff = hw.gemm_efficiency * factor * wave * k / (k + hw.gemm_k_half)
-    compute = 2.0 * groups * m * k * n / (peak * eff)
-    traffic = element_bytes * groups * (m * k + k * n + m * n) / hw.memory_bw
-    return max(compute, traffic)
-
-
 def experts_compute(shape: ModelShape, *, tokens: int, ep: int, recompute: str, hw: Hardware, peak: float,
                     element_bytes: int, constants: Optional[dict[str, float]] = None,
                     overload: float = 1.0) -> tuple[float, float]:
@@ -113,17 +105,14 @@ def experts_compute(shape: ModelShape, *, tokens: int, ep: int, recompute: str, 
     rows = max(1, round(tokens * k * ep * overload / shape.num_experts))
     impl = shape.experts_implementation
     c = hw.experts.get(impl, {}) if constants is None else constants
+    # grouped_mm: one kernel over the local experts; eager: one product per expert
+    grouped = dict(groups=local, factor=c.get("gemm_factor", 1.0)) if impl == "grouped_mm" else {}
+    per_kernel = 1 if grouped else local
     fwd = bwd = 0.0
     for a, b in ((h, 2 * i), (i, h)):  # gate and up as one product, then down
-        if impl == "grouped_mm":
-            factor = c.get("gemm_factor", 1.0)
-            fwd += grouped_gemm_seconds(local, rows, a, b, hw, peak, element_bytes, factor)
-            bwd += (grouped_gemm_seconds(local, rows, b, a, hw, peak, element_bytes, factor)
-                    + grouped_gemm_seconds(local, a, rows, b, hw, peak, element_bytes, factor))
-        else:
-            fwd += local * gemm_seconds(rows, a, b, hw, peak, element_bytes)
-            bwd += local * (gemm_seconds(rows, b, a, hw, peak, element_bytes)
-                            + gemm_seconds(a, rows, b, hw, peak, element_bytes))
+        fwd += per_kernel * gemm_seconds(rows, a, b, hw, peak, element_bytes, **grouped)
+        bwd += per_kernel * (gemm_seconds(rows, b, a, hw, peak, element_bytes, **grouped)
+                             + gemm_seconds(a, rows, b, hw, peak, element_bytes, **grouped))
     again = recompute == "full" or (recompute == "selective" and impl == "grouped_mm")
     routing = (c.get("routing_passes", 0.0) * tokens * overload * k * h * element_bytes / hw.memory_bw
                + c.get("fixed_s", 0.0))  # forward and backward: the forward a third, as BACKWARD_TRAFFIC has it
@@ -290,7 +279,8 @@ def fit_experts(blocks: list[tuple[ModelShape, int, float]], hw: Hardware) -> di
             for passes in _EXPERT_GRID[1]:
                 for fixed in _EXPERT_GRID[2]:
                     c = {"gemm_factor": factor, "routing_passes": passes, "fixed_s": fixed}
-                    loss = sum(math.log(moe_block_seconds(shape, tokens=tokens, hw=hw, constants=c) / s) ** 2 for shape, tokens, s in mine)
+                    loss = sum(math.log(moe_block_seconds(shape, tokens=tokens, hw=hw, constants=c) / s) ** 2
+                               for shape, tokens, s in mine)
                     if best is None or loss < best[0]:
                         best = (loss, c)
         assert best is not None

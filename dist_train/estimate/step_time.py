@@ -129,9 +129,10 @@ def micro_batch_compute(shape: ModelShape, setup: Setup, hw: Hardware, *, peak: 
     per_layer = dict(tp=tp, sequence_parallel=setup.sequence_parallel, ep=setup.ep, experts_fp32=experts_fp32,
                      ep_overload=setup.ep_overload, **common)
     recomputed = setup.checkpointed_layers(layers, first_layer)  # train.checkpoint_every: the others run once
-    out = layer_compute(shape, recompute=recompute_mode(setup.activation_checkpointing), **per_layer).scaled(recomputed)
-    if recomputed < layers:
-        out = out + layer_compute(shape, recompute="none", **per_layer).scaled(layers - recomputed)
+    out = MicroBatchCompute(0.0, 0.0, 0.0, 0.0)
+    for mode, n in ((recompute_mode(setup.activation_checkpointing), recomputed), ("none", layers - recomputed)):
+        if n:  # each kind of block priced once, where the rank has some
+            out = out + layer_compute(shape, recompute=mode, **per_layer).scaled(n)
     return out + head_compute(shape, tp=tp, **common) if head else out
 
 
