@@ -137,8 +137,12 @@ def micro_batch_compute(shape: ModelShape, setup: Setup, hw: Hardware, *, peak: 
 
 
 def predict_step(shape: ModelShape, setup: Setup, hw: Hardware, *, allow_tf32: bool = False,
-                 model_state_bytes: Optional[float] = None) -> StepTime:
-    """`model_state_bytes`: the busiest rank's (estimate.predict_memory's), when the caller has it already."""
+                 model_state_bytes: Optional[float] = None,
+                 overlapped_activations: tuple[str, ...] = ()) -> StepTime:
+    """`model_state_bytes`: the busiest rank's (estimate.predict_memory's), when the caller has it already.
+    `overlapped_activations`: mesh dimensions whose activation collectives another stack hides behind compute,
+    where dist_train's code runs them on the critical path (Megatron-LM's --tp-comm-overlap: "tp"); for
+    bench/published.py's Megatron rows, never a dist_train run."""
     peak = hw.peak(setup.precision, allow_tf32=allow_tf32)
     tokens = tokens_per_step(setup)
     m = setup.microbatches_per_step
@@ -164,8 +168,9 @@ def predict_step(shape: ModelShape, setup: Setup, hw: Hardware, *, allow_tf32: b
     distinct = {id(colls): colls for colls in predict_comm(shape, setup)}.values()
     timed = [[(c, collective_s(c, setup, hw)) for c in colls] for colls in distinct]
     colls = max(timed, key=lambda cs: sum(t for _, t in cs), default=[])
-    hidden = sum(t for c, t in colls if c.overlaps)
-    exposed = sum(t for c, t in colls if not c.overlaps) + max(0.0, hidden - hw.overlap * compute)
+    hides = [c.overlaps or (c.dim in overlapped_activations and c.moves == "activations") for c, _ in colls]
+    hidden = sum(t for (_, t), h in zip(colls, hides) if h)
+    exposed = sum(t for (_, t), h in zip(colls, hides) if not h) + max(0.0, hidden - hw.overlap * compute)
     state = model_state_bytes if model_state_bytes is not None else \
         max(r.model_state for r in predict_memory(shape, setup))
     key = overhead_key(setup)
