@@ -271,7 +271,8 @@ def bound(rows: list[Row]) -> dict[str, tuple[list[float], float, list[tuple[Row
     per-step rest: optimizer, exposed communication, framework, bubble), and four free multipliers, of any sign, are
     chosen to make the worst relative error of the step time as small as it can be (Chebyshev's fit, by Lawson's
     reweighted least squares). Returns, per GPU: the multipliers, that smallest worst error, and each row's tokens/s
-    error under them. A worst error above 10% proves the target out of reach for every profile of this form."""
+    error under them. A worst error above 10% puts the target out of reach of any rescaling of the four terms
+    (a profile's shape-dependent constants, such as the products' wave quantisation, are not covered)."""
     import numpy as np
 
     out = {}
@@ -313,8 +314,8 @@ def bound_text(bounds: dict[str, tuple[list[float], float, list[tuple[Row, float
         lo, hi = min(e for _, e in errs), max(e for _, e in errs)
         parts.append(f"{gpu.upper()} {worst:.1%} ({', '.join(f'{t} x{x:.2f}' for t, x in zip(TERMS, w))}; "
                      f"tokens/s {lo:+.0%} to {hi:+.0%})"
-                     + (": above 10%, so no profile of this form meets the target on these rows" if worst > 0.10 else ""))
-    return ("The smallest worst step-time error any constants of this model's form reach on MosaicML's rows "
+                     + (": above 10%, so no rescaling of these terms meets the target on these rows" if worst > 0.10 else ""))
+    return ("The smallest worst step-time error any rescaling of this model's terms reaches on MosaicML's rows "
             "(--bound: its four terms scaled by free multipliers of any sign, minimax per GPU): "
             + "; ".join(parts) + ".")
 
