@@ -314,7 +314,8 @@ def bound_text(bounds: dict[str, tuple[list[float], float, list[tuple[Row, float
         lo, hi = min(e for _, e in errs), max(e for _, e in errs)
         parts.append(f"{gpu.upper()} {worst:.1%} ({', '.join(f'{t} x{x:.2f}' for t, x in zip(TERMS, w))}; "
                      f"tokens/s {lo:+.0%} to {hi:+.0%})"
-                     + (": above 10%, so no rescaling of these terms meets the target on these rows" if worst > 0.10 else ""))
+                     + (": above 10%, so no rescaling of these terms meets the target on these rows"
+                        if worst > 0.10 else ""))
     return ("The smallest worst step-time error any rescaling of this model's terms reaches on MosaicML's rows "
             "(--bound: its four terms scaled by free multipliers of any sign, minimax per GPU): "
             + "; ".join(parts) + ".")
