@@ -1,5 +1,5 @@
 """FSDP's way to accumulate gradients over several micro-batches, when the run leaves it to dist_train
-(`strategy.reduce_every_microbatch=null`, the default of fsdp and hsdp).
+(`strategy.reduce_every_microbatch=null`, the default of fsdp, hsdp and fsdp_ep).
 
 Holding every parameter's unsharded fp32 gradient from the first micro-batch's backward to the last one's
 reduce-scatter costs 4 B/param on every rank, whatever the number of ranks: 280 GB for a 70B model, which undoes
@@ -23,6 +23,7 @@ def choose(config: dict[str, Any], *, world_size: int, device_memory_bytes: Opti
     """(reduce every micro-batch, the line that says why) for a resolved run config whose strategy leaves the choice
     open. `device_memory_bytes`: one device's memory, None on a CPU."""
     from dist_train.estimate import ModelShape, predict_memory, setup_from_config
+    from dist_train.estimate.memory import tp_rank_params
     from dist_train.estimate.render import human_bytes as b
 
     try:
@@ -33,7 +34,7 @@ def choose(config: dict[str, Any], *, world_size: int, device_memory_bytes: Opti
     m = held.microbatches_per_step
     if m <= 1:
         return False, ""
-    grads = 4 * shape.num_params
+    grads = 4 * tp_rank_params(shape, held)  # every parameter, or the dense ones and the rank's experts (fsdp_ep)
     if device_memory_bytes is None:
         return False, (f"{m} micro-batches a step: unsharded fp32 gradients held until the last "
                        f"({b(grads)} a rank; on a CPU there is no device memory to choose by)")

@@ -252,8 +252,10 @@ def _ep(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
 
 def _expert_fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     """FSDP2 of each MoE layer's E / ep experts over efsdp: gathered in forward and, resharded, again in backward,
-    in the compute dtype; their fp32 gradients reduce-scattered once a step; their norm over efsdp."""
+    in the compute dtype; their fp32 gradients reduce-scattered once a step, or after every micro-batch
+    (reduce_every_microbatch, with the dense ones); their norm over efsdp."""
     m, layers = setup.microbatches_per_step, shape.num_layers
+    reduces = m if setup.reduce_every_microbatch else 1
     efsdp = setup.dims.degree("efsdp")
     local = sum(expert_padded(d, setup.ep, efsdp) for module in shape.layer_modules() for d in module
                 if shape.is_experts(d))
@@ -263,8 +265,10 @@ def _expert_fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes
         ("all_gather", "expert parameters"): Sized(gathers * layers * local * compute,
                                                    f"each layer's E/ep experts, {gathers}x per step", compute,
                                                    gathers * layers),
-        ("reduce_scatter", "expert gradients"): Sized(layers * local * 4, "their fp32 gradients, once per step", 4,
-                                                      layers),
+        ("reduce_scatter", "expert gradients"): Sized(reduces * layers * local * 4,
+                                                      "their fp32 gradients, " + (f"every micro-batch ({m})"
+                                                                                  if reduces > 1 else "once per step"),
+                                                      4, reduces * layers),
         ("all_reduce", "expert gradient norm"): _expert_norm(shape),
     }
 

@@ -150,8 +150,9 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
 def _accumulations(name: str, microbatches: int) -> tuple[bool, ...]:
     """FSDP's two ways to accumulate over several micro-batches (strategy.reduce_every_microbatch): keep every
     unsharded fp32 gradient until the last micro-batch (4 B/param held, one reduce-scatter a step), or reduce-scatter
-    after each (4 B/param / N held, M reduce-scatters), as torchtitan does. Searched both; one micro-batch: no choice."""
-    return (False, True) if name in ("fsdp", "hsdp") and microbatches > 1 else (False,)
+    after each (4 B/param / N held, M reduce-scatters), as torchtitan does; fsdp_ep's the same for its dense weights
+    and each rank's experts. Searched both; one micro-batch: no choice."""
+    return (False, True) if name in ("fsdp", "hsdp", "fsdp_ep") and microbatches > 1 else (False,)
 
 
 def search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, *, nodes: int, strategies: tuple[str, ...] = SEARCHED,

@@ -25,7 +25,7 @@ yet: ep with tensor parallelism or a pipeline.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 from dist_train.config import RunConfig, StrategyConfig, choice, require
 from dist_train.contracts import StrategyFamily
@@ -50,6 +50,10 @@ class FSDPEPConfig(StrategyConfig):
     reshard_after_forward: bool = True
     # how the data-parallel ranks hold the dense weights: fsdp (sharded, fsdp_ep) | replicate (whole, ep)
     dp_mode: str = "fsdp"
+    # fsdp_ep with gradient accumulation, as strategy=fsdp's: False holds the dense weights' and the rank's experts'
+    # unsharded fp32 gradients until the last micro-batch, True reduce-scatters after every one, None chooses by
+    # the predicted peak (dist_train/accumulation.py). ep holds whole gradients either way: False.
+    reduce_every_microbatch: Optional[bool] = None
 
     transforms_in_parallelize: ClassVar[bool] = True  # parallel/apply.py: checkpointing, compile, experts, FSDP2
     loads_own_shard: ClassVar[bool] = True  # split and sharded on meta, then each rank fills its experts and rows
@@ -66,6 +70,9 @@ class FSDPEPConfig(StrategyConfig):
     def check(self, world_size: int) -> None:
         choice("strategy.dp_mode", self.dp_mode, DP_MODES)
         require(self.ep >= 1, f"strategy.ep={self.ep} must be >= 1")
+        require(not (self.dp_mode == "replicate" and self.reduce_every_microbatch),
+                f"strategy={self.name}: strategy.reduce_every_microbatch=true applies to sharded gradients (fsdp_ep); "
+                "ep's replicas hold whole ones either way: leave it false")
         outer = "edp" if self.dp_mode == "replicate" else "efsdp"
         require(world_size % self.ep == 0,
                 f"strategy.ep={self.ep} must divide the number of processes ({world_size}): the experts' mesh is "
@@ -83,9 +90,10 @@ class FSDPEPConfig(StrategyConfig):
 
 
 def build(cfg: FSDPEPConfig, ctx: StrategyContext) -> TorchStrategy:
-    wrapper = MeshWrapper(cfg, ctx, sharding=Sharding(reshard_after_forward=cfg.reshard_after_forward))
+    wrapper = MeshWrapper(cfg, ctx, sharding=Sharding(reshard_after_forward=cfg.reshard_after_forward),
+                          reduce_every_microbatch=bool(cfg.reduce_every_microbatch))
     return TorchStrategy(cfg.name, ctx, wrapper)
 
 
 FAMILY = StrategyFamily(family="fsdp_ep", schema=FSDPEPConfig,
-                        names={"fsdp_ep": {}, "ep": {"dp_mode": "replicate"}}, build=build)
+                        names={"fsdp_ep": {}, "ep": {"dp_mode": "replicate", "reduce_every_microbatch": False}}, build=build)

@@ -65,3 +65,30 @@ def test_resolve_writes_the_choice_into_the_run_and_its_config(monkeypatch):
     assert said.startswith("strategy=fsdp: 4 micro-batches a step: reduce-scattered after every micro-batch")
     again, said = resolve(resolved, cfg, world_size=1, device=torch.device("cuda", 0))
     assert again is resolved and said == ""
+
+
+def test_fsdp_ep_holds_the_dense_weights_and_its_own_experts_gradients_and_chooses_by_them():
+    """fsdp_ep accumulating (Qwen3-30B-A3B's shape, 64 ranks, ep 8, 4 micro-batches of 4,096 tokens): held, a rank's
+    unsharded fp32 gradients are the dense weights' and its 16 experts a layer, not all 128; on 80 GB they fit, on
+    32 GB they do not, and it reduce-scatters after every micro-batch instead. ep never chooses: whole gradients."""
+    from dist_train.estimate import ModelShape, setup_from_config
+    from dist_train.estimate.memory import tp_rank_params
+    from dist_train.estimate.render import human_bytes
+
+    qwen3_30b = ["model=tiny_moe", "model.hidden_size=2048", "model.num_layers=48", "model.num_experts=128",
+                 "model.experts_per_token=8", "model.moe_ffn_hidden_size=768", "model.num_heads=32",
+                 "model.num_kv_heads=4", "model.head_dim=128", "model.vocab_size=151936", "model.ffn_hidden_size=6144",
+                 "model.max_seq_len=4096"]
+    config = compose_training_config(["logger=none", "strategy=fsdp_ep", "strategy.ep=8", "precision=bf16",
+                                      "train.seq_len=4096", "train.activation_checkpointing=true",
+                                      "train.global_batch_size=256", "train.micro_batch_size=1", *qwen3_30b])
+    shape, setup = ModelShape.from_config(config["model"]), setup_from_config(config, world_size=64)
+    held = 4 * tp_rank_params(shape, setup)
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert held == 4 * (shape.num_params - experts + experts / 8)
+    reduce, line = choose(config, world_size=64, device_memory_bytes=80 * GIB)
+    assert not reduce and "held until the last" in line
+    reduce, line = choose(config, world_size=64, device_memory_bytes=32 * GIB)
+    assert reduce and f"({human_bytes(held)} a rank)" in line
+    ep = compose_training_config(["logger=none", "strategy=ep", "model=tiny_moe"])
+    assert ep["strategy"]["reduce_every_microbatch"] is False
