@@ -10,8 +10,9 @@ s·b·h·(34 + 5·a·s/h) bytes for 16-bit activations with dropout. It counts 1
 (2 bytes each), two 1-byte dropout masks of s·b·h, and 2.5 bytes per attention score (softmax output,
 dropout mask, dropout output). Generalised here: the element size e is 4 in fp32, masks only when
 dropout > 0, the MLP and q/k/v sizes follow the model (GPT-2's unfused tanh GELU keeps 5 ffn-wide
-tensors where Korthikanti's fused GELU keeps 2, SwiGLU keeps 4, GQA has smaller k/v), and attention scores only when they are materialised: with SDPA / flash attention (what
-`transformers` uses by default) only the output and log-sum-exp are kept, so the a·s² term is dropped.
+tensors where Korthikanti's fused GELU keeps 2, SwiGLU keeps 4, GQA has smaller k/v), and attention scores only
+when they are materialised: with SDPA / flash attention (what `transformers` uses by default) only the output and
+log-sum-exp are kept, so the a·s² term is dropped.
 Full activation checkpointing keeps each layer's input (s·b·h·e) plus one layer's activations while it
 is recomputed. Selective checkpointing (torchtitan's per-op policy) keeps, beside each layer's input, what its
 matrix products and attention return (q/k/v, attention's output and log-sum-exp, the attention and MLP output
@@ -294,8 +295,9 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
 
 # Where the peak of all live tensors is predicted: the strategies whose peak was measured against torch's
 # MemTracker here, or against a real run by the dry run (tests/launched/test_peak_live.py,
-# tests/launched/test_dryrun.py, docs/BENCHMARKS.md). Not yet: ZeRO-3 (measured 10-12% above rank.total plus the bucket: gathered parameters and
-# backward's temporaries beyond the model) and the pipelines (send/receive buffers, micro-batches in flight).
+# tests/launched/test_dryrun.py, docs/BENCHMARKS.md); expert parallelism's layouts (fsdp_ep, ep) against real runs on 2
+# and 4 ranks (docs/moe.md). Not yet: ZeRO-3 (measured 10-12% above rank.total plus the bucket: gathered parameters
+# and backward's temporaries beyond the model) and the pipelines (send/receive buffers, micro-batches in flight).
 PEAK_LIVE_FAMILIES = ("single", "dp", "ddp", "tp", "fsdp", "fsdp_tp", "zero")
 
 
@@ -328,9 +330,10 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     not exist yet at that point; reduce_every_microbatch holds the sharded ones instead. Collective buffers and
     backward's temporaries are not counted (measured: within 5% on 2 ranks for fsdp, -4% on 4 ranks for fsdp_tp
     with tp=2; tests/launched/test_peak_live.py, tests/launched/test_dryrun.py).
-    Not modelled under expert parallelism (fsdp_ep): its gathers differ (the experts over efsdp only) and its
-    dispatch's buffers follow the routing."""
-    if setup.family not in PEAK_LIVE_FAMILIES or (setup.family == "zero" and setup.zero_stage == 3) or setup.ep > 1:
+    Under expert parallelism (fsdp_ep, ep: `_expert_parallel_peak`) the dense weights are FSDP2's (fsdp_ep) or its
+    replicate's (ep) as above, and the experts gather apart, over their own group. The dispatch's buffers are gone
+    by the start of backward; what the all-to-alls keep for it is in the activations (`ep_dispatch_bytes`)."""
+    if setup.family not in PEAK_LIVE_FAMILIES or (setup.family == "zero" and setup.zero_stage == 3):
         return None
     loss = backward_start_extra(shape, setup)
     if setup.family == "zero":  # DeepSpeed's gradient buffers outlive the step
@@ -345,15 +348,38 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
 
     if setup.family not in ("fsdp", "fsdp_tp"):
         return with_loss(rank.total, rank.grads)
-    slice_params = tp_rank_params(shape, setup)  # all of them without tensor parallelism
+    # all of them without tensor parallelism; under expert parallelism the dense ones and the rank's own experts,
+    # whose unsharded fp32 gradients accumulate as the dense ones' do
+    slice_params = tp_rank_params(shape, setup)
     block = shape.layer_params_tp(setup.tensor_parallel_size)
     # ddp_tp's replicas (FSDP2's replicate) keep every block's compute copy from its forward to its backward
     reshards = setup.reshard_after_forward and setup.shard_with == "fsdp"
     gathered = slice_params - (shape.num_layers - 1) * block if reshards else slice_params
     accumulates_unsharded = setup.microbatches_per_step > 1 and not setup.reduce_every_microbatch
     grads = 4.0 * slice_params if accumulates_unsharded else rank.grads
+    if setup.ep > 1 and shape.num_experts:
+        gathered = _expert_parallel_gathered(shape, setup, reshards=reshards)
     return with_loss(rank.params + grads + rank.master + rank.optimizer + rank.working_set
                      + gathered * element_bytes(setup.precision), grads)
+
+
+def _expert_parallel_gathered(shape: ModelShape, setup: Setup, *, reshards: bool) -> float:
+    """Parameters a rank holds gathered at the start of backward under expert parallelism, beside its own shards.
+    The dense ones as plain FSDP2 holds them: under fsdp_ep the root's and the last block's (every block's without
+    reshard_after_forward), under ep every dense parameter (replicate's compute copy). The experts as their own group
+    holds them: a rank's E / ep experts of the last block (of every block without resharding) gathered over efsdp,
+    or every layer's copied by replicate over edp; nothing where that group is one rank, whose experts FSDP2 holds
+    whole (measured: model=tiny_moe, 2 ranks, ep 2, fp32: fsdp_ep's peak holds the root and no expert copy, ep's
+    every dense parameter twice)."""
+    local_experts = expert_rank_elements(shape, setup)  # the rank's E / ep experts of every layer
+    dense = tp_rank_params(shape, setup) - local_experts  # which holds the rank's own experts only
+    dense_block = shape.layer_params_tp(1) - shape.expert_params
+    if setup.shard_with == "fsdp":  # fsdp_ep
+        dense_gathered = dense - (shape.num_layers - 1) * dense_block if reshards else dense
+        experts = (local_experts / shape.num_layers if reshards else local_experts) \
+            if setup.dims.degree("efsdp") > 1 else 0.0
+        return dense_gathered + experts
+    return dense + (local_experts if setup.dims.degree("edp") > 1 else 0.0)  # ep: replicate's copies
 
 
 def fsdp_padded(dims: tuple[int, ...], n: int) -> int:
@@ -397,23 +423,38 @@ def expert_rank_elements(shape: ModelShape, setup: Setup) -> float:
     return shape.num_layers * shape.expert_params / setup.ep if shape.num_experts else 0.0
 
 
-def expert_param_bytes(shape: ModelShape, setup: Setup) -> Optional[float]:
-    """Bytes of the experts' parameters on one rank (telemetry's memory/expert_params_bytes): whole under ddp and
-    the pipelines' replicas (a stage's own layers), E / ep of them under ep, FSDP2's padded shards under fsdp and
-    fsdp_ep (over efsdp, after ep); None for a dense model and where it is not modelled (ZeRO's flat partitions,
-    tensor parallelism)."""
+def expert_rank_stored(shape: ModelShape, setup: Setup) -> Optional[float]:
+    """Elements of the experts' parameters one rank stores: whole under ddp and the pipelines' replicas (a stage's own
+    layers), E / ep of them under ep, FSDP2's padded shards under fsdp and fsdp_ep (over efsdp, after ep); None for a
+    dense model and where it is not modelled (ZeRO's flat partitions, tensor parallelism)."""
     if not shape.num_experts or setup.family in ("zero", "tp", "pipeline") or setup.tensor_parallel_size > 1:
         return None
     experts = [d for d in shape.param_shapes() if shape.is_experts(d)]
     if setup.family != "fsdp" or setup.shard_with != "fsdp":
-        elements = expert_rank_elements(shape, setup)
-    elif setup.ep > 1:
+        return expert_rank_elements(shape, setup)
+    if setup.ep > 1:
         efsdp = setup.dims.degree("efsdp")
-        elements = sum(expert_padded(d, setup.ep, efsdp) / efsdp for d in experts)
-    else:
-        n = setup.dims.dp_shard
-        elements = sum(fsdp_padded(d, n) / n for d in experts)
-    return elements * setup_state_bytes(setup).weights
+        return sum(expert_padded(d, setup.ep, efsdp) / efsdp for d in experts)
+    n = setup.dims.dp_shard
+    return sum(fsdp_padded(d, n) / n for d in experts)
+
+
+def expert_param_bytes(shape: ModelShape, setup: Setup) -> Optional[float]:
+    """Bytes of the experts' parameters on one rank (telemetry's memory/expert_params_bytes), as
+    `expert_rank_stored` counts them."""
+    elements = expert_rank_stored(shape, setup)
+    return None if elements is None else elements * setup_state_bytes(setup).weights
+
+
+def expert_state_bytes(shape: ModelShape, setup: Setup) -> Optional[dict[str, float]]:
+    """The experts' parameters, gradients and optimizer state (with any master copy; step counters left out, as in
+    the optimizer category) on one rank: telemetry's memory/expert_{params,grads,optimizer}_bytes."""
+    elements = expert_rank_stored(shape, setup)
+    if elements is None:
+        return None
+    b = setup_state_bytes(setup)
+    return {"params": elements * b.weights, "grads": elements * b.grads,
+            "optimizer": elements * (b.optimizer + b.master)}
 
 
 def tp_rank_params(shape: ModelShape, setup: Setup) -> float:
@@ -505,8 +546,10 @@ def pipeline_in_flight(setup: Setup, *, stage: int) -> int:
 
 def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len: int, elem: int,
                            attention_scores: bool = False, fused_gelu: bool = False, norm_elem: int = 0,
-                           autocast: bool = False, tp: int = 1, sequence_parallel: bool = False) -> float:
+                           autocast: bool = False, tp: int = 1, sequence_parallel: bool = False,
+                           experts_fp32: bool = False) -> float:
     """Bytes one transformer layer saves for backward for one micro-batch (see the module docstring).
+    experts_fp32: an MoE layer's grouped experts multiply in fp32 (`experts_in_fp32`).
 
     attention_scores: eager attention keeps the a·s² scores; fused_gelu: a GELU that saves only its input
     (Korthikanti's assumption) instead of transformers' composed tanh GELU; norm_elem: bytes of a norm's
@@ -526,19 +569,21 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len:
     mlp = 4 * shape.routed_ffn if f.gated_mlp else (2 if fused_gelu else 5) * shape.ffn
     # attention in (the q, k and v projections' inputs), MLP in (gate's and up's): one tensor each, except
     # that under autocast separate projections each keep their own 16-bit cast of it
-    attn_in, mlp_in = (1 if f.fused_qkv else 3, 1 if (f.fused_gate_up or not f.gated_mlp) else 2) if autocast else (1, 1)
+    # (an MoE layer's: the router's, one; each expert's rows are its pairs', moe_routing_bytes)
+    mlp_one = f.fused_gate_up or not f.gated_mlp or bool(shape.num_experts)
+    attn_in, mlp_in = (1 if f.fused_qkv else 3, 1 if mlp_one else 2) if autocast else (1, 1)
     # attention in, q/k/v, attention out, MLP in, MLP intermediates; and the two norms' saved tensors
     values = attn_in * h + (q_k_v + shape.q_dim + mlp) / tp + mlp_in * h
     norms = 2 * h / (tp if sequence_parallel else 1)
     masks = 2 * h if shape.dropout > 0 else 0  # attention-output and MLP-output dropout (1 byte each)
     per_token = values * elem + norms * norm_saved_bytes(shape, norm_elem or elem) + masks
-    per_token += moe_routing_bytes(shape, elem)
+    per_token += moe_routing_bytes(shape, elem, autocast=autocast, experts_fp32=experts_fp32)
     if shape.qk_norm:  # per-head RMSNorms on q and k: their fp32 input and normalized output, split with the heads
         per_token += (shape.q_dim + shape.kv_dim) * norm_saved_bytes(shape, elem) / tp
     scores = 0.0
     if attention_scores:  # eager attention: softmax output (+ dropout mask and output)
         scores = shape.num_heads / tp * s * s * b * ((2 * elem + 1) if shape.dropout > 0 else elem)
-    return s * b * per_token + scores
+    return s * b * per_token + scores + experts_offsets_bytes(shape)
 
 
 def ep_dispatch_bytes(shape: ModelShape, setup: Setup) -> float:
@@ -559,16 +604,46 @@ def ep_dispatch_bytes(shape: ModelShape, setup: Setup) -> float:
     return pairs * (shape.hidden_size * elem + 8) + received
 
 
-def moe_routing_bytes(shape: ModelShape, elem: int) -> float:
-    """What an MoE layer saves per token beside the experts' own intermediates (counted in the MLP's, k x width): the
-    rows each of its k experts takes in and gives out (2 x h each), the router's logits and fp32 softmax (E each),
-    the top-k weights (fp32, before and after renormalising) and indices (int64), and the experts' loop's row
-    indices (transformers' eager experts: int64 token and position from `where`, the token again for index_add).
-    Measured on model=tiny_moe (every layer MoE, E=8, k=2, fp32): 4% of a layer's bytes above this."""
+def moe_routing_bytes(shape: ModelShape, elem: int, *, autocast: bool = False, experts_fp32: bool = False) -> float:
+    """What an MoE layer saves per token beside the experts' own intermediates (counted in the MLP's, k x width),
+    by model.experts_implementation. Every one: the router's fp32 softmax (E), its top-k weights (fp32) and indices
+    (int64), and their renormalising sum (fp32). Then, for each of the token's k (token, expert) pairs:
+    - eager (transformers' loop over experts): the row's token and top-k position (int64, one `where`), its
+      routing weight, the row in and the expert's output row, and the weighted output row (fp32 under autocast,
+      whose routing weights are fp32);
+    - grouped_mm: three int64 indices (the sort and its inverse), the weight, the row in and out (fp32 where
+      `experts_fp32`: fp16 autocast leaves torch's grouped product in fp32); and E int32 offsets a layer
+      (`experts_offsets_bytes`, which layer_activation_bytes adds);
+    - batched_mm: the row in and out, the weight, and a gathered copy of its expert's three matrices (3 h x width
+      elements a pair: transformers' batched_mm is built for a few tokens, not training).
+    Measured with the activation meter on model=tiny_moe against the same model with a dense MLP of k x width, fp32
+    and bf16 autocast, each implementation: exactly this (tests/unit/test_moe.py)."""
     if not shape.num_experts:
         return 0.0
-    k, e = shape.experts_per_token, shape.num_experts
-    return 2 * k * shape.hidden_size * elem + e * (elem + 4) + k * (4 + 4 + 8) + k * 3 * 8
+    k, e, h, i = shape.experts_per_token, shape.num_experts, shape.hidden_size, shape.moe_ffn
+    router = 4 * e + 12 * k + 4
+    impl = shape.experts_implementation
+    if impl == "grouped_mm":
+        rows = 4 if experts_fp32 else elem
+        # the intermediates run at `rows` too: the MLP's term counted them at elem
+        pair = 24 + elem + 2 * h * rows + 4 * i * (rows - elem)
+    elif impl == "batched_mm":
+        pair = elem * (2 * h + 3 * h * i + 1)
+    else:
+        pair = 16 + elem + 2 * h * elem + h * (4 if autocast else elem)
+    return router + k * pair
+
+
+def experts_in_fp32(shape: ModelShape, setup: Setup) -> bool:
+    """Whether the experts' grouped products run in fp32 in a 16-bit run: torch does not autocast
+    `aten::_grouped_mm`; a bf16 run registers it (model.autocast_grouped_mm), an fp16 one multiplies in fp32."""
+    return (shape.experts_implementation == "grouped_mm" and setup.autocast_16bit
+            and setup.precision != "bf16")
+
+
+def experts_offsets_bytes(shape: ModelShape) -> float:
+    """grouped_mm's per-layer offsets: one int32 per expert, whatever the tokens."""
+    return 4.0 * shape.num_experts if shape.num_experts and shape.experts_implementation == "grouped_mm" else 0.0
 
 
 def selective_kept_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len: int, elem: int, tp: int = 1,
@@ -603,7 +678,8 @@ def _layer_and_head_bytes(shape: ModelShape, setup: Setup, *, with_head: bool) -
     s, b = setup.seq_len, setup.micro_batch_size
     tp, sp = setup.tensor_parallel_size, setup.sequence_parallel and setup.tensor_parallel_size > 1
     layer = layer_activation_bytes(shape, micro_batch_size=b, seq_len=s, elem=elem, norm_elem=norm_elem,
-                                   autocast=setup.autocast_16bit, tp=tp, sequence_parallel=sp)
+                                   autocast=setup.autocast_16bit, tp=tp, sequence_parallel=sp,
+                                   experts_fp32=experts_in_fp32(shape, setup))
     layer += ep_dispatch_bytes(shape, setup)
     # the final norm's saved tensors (split by sequence under sequence parallelism), the head's input, the
     # fp32 log-softmax of the logits (split by vocabulary under tensor parallelism)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dist_train.estimate.comm import Collective, bus_factor, predict_comm
-from dist_train.estimate.memory import predict_memory
+from dist_train.estimate.memory import experts_in_fp32, predict_memory
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers
 from dist_train.estimate.hardware import Hardware
@@ -122,11 +122,8 @@ def micro_batch_compute(shape: ModelShape, setup: Setup, hw: Hardware, *, peak: 
     tp = setup.tensor_parallel_size
     common = dict(batch=setup.micro_batch_size, seq_len=setup.seq_len, hw=hw, peak=peak,
                   element_bytes=element_bytes(setup.precision))
-    # grouped_mm is not autocast-enabled in torch: a bf16 run registers it (model.autocast_grouped_mm); under fp16
-    # autocast over fp32 weights the experts multiply in fp32
-    experts_fp32 = (shape.experts_implementation == "grouped_mm" and setup.autocast_16bit
-                    and setup.precision != "bf16")
-    per_layer = dict(tp=tp, sequence_parallel=setup.sequence_parallel, ep=setup.ep, experts_fp32=experts_fp32,
+    per_layer = dict(tp=tp, sequence_parallel=setup.sequence_parallel, ep=setup.ep,
+                     experts_fp32=experts_in_fp32(shape, setup),
                      ep_overload=setup.ep_overload, **common)
     recomputed = setup.checkpointed_layers(layers, first_layer)  # train.checkpoint_every: the others run once
     out = MicroBatchCompute(0.0, 0.0, 0.0, 0.0)

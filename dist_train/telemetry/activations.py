@@ -76,7 +76,8 @@ _VIEWS = frozenset(("TBackward0", "ViewBackward0", "TransposeBackward0", "Permut
 
 
 def is_weight_copy(t: torch.Tensor) -> bool:
-    """Whether `t` is a cast of a parameter (autocast's 16-bit weight copy), possibly through views."""
+    """Whether `t` is a cast of a parameter (autocast's 16-bit weight copy), possibly through views, or of a slice of
+    one (transformers' eager experts cast each expert's `gate_up_proj[e]`)."""
     fn = t.grad_fn
     for _ in range(3):
         if fn is None:
@@ -84,8 +85,14 @@ def is_weight_copy(t: torch.Tensor) -> bool:
         name = type(fn).__name__
         if name == "ToCopyBackward0":
             source = fn.next_functions[0][0] if fn.next_functions else None
-            if type(source).__name__ == "_ToTorchTensorBackward" and source.next_functions:
-                source = source.next_functions[0][0]  # the local shard of a DTensor parameter (tp's fused q/k/v)
+            for _ in range(3):
+                if type(source).__name__ == "_ToTorchTensorBackward" and source.next_functions:
+                    source = source.next_functions[0][0]  # a DTensor parameter's local shard (tp's fused q/k/v)
+                elif (type(source).__name__ in _VIEWS or type(source).__name__ in ("SelectBackward0", "SliceBackward0")
+                      ) and source.next_functions:
+                    source = source.next_functions[0][0]  # one expert of stacked experts, or their transpose
+                else:
+                    break
             return source is not None and isinstance(getattr(source, "variable", None), nn.Parameter)
         if name not in _VIEWS or not fn.next_functions:
             return False

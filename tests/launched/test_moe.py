@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from dist_train.checkpoint.layout import step_dir_name
 from dist_train.estimate import ModelShape, setup_from_config
 from dist_train.estimate.comm import predict_comm
-from dist_train.estimate.memory import ep_dispatch_bytes, expert_param_bytes
+from dist_train.estimate.memory import ep_dispatch_bytes, expert_param_bytes, expert_state_bytes
 from dist_train.estimate.setup import Setup
 from tests.helpers import FAST, ROOT, assert_same_losses, compare_from, env, forked, last_step, metrics, train_ok
 from tests.launched.test_dryrun import dry_run
@@ -129,9 +129,17 @@ def test_expert_parallel_trains_as_one_process_to_every_expert_weight(strategy, 
     share = nproc if strategy == "fsdp_ep" else 2
     assert [rec["memory/expert_params_bytes"] for rec in ranks] == [4 * 8 * 3 * 64 * 32 * 4 // share] * nproc == (
         [expert_param_bytes(shape, setup)] * nproc)
-    # and their gradients and SGD's momentum buffers (conf/optimizer/sgd.yaml), the same shards in fp32
+    # and their gradients and SGD's momentum buffers (conf/optimizer/sgd.yaml), the same shards in fp32, as the
+    # estimator predicts them apart (expert_state_bytes)
+    state = expert_state_bytes(shape, setup)
     assert [(r["memory/expert_grads_bytes"], r["memory/expert_optimizer_bytes"]) for r in ranks] == (
-        [(4 * 8 * 3 * 64 * 32 * 4 // share,) * 2] * nproc)
+        [(4 * 8 * 3 * 64 * 32 * 4 // share,) * 2] * nproc) == [(state["grads"], state["optimizer"])] * nproc
+    # The peak of live tensors (estimate/memory.py predict_peak_live: the dense weights gathered as FSDP2 or its
+    # replicate holds them, the experts over their own group) within 10% on every rank, whose routing is not the
+    # estimator's balanced one
+    peak = s["predicted_memory_bytes"]["peak_live"]
+    for rank in s["ranks"]:
+        assert abs(rank["memory/peak_live_bytes"] - peak) <= 0.10 * peak, (peak, rank["memory/peak_live_bytes"])
 
     # The estimator's collectives for this run (estimate/comm.py): each rank's gathers, reductions and norms exactly,
     # calls and bytes; the all-to-alls at balanced routing, which each EP group's ranks send together exactly
@@ -157,6 +165,32 @@ def test_expert_parallel_trains_as_one_process_to_every_expert_weight(strategy, 
 
 # ddp (its buckets hold the stacked experts like any parameter), FSDP2 (one block, experts included, per all-gather),
 # DeepSpeed's ZeRO-3 (its own partitioning of the 3-D expert tensors) and a pipeline (1F1B over 2 stages).
+@pytest.mark.beside
+def test_fsdp_ep_reduces_every_micro_batch_as_predicted(single_moe_sgd, tmp_path):
+    """strategy.reduce_every_microbatch=true under fsdp_ep, 4 ranks, ep 2 (efsdp 2), micro-batches of 1, so 2 a step:
+    the losses of one process within 1e-6, the dense weights' and the experts' reduce-scatters after each micro-batch,
+    calls and bytes as the estimator predicts them, and the peak of live tensors within 10% of its prediction, which
+    holds sharded gradients only."""
+    _, single = single_moe_sgd
+    s = train_ok(["strategy=fsdp_ep", "strategy.ep=2", "strategy.reduce_every_microbatch=true", *MOE, *SGD,
+                  "train.micro_batch_size=1"], run_dir=tmp_path, nproc=4)
+    for got, want in zip(s["losses"], single["losses"], strict=True):
+        assert abs(got - want) < 1e-6, (s["losses"], single["losses"])
+    config = OmegaConf.to_container(OmegaConf.load(tmp_path / "config.yaml"), resolve=True)
+    setup = setup_from_config(config, world_size=4)
+    assert setup.reduce_every_microbatch and setup.microbatches_per_step == 2
+    predicted = predict_comm(ModelShape.from_config(config["model"]), setup)[0]
+    for rec in last_step(tmp_path):
+        for dim in ("dp_shard", "efsdp"):
+            (rs,) = [c for c in predicted if c.op == "reduce_scatter" and c.dim == dim]
+            assert (rec[f"comm/{dim}/reduce_scatter/count"], rec[f"comm/{dim}/reduce_scatter/bytes"]) == (
+                rs.calls, rs.bytes), dim
+        assert rec["comm/efsdp/reduce_scatter/count"] == 2 * 4  # 4 MoE layers, 2 micro-batches
+    peak = s["predicted_memory_bytes"]["peak_live"]
+    for rank in s["ranks"]:
+        assert abs(rank["memory/peak_live_bytes"] - peak) <= 0.10 * peak, (peak, rank["memory/peak_live_bytes"])
+
+
 @pytest.mark.beside  # balances tests/suite.sh's two sessions; shares no fixture with the launched session
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3", "1f1b"])
 def test_an_moe_model_trains_as_one_process_does_and_is_predicted(strategy, single_moe, tmp_path):
@@ -177,6 +211,11 @@ def test_an_moe_model_trains_as_one_process_does_and_is_predicted(strategy, sing
             assert rec["memory/expert_grads_bytes"] == ours > 0, strategy
             tensors = 2 * (4 if strategy != "1f1b" else 2)  # gate_up_proj and down_proj of each of its layers
             assert rec["memory/expert_optimizer_bytes"] == 2 * ours + 4 * tensors, strategy
+            if strategy in ("ddp", "fsdp"):  # the estimator's, step counters aside (expert_state_bytes)
+                state = expert_state_bytes(ModelShape.from_config(config["model"]),
+                                           setup_from_config(config, world_size=2))
+                assert (state["grads"], state["optimizer"] + 4 * tensors) == (
+                    rec["memory/expert_grads_bytes"], rec["memory/expert_optimizer_bytes"]), strategy
         else:
             assert "memory/expert_grads_bytes" not in rec
     # Step 1, the same weights everywhere: the ranks' router loads add up to one process's, layer by layer (under
