@@ -19,7 +19,7 @@ micro-batch, the counts, then the rows forward and back, each mirrored in backwa
 The estimator models both (parallel/catalog.py's ep, expert_fsdp and expert_replicate; estimate/comm.py), the dry run
 runs them (routing balanced), the advisor searches their ep. Built on meta, split and sharded, then each rank fills
 its part, from the seeded init or a directory's files (weights.StackedExperts reads its experts stacked). Not built
-yet: ep with tensor parallelism or a pipeline.
+yet: ep with tensor parallelism or a pipeline. train.compile compiles each block, the dispatch a graph break.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class FSDPEPConfig(StrategyConfig):
     # the predicted peak (dist_train/accumulation.py). ep holds whole gradients either way: False.
     reduce_every_microbatch: Optional[bool] = None
 
+    compiles_blocks: ClassVar[bool] = True
     transforms_in_parallelize: ClassVar[bool] = True  # parallel/apply.py: checkpointing, compile, experts, FSDP2
     loads_own_shard: ClassVar[bool] = True  # split and sharded on meta, then each rank fills its experts and rows
 

@@ -166,6 +166,20 @@ def test_expert_parallel_trains_as_one_process_to_every_expert_weight(strategy, 
 # ddp (its buckets hold the stacked experts like any parameter), FSDP2 (one block, experts included, per all-gather),
 # DeepSpeed's ZeRO-3 (its own partitioning of the 3-D expert tensors) and a pipeline (1F1B over 2 stages).
 @pytest.mark.beside
+def test_compiled_expert_parallel_blocks_train_as_one_process(single_moe, tmp_path):
+    """train.compile=true under fsdp_ep: each block compiled before the experts are split and FSDP2 shards it. The
+    dispatch reads its counts on the host, so dynamo breaks the block's graph around it; the losses are one
+    process's, the all-to-alls counted as an eager run's (5 a layer and micro-batch), and the router-load meter off,
+    said in the log (its hook would break the graphs too)."""
+    _, single = single_moe
+    s = train_ok(["strategy=fsdp_ep", "train.compile=true", *MOE], run_dir=tmp_path, nproc=2)
+    assert_same_losses(single, s)
+    for rec in last_step(tmp_path):
+        assert rec["comm/ep/all_to_all/count"] == 5 * 4 * 2 and not [k for k in rec if k.startswith("moe/")]
+    assert "no moe/* load metrics under train.compile" in (tmp_path / "logs" / "rank0.log").read_text()
+
+
+@pytest.mark.beside
 def test_fsdp_ep_reduces_every_micro_batch_as_predicted(single_moe_sgd, tmp_path):
     """strategy.reduce_every_microbatch=true under fsdp_ep, 4 ranks, ep 2 (efsdp 2), micro-batches of 1, so 2 a step:
     the losses of one process within 1e-6, the dense weights' and the experts' reduce-scatters after each micro-batch,
