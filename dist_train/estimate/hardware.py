@@ -71,7 +71,8 @@ class Hardware:
     # An MoE layer's experts beyond their products (estimate/ops.py experts_compute), by model.experts_implementation:
     # {"gemm_factor": on the grouped kernel's product efficiency, "routing_passes": passes over the routed rows'
     # bytes (permuting, weighting and scattering them back, forward and backward), "fixed_s": per layer and
-    # micro-batch}. Absent: 1, 0, 0.
+    # micro-batch}. Absent: 1, 0, 0. fixed_s is per layer, not per local expert, so expert parallelism leaves it as
+    # it is: a per-expert term beside it, fitted to the same 18 blocks (64 and 128 experts among them), came out 0.
     experts: dict[str, dict[str, float]] = field(default_factory=dict)
     # What each figure rests on: "datasheet", "assumed", or how it was measured.
     source: dict[str, str] = field(default_factory=dict)
