@@ -172,7 +172,8 @@ def layer_flops(model: str, seq: int, *, recompute: bool) -> float:
     return seq * _matmul_flops_per_token(layer_shape(model), layers=1, head=False, seq_len=seq, recompute=recompute)
 
 
-def layers() -> list[dict[str, Any]]:
+def layers(models: tuple[str, ...] = tuple(MODELS), seqs: tuple[int, ...] = SEQS,
+           modes: tuple[str, ...] = CHECKPOINTING) -> list[dict[str, Any]]:
     import torch
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
     from transformers import LlamaConfig
@@ -183,7 +184,8 @@ def layers() -> list[dict[str, Any]]:
     selective = functools.partial(create_selective_checkpoint_contexts, selective_policy(saved_ops()))
 
     rows = []
-    for model, s in MODELS.items():
+    for model in models:
+        s = MODELS[model]
         config = LlamaConfig(
             hidden_size=s["hidden"],
             num_attention_heads=s["heads"],
@@ -197,11 +199,11 @@ def layers() -> list[dict[str, Any]]:
         with torch.device("cuda"):
             layer = LlamaDecoderLayer(config, layer_idx=0).to(torch.bfloat16)
             rotary = LlamaRotaryEmbedding(config)
-        for seq in SEQS:
+        for seq in seqs:
             x = torch.randn(1, seq, s["hidden"], dtype=torch.bfloat16, device="cuda", requires_grad=True)
             pos = torch.arange(seq, device="cuda")[None]
             cos_sin = rotary(x, pos)
-            for mode in CHECKPOINTING:
+            for mode in modes:
 
                 def forward():
                     if mode == "none":
@@ -237,6 +239,31 @@ def layers() -> list[dict[str, Any]]:
                 layer.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
     return rows
+
+
+# Selective checkpointing's host time: Llama 8B's layer over so few tokens that its kernels take a fraction of the
+# time torch's selective checkpointing needs to issue them (its Python dispatch mode sees every op, forward and again
+# in the recomputation); none beside it, whose eager dispatch has no such mode.
+SELECTIVE_HOST_SEQ = 128
+
+
+def selective_host() -> list[dict[str, Any]]:
+    return layers(("llama-8b",), (SELECTIVE_HOST_SEQ,), ("none", "selective"))
+
+
+def selective_host_s(calib: dict[str, Any], hw) -> float:  # noqa: ANN001
+    """Hardware.selective_host_s from a calibration: its `selective_host` row (a layer too small for its kernels to
+    hide the host), or, in a file without one, the longest selective layer of `layers` that took over 1.1 times
+    what the per-operation model says its kernels take under `hw` (a host-bound one); 0 where none was."""
+    from dataclasses import replace
+
+    host = [r["s"] for r in calib.get("selective_host", []) if r["checkpointing"] == "selective"]
+    if host:
+        return float(host[0])
+    rows = calib.get("layers", [])
+    bound = [r["s"] for r, p in zip(rows, predicted_layers(calib, replace(hw, selective_host_s=0.0)))
+             if checkpointing_of(r) == "selective" and r["s"] > 1.1 * p]
+    return float(max(bound, default=0.0))
 
 
 # MoE blocks (their config.json's sizes): hidden, experts, top-k, one expert's MLP width. Qwen3-30B-A3B's first: the
@@ -424,6 +451,7 @@ def measure(budget_s: float, *, only: set[str] | None = None) -> dict[str, Any]:
         ("step", whole_step),
         ("moe", moe_blocks),
         ("moe_autocast", functools.partial(moe_blocks, autocast=True, tokens_list=MOE_TOKENS[:2])),
+        ("selective_host", selective_host),
     ):
         if only is not None and name not in only:
             continue
@@ -451,7 +479,8 @@ def profile_from(calib: dict[str, Any]):
     from dist_train.estimate.ops import fit_attention, fit_experts, fit_gemm
 
     kind = profile_for_device(calib["device"])
-    if kind not in PROFILES or not any(calib.get(k) for k in ("memory_bandwidth", "matmuls", "attention", "step")):
+    if kind not in PROFILES or not any(calib.get(k) for k in ("memory_bandwidth", "matmuls", "attention", "step",
+                                                                 "selective_host")):
         return None  # nothing measured that a profile takes (--only moe)
     base = PROFILES[kind]
     peak = base.flops["bf16"]
@@ -471,6 +500,11 @@ def profile_from(calib: dict[str, Any]):
         eff, seq_half = fit_attention(calib["attention"], peak=peak)
         changes.update(attention_efficiency=eff, attention_seq_half=seq_half)
         source["attention_efficiency"] = source["attention_seq_half"] = f"{where}: fitted to SDPA at each shape"
+    host = selective_host_s(calib, replace(base, **changes))
+    if host:
+        changes["selective_host_s"] = host
+        source["selective_host_s"] = (f"{where}: llama-8b's layer under selective at {SELECTIVE_HOST_SEQ} tokens"
+                                      if calib.get("selective_host") else f"{where}: its host-bound selective layer")
     if calib.get("moe"):
         changes["experts"] = fit_experts(moe_measured(calib), replace(base, **changes))
         source["experts"] = f"{where}: fitted to {len(calib['moe'])} MoE blocks (estimate/ops.py fit_experts)"
@@ -560,6 +594,13 @@ def render(calib: dict[str, Any]) -> str:
                     for r in calib["layers"]
                 ],
             )
+        )
+    if calib.get("selective_host"):
+        by_mode = {r["checkpointing"]: r["s"] for r in calib["selective_host"]}
+        parts.append(
+            f"Selective checkpointing's host time (llama-8b's layer at {SELECTIVE_HOST_SEQ} tokens, forward + "
+            f"backward, its kernels a fraction of it): {by_mode.get('selective', 0) * 1e3:.2f} ms under selective, "
+            f"{by_mode.get('none', 0) * 1e3:.2f} ms without checkpointing; the profile's selective_host_s."
         )
     if calib.get("attention"):
         parts.append(
@@ -669,7 +710,7 @@ def main() -> int:
     parser.add_argument("--profile-dir", type=Path, help="where cluster.gpu= finds it (default: plan.profile_dir's)")
     parser.add_argument("--no-docs", action="store_true")
     parser.add_argument("--only", help="measure only these, comma-separated (memory_bandwidth, layers, matmuls, "
-                                       "attention, optimizer, loss, step, moe, moe_autocast)")
+                                       "attention, optimizer, loss, step, moe, moe_autocast, selective_host)")
     args = parser.parse_args()
     if args.from_file:
         calib = json.loads(args.from_file.read_text())

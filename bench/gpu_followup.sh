@@ -6,7 +6,9 @@
 #      MoE step that took 176 ms before, predicted 42.7 ms now;
 #   2. the eager experts' step, 435 ms against 82 predicted: the MoE blocks under autocast over fp32 weights
 #      (gpu_calibrate.py --only moe_autocast) against the same blocks in bf16;
-#   3. the CUDA tests (tests/launched/test_cuda.py), grouped_mm against eager among them.
+#   3. selective checkpointing's host time, which the profiles take from one host-bound layer of an H200
+#      (hardware.SELECTIVE_HOST_S): measured directly on a layer too small to hide it (--only selective_host);
+#   4. the CUDA tests (tests/launched/test_cuda.py), grouped_mm against eager among them.
 # On a machine without network, install the wheels first (docs/GPU.md, section 1), then:
 #   bash bench/gpu_followup.sh [OUT]
 set -u
@@ -26,8 +28,8 @@ for impl in grouped_mm eager; do
     logger=none "hydra.run.dir=$out/moe_$impl" > "$out/moe_$impl.log" 2>&1
   echo "moe step, $impl: rc=$?; $(tail -1 "$out/moe_$impl.log")"
 done
-timeout 120 "$py" bench/gpu_calibrate.py --only moe_autocast,moe --out "$out/moe_blocks.json" --no-docs \
-  > "$out/moe_blocks.log" 2>&1
+timeout 150 "$py" bench/gpu_calibrate.py --only moe_autocast,moe,selective_host --out "$out/moe_blocks.json" \
+  --no-docs > "$out/moe_blocks.log" 2>&1
 echo "MoE blocks: rc=$?; tables: $py bench/gpu_calibrate.py --from $out/moe_blocks.json"
 DIST_TRAIN_TEST_FORK=0 timeout 300 "$py" -m pytest -q tests/launched/test_cuda.py > "$out/cuda_tests.log" 2>&1
 echo "CUDA tests: rc=$?; $(tail -1 "$out/cuda_tests.log")"

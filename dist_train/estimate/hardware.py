@@ -3,7 +3,8 @@
 A profile is a handful of numbers. Peaks come from datasheets (the same table MFU uses, telemetry/flops.py);
 the interconnect's bus bandwidths are nccl-tests figures for the named fabric; the per-operation constants
 (estimate/ops.py: how much of the peak matrix products and attention reach, by shape, and of the memory bandwidth
-memory-bound kernels reach) were measured on an H100 and an H200 or fitted to published runs (OPS, each with its source);
+memory-bound kernels reach) were measured on an H100 and an H200 or fitted to published runs (OPS, each with its
+source);
 `efficiency`, `overlap` and `overhead_s` are what a real step loses beyond them. `bench/gpu_calibrate.py` measures
 a GPU's (an H200 and an H100 so far, docs/BENCHMARKS.md) and stores the profile where `resolve` finds it;
 `plan.calibrate=true` measures the machine it runs on (calibrate.py) and `plan.verify=K` refits them from real
@@ -61,6 +62,11 @@ class Hardware:
     # strategy, per block and micro-batch. It adds to a CPU's compute (the same cores run both); a GPU runs it ahead
     # of its kernels, so the GPU profiles leave it 0. plan.calibrate measures it on a CPU.
     layer_overhead_s: float = 0.0
+    # Selective checkpointing's host time per block and micro-batch, forward + backward: torch's selective
+    # checkpointing runs every op of the block through a Python dispatch mode, forward and again in the
+    # recomputation. A GPU runs a block no faster than its host issues it, so this is a floor on the block's time
+    # (estimate/ops.py layer_compute). 0: not modelled (the CPU profile, whose host is the device).
+    selective_host_s: float = 0.0
     # The fraction of the compute that data-parallel collectives can hide behind (1: a GPU's copy engines and
     # NCCL's own SMs run beside the kernels; 0: a CPU, where gloo and the matmuls share the cores).
     overlap: float = 1.0
@@ -97,9 +103,10 @@ class Hardware:
     def from_json(cls, data: dict[str, Any]) -> "Hardware":
         known = {f.name for f in fields(cls)}
         data = {k: v for k, v in data.items() if k in known}
-        if "experts" not in data and data.get("name") in OPS:  # stored before the experts' constants existed
-            data["experts"] = OPS[data["name"]][0].get("experts", {})
-            data["source"] = {**data.get("source", {}), "experts": OPS[data["name"]][1].get("experts", "")}
+        for key in ("experts", "selective_host_s"):  # stored before these constants existed: the built-in ones
+            if key not in data and data.get("name") in OPS and key in OPS[data["name"]][0]:
+                data[key] = OPS[data["name"]][0][key]
+                data["source"] = {**data.get("source", {}), key: OPS[data["name"]][1].get(key, "")}
         return cls(**{**data, "intra": Link(**data["intra"]), "inter": Link(**data["inter"])})
 
 
@@ -130,28 +137,43 @@ _MOE_FITTED = ("measured: 18 MoE blocks on an H100 (bench/data/gpu_moe-h100-2026
 EXPERTS_HOPPER = {"eager": {"gemm_factor": 1.0, "routing_passes": 64.0, "fixed_s": 0.005},
                   "grouped_mm": {"gemm_factor": 0.9, "routing_passes": 36.0, "fixed_s": 0.00125}}
 _HOPPER_MEASURED = "measured: bench/gpu_calibrate.py on an H200, 2026-11-26"
+# Selective checkpointing's host time per block (Hardware.selective_host_s): an H200's llama-8b layer at 4,096 tokens
+# took 15.6 ms under selective against 11.9 ms of kernels and 14.5 ms under full checkpointing, twice (host-bound);
+# bench/gpu_calibrate.py selective_host_s finds it in the kept file. The other GPUs' hosts are assumed alike.
+SELECTIVE_HOST_S = 0.0156
+_SELECTIVE_MEASURED = ("measured: an H200's host-bound selective layer (bench/data/gpu_calibrate-h200-2026-11-27.json, "
+                       "gpu_calibrate.selective_host_s)")
+_SELECTIVE_ASSUMED = "assumed: the H200 host's, " + _SELECTIVE_MEASURED.removeprefix("measured: ")
 _FITTED = "fitted: python bench/published.py --fit (MosaicML's {gpu} rows of ../shared/GPU-PUBLISHED.md)"
 _HOPPER = dict(sm_count=132, gemm_efficiency=0.725, gemm_k_half=350.0, memory_efficiency=0.885)
 _OPS_SOURCE_HOPPER = {"sm_count": "datasheet", "gemm_efficiency": _HOPPER_MEASURED, "gemm_k_half": _HOPPER_MEASURED,
                       "memory_efficiency": _HOPPER_MEASURED}
 OPS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "h100": (dict(sm_count=132, gemm_efficiency=0.71, gemm_k_half=400.0, memory_efficiency=0.897,
-                  attention_efficiency=0.71, attention_seq_half=2925.0, experts=EXPERTS_HOPPER),
-             {"sm_count": "datasheet", "experts": _MOE_FITTED, **{k: _H100_MEASURED for k in (
+                  attention_efficiency=0.71, attention_seq_half=2925.0, experts=EXPERTS_HOPPER,
+                  selective_host_s=SELECTIVE_HOST_S),
+             {"sm_count": "datasheet", "experts": _MOE_FITTED, "selective_host_s": _SELECTIVE_ASSUMED,
+              **{k: _H100_MEASURED for k in (
                  "gemm_efficiency", "gemm_k_half", "memory_efficiency", "attention_efficiency",
                  "attention_seq_half")}}),
-    "h200": ({**_HOPPER, "attention_efficiency": 0.706, "attention_seq_half": 2700.0, "experts": EXPERTS_HOPPER},
+    "h200": ({**_HOPPER, "attention_efficiency": 0.706, "attention_seq_half": 2700.0, "experts": EXPERTS_HOPPER,
+              "selective_host_s": SELECTIVE_HOST_S},
              {**_OPS_SOURCE_HOPPER, "attention_efficiency": _HOPPER_MEASURED, "attention_seq_half": _HOPPER_MEASURED,
+              "selective_host_s": _SELECTIVE_MEASURED,
               "experts": _MOE_FITTED + "; checked on an H200's same 18 blocks"}),
     "a100": (dict(sm_count=108, gemm_efficiency=0.8, gemm_k_half=350.0, memory_efficiency=0.885,
-                  attention_efficiency=0.8, attention_seq_half=0.0, experts=EXPERTS_HOPPER),
+                  attention_efficiency=0.8, attention_seq_half=0.0, experts=EXPERTS_HOPPER,
+                  selective_host_s=SELECTIVE_HOST_S),
              {"sm_count": "datasheet", "gemm_efficiency": _FITTED.format(gpu="A100"),
+              "selective_host_s": _SELECTIVE_ASSUMED,
               "experts": "assumed: the H100's, " + _MOE_FITTED.removeprefix("measured: "),
               "attention_efficiency": _FITTED.format(gpu="A100"), "attention_seq_half": _FITTED.format(gpu="A100"),
               "gemm_k_half": "assumed: the H200's", "memory_efficiency": "assumed: the H200's"}),
     "l40s": (dict(sm_count=142, gemm_efficiency=0.725, gemm_k_half=350.0, memory_efficiency=0.885,
-                  attention_efficiency=0.706, attention_seq_half=2700.0, experts=EXPERTS_HOPPER),
+                  attention_efficiency=0.706, attention_seq_half=2700.0, experts=EXPERTS_HOPPER,
+                  selective_host_s=SELECTIVE_HOST_S),
              {"sm_count": "datasheet", "experts": "assumed: the H100's, " + _MOE_FITTED.removeprefix("measured: "),
+              "selective_host_s": _SELECTIVE_ASSUMED,
               **{k: "assumed: the H200's" for k in (
                  "gemm_efficiency", "gemm_k_half", "memory_efficiency", "attention_efficiency",
                  "attention_seq_half")}}),

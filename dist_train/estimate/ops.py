@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from dist_train.estimate.hardware import Hardware
@@ -171,17 +171,20 @@ class MicroBatchCompute:
     attention_s: float
     elementwise_s: float
     loss_s: float
+    host_s: float = 0.0  # what the device waits for its host beyond its kernels (Hardware.selective_host_s)
 
     @property
     def total_s(self) -> float:
-        return self.gemm_s + self.attention_s + self.elementwise_s + self.loss_s
+        return self.gemm_s + self.attention_s + self.elementwise_s + self.loss_s + self.host_s
 
     def __add__(self, other: "MicroBatchCompute") -> "MicroBatchCompute":
         return MicroBatchCompute(self.gemm_s + other.gemm_s, self.attention_s + other.attention_s,
-                                 self.elementwise_s + other.elementwise_s, self.loss_s + other.loss_s)
+                                 self.elementwise_s + other.elementwise_s, self.loss_s + other.loss_s,
+                                 self.host_s + other.host_s)
 
     def scaled(self, k: float) -> "MicroBatchCompute":
-        return MicroBatchCompute(self.gemm_s * k, self.attention_s * k, self.elementwise_s * k, self.loss_s * k)
+        return MicroBatchCompute(self.gemm_s * k, self.attention_s * k, self.elementwise_s * k, self.loss_s * k,
+                                 self.host_s * k)
 
 
 def layer_compute(shape: ModelShape, *, batch: int, seq_len: int, tp: int, sequence_parallel: bool, recompute: str,
@@ -202,12 +205,15 @@ def layer_compute(shape: ModelShape, *, batch: int, seq_len: int, tp: int, seque
     ew = tokens * elementwise_bytes_per_token(shape, tp=tp, sequence_parallel=sequence_parallel,
                                               element_bytes=element_bytes) / (hw.memory_bw * hw.memory_efficiency)
     full = recompute == "full"
-    return MicroBatchCompute(
+    out = MicroBatchCompute(
         gemm_s=fwd * (2 if full else 1) + bwd + experts_s,
         attention_s=att * (1 + ATTENTION_BACKWARD + (1 if full else 0)),
         elementwise_s=ew * (1 + BACKWARD_TRAFFIC + (1 if recompute != "none" else 0)) + routing_s,
         loss_s=0.0,
     )
+    if recompute == "selective" and hw.selective_host_s > out.total_s:  # the host issues it slower than it runs
+        out = replace(out, host_s=hw.selective_host_s - out.total_s)
+    return out
 
 
 def head_compute(shape: ModelShape, *, batch: int, seq_len: int, tp: int, hw: Hardware, peak: float,

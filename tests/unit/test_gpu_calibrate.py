@@ -128,3 +128,46 @@ def test_selective_checkpointings_kept_bytes_on_an_h200_are_the_estimators():
             assert kept[model, seq, "selective"] == formula + output + 2 * 512
             assert kept[model, seq, "none"] > kept[model, seq, "selective"]
     assert "| llama-70b | 8192 | selective |" in gpu_calibrate.render(calib)
+
+
+def test_selective_checkpointing_waits_for_its_host_where_the_kernels_are_shorter():
+    """The H200's kept layers (bench/data/gpu_calibrate-h200-2026-11-27.json): Llama 8B's layer at 4,096 tokens took
+    15.6 ms under selective against 11.9 ms of kernels by the model, more than under full checkpointing: the host,
+    running every op through selective checkpointing's dispatch mode, is what it waited for. gpu_calibrate finds that
+    floor in the file (hardware.SELECTIVE_HOST_S); with it each selective layer is max(kernels, host): that one
+    within 1%, the others (kernels longer than the host) as before, and none and full untouched."""
+    from dataclasses import replace
+
+    from dist_train.estimate.hardware import SELECTIVE_HOST_S
+
+    calib = json.loads((ROOT / "bench" / "data" / "gpu_calibrate-h200-2026-11-27.json").read_text())
+    hw = PROFILES["h200"]
+    assert gpu_calibrate.selective_host_s(calib, hw) == pytest.approx(SELECTIVE_HOST_S, abs=1e-4)
+    assert hw.selective_host_s == SELECTIVE_HOST_S and "measured" in hw.source["selective_host_s"]
+    kernels = gpu_calibrate.predicted_layers(calib, replace(hw, selective_host_s=0.0))
+    floored = gpu_calibrate.predicted_layers(calib, hw)
+    for row, before, after in zip(calib["layers"], kernels, floored):
+        if row["checkpointing"] == "selective":
+            assert after == pytest.approx(max(before, SELECTIVE_HOST_S), rel=1e-12)
+        else:
+            assert after == before
+        if (row["model"], row["seq"], row["checkpointing"]) == ("llama-8b", 4096, "selective"):
+            assert before < 0.8 * row["s"] and after == pytest.approx(row["s"], rel=0.01)
+    # a file with the dedicated measurement (--only selective_host) takes that instead, and makes a profile of it
+    dedicated = {**calib, "selective_host": [{"model": "llama-8b", "seq": 128, "checkpointing": "none", "s": 0.004},
+                                             {"model": "llama-8b", "seq": 128, "checkpointing": "selective",
+                                              "s": 0.012}]}
+    assert gpu_calibrate.selective_host_s(dedicated, hw) == 0.012
+    only = {k: v for k, v in dedicated.items() if k in ("device", "sms", "torch", "date", "selective_host")}
+    prof = gpu_calibrate.profile_from(only)
+    assert prof.selective_host_s == 0.012 and "128 tokens" in prof.source["selective_host_s"]
+
+
+def test_a_profile_stored_before_the_selective_host_floor_takes_the_built_in_one():
+    from dist_train.estimate.hardware import Hardware
+
+    stored = PROFILES["h100"].to_json()
+    del stored["selective_host_s"]
+    stored["source"] = {k: v for k, v in stored["source"].items() if k != "selective_host_s"}
+    back = Hardware.from_json(stored)
+    assert back.selective_host_s == PROFILES["h100"].selective_host_s > 0 and back.source["selective_host_s"]
