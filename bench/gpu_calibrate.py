@@ -172,7 +172,7 @@ def layer_flops(model: str, seq: int, *, recompute: bool) -> float:
     return seq * _matmul_flops_per_token(layer_shape(model), layers=1, head=False, seq_len=seq, recompute=recompute)
 
 
-def layers(models: tuple[str, ...] = tuple(MODELS), seqs: tuple[int, ...] = SEQS,
+def layers(*, models: tuple[str, ...] = tuple(MODELS), seqs: tuple[int, ...] = SEQS,
            modes: tuple[str, ...] = CHECKPOINTING) -> list[dict[str, Any]]:
     import torch
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -248,7 +248,7 @@ SELECTIVE_HOST_SEQ = 128
 
 
 def selective_host() -> list[dict[str, Any]]:
-    return layers(("llama-8b",), (SELECTIVE_HOST_SEQ,), ("none", "selective"))
+    return layers(models=("llama-8b",), seqs=(SELECTIVE_HOST_SEQ,), modes=("none", "selective"))
 
 
 def selective_host_s(calib: dict[str, Any], hw) -> float:  # noqa: ANN001
