@@ -262,13 +262,13 @@ def fit(rows: list[Row]) -> dict[str, dict[str, float]]:
     return out
 
 
-TERMS = ("matrix products", "attention", "memory-bound work", "per-step work")
+TERMS = ("matrix products", "attention", "memory-bound work", "the rest")
 
 
 def bound(rows: list[Row]) -> dict[str, tuple[list[float], float, list[tuple[Row, float]]]]:
-    """What no choice of constants in this model's form can beat. For each GPU's MosaicML rows, each row's predicted
-    step is split into four terms (TERMS: matrix products, attention, memory-bound work with the loss, and the
-    per-step rest: optimizer, exposed communication, framework, bubble), and four free multipliers, of any sign, are
+    """What no rescaling of this model's terms can beat. For each GPU's MosaicML rows, each row's predicted step is
+    split into four terms (TERMS: matrix products, attention, memory-bound work with the loss, and the rest:
+    optimizer, exposed communication, framework, bubble, any host wait), and four free multipliers, of any sign, are
     chosen to make the worst relative error of the step time as small as it can be (Chebyshev's fit, by Lawson's
     reweighted least squares). Returns, per GPU: the multipliers, that smallest worst error, and each row's tokens/s
     error under them. A worst error above 10% puts the target out of reach of any rescaling of the four terms
@@ -283,8 +283,8 @@ def bound(rows: list[Row]) -> dict[str, tuple[list[float], float, list[tuple[Row
             _, cands, _ = _pinned(r, hw)
             c, _ = offered([(c, c.time.step_s) for c in cands], hw.memory_bytes * 0.9)
             t, tokens = c.time, c.time.tokens_per_step / c.setup.world_size
-            terms.append([t.ops.gemm_s, t.ops.attention_s, t.ops.elementwise_s + t.ops.loss_s,
-                          t.optimizer_s + t.exposed_comm_s + t.framework_s + t.bubble_s])
+            kernels = [t.ops.gemm_s, t.ops.attention_s, t.ops.elementwise_s + t.ops.loss_s]
+            terms.append([*kernels, t.step_s - sum(kernels)])  # the rest: it all adds up to the step
             published.append(tokens / r.published)  # the published step, seconds
         a = np.array(terms) / np.array(published)[:, None]  # a @ w: predicted over published step
         w, worst = minimax(a)

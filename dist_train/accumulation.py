@@ -55,6 +55,9 @@ def resolve(run: Any, cfg: Any, *, world_size: int, device: Any) -> tuple[Any, s
 
     if getattr(run.strategy, "reduce_every_microbatch", False) is not None:
         return run, ""
+    if getattr(run.strategy, "dp_mode", "fsdp") == "replicate":  # ep's whole gradients: nothing to choose
+        OmegaConf.update(cfg, "strategy.reduce_every_microbatch", False)
+        return replace(run, strategy=replace(run.strategy, reduce_every_microbatch=False)), ""
     import torch
     import torch.distributed as dist
 

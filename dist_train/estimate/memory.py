@@ -330,7 +330,7 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     not exist yet at that point; reduce_every_microbatch holds the sharded ones instead. Collective buffers and
     backward's temporaries are not counted (measured: within 5% on 2 ranks for fsdp, -4% on 4 ranks for fsdp_tp
     with tp=2; tests/launched/test_peak_live.py, tests/launched/test_dryrun.py).
-    Under expert parallelism (fsdp_ep, ep: `_expert_parallel_peak`) the dense weights are FSDP2's (fsdp_ep) or its
+    Under expert parallelism (fsdp_ep, ep: `_expert_parallel_gathered`) the dense weights are FSDP2's (fsdp_ep) or its
     replicate's (ep) as above, and the experts gather apart, over their own group. The dispatch's buffers are gone
     by the start of backward; what the all-to-alls keep for it is in the activations (`ep_dispatch_bytes`)."""
     if setup.family not in PEAK_LIVE_FAMILIES or (setup.family == "zero" and setup.zero_stage == 3):
@@ -366,20 +366,18 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
 def _expert_parallel_gathered(shape: ModelShape, setup: Setup, *, reshards: bool) -> float:
     """Parameters a rank holds gathered at the start of backward under expert parallelism, beside its own shards.
     The dense ones as plain FSDP2 holds them: under fsdp_ep the root's and the last block's (every block's without
-    reshard_after_forward), under ep every dense parameter (replicate's compute copy). The experts as their own group
-    holds them: a rank's E / ep experts of the last block (of every block without resharding) gathered over efsdp,
-    or every layer's copied by replicate over edp; nothing where that group is one rank, whose experts FSDP2 holds
-    whole (measured: model=tiny_moe, 2 ranks, ep 2, fp32: fsdp_ep's peak holds the root and no expert copy, ep's
-    every dense parameter twice)."""
-    local_experts = expert_rank_elements(shape, setup)  # the rank's E / ep experts of every layer
-    dense = tp_rank_params(shape, setup) - local_experts  # which holds the rank's own experts only
+    reshard_after_forward), under ep every dense parameter (replicate's compute copy). The experts as their own
+    FSDP2 unit holds them, over efsdp or a one-rank edp, whose unsharded copy is separate storage even on one rank:
+    the last block's E / ep (every block's without reshard_after_forward); replicate over an edp of several ranks
+    copies every layer's. Measured on model=tiny_moe, 2 and 4 ranks, ep 2, fp32 and bf16, resharding on and off:
+    tests/launched/test_moe.py, docs/moe.md."""
+    local = expert_rank_elements(shape, setup)  # the rank's E / ep experts of every layer
+    dense = tp_rank_params(shape, setup) - local  # which holds the rank's own experts only
     dense_block = shape.layer_params_tp(1) - shape.expert_params
+    experts = local / shape.num_layers if setup.reshard_after_forward else local
     if setup.shard_with == "fsdp":  # fsdp_ep
-        dense_gathered = dense - (shape.num_layers - 1) * dense_block if reshards else dense
-        experts = (local_experts / shape.num_layers if reshards else local_experts) \
-            if setup.dims.degree("efsdp") > 1 else 0.0
-        return dense_gathered + experts
-    return dense + (local_experts if setup.dims.degree("edp") > 1 else 0.0)  # ep: replicate's copies
+        return (dense - (shape.num_layers - 1) * dense_block if reshards else dense) + experts
+    return dense + (local if setup.dims.degree("edp") > 1 else experts)  # ep: replicate's copies
 
 
 def fsdp_padded(dims: tuple[int, ...], n: int) -> int:

@@ -211,8 +211,10 @@ def layer_compute(shape: ModelShape, *, batch: int, seq_len: int, tp: int, seque
         elementwise_s=ew * (1 + BACKWARD_TRAFFIC + (1 if recompute != "none" else 0)) + routing_s,
         loss_s=0.0,
     )
-    if recompute == "selective" and hw.selective_host_s > out.total_s:  # the host issues it slower than it runs
-        out = replace(out, host_s=hw.selective_host_s - out.total_s)
+    # the host issues it slower than its kernels run: the wait, in the units the step divides by `efficiency`
+    floor = hw.selective_host_s * hw.efficiency
+    if recompute == "selective" and floor > out.total_s:
+        out = replace(out, host_s=floor - out.total_s)
     return out
 
 

@@ -166,7 +166,7 @@ def refit(hw: Hardware, verified: list[Verified], *, predict: Any) -> tuple[Hard
         # what the measured step leaves for the operations, the bubble's share and eager PyTorch's per block aside
         with_bubble = (t.compute_s + t.bubble_s) / t.compute_s
         ops = (v.step_s - rest) / with_bubble - t.layer_units * hw.layer_overhead_s  # type: ignore[operator]
-        if ops > 0 and t.ops is not None:
+        if ops > 0 and t.ops is not None and not t.ops.host_s:  # a host-bound run says nothing of the kernels
             ratios.append(t.ops.total_s / ops)
     if ratios:
         new = replace(new, efficiency=min(1.0, hw.efficiency * statistics.median(ratios)))

@@ -96,5 +96,5 @@ def build(cfg: FSDPEPConfig, ctx: StrategyContext) -> TorchStrategy:
     return TorchStrategy(cfg.name, ctx, wrapper)
 
 
-FAMILY = StrategyFamily(family="fsdp_ep", schema=FSDPEPConfig,
-                        names={"fsdp_ep": {}, "ep": {"dp_mode": "replicate", "reduce_every_microbatch": False}}, build=build)
+FAMILY = StrategyFamily(family="fsdp_ep", schema=FSDPEPConfig, build=build,
+                        names={"fsdp_ep": {}, "ep": {"dp_mode": "replicate", "reduce_every_microbatch": False}})

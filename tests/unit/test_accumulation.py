@@ -92,3 +92,22 @@ def test_fsdp_ep_holds_the_dense_weights_and_its_own_experts_gradients_and_choos
     assert reduce and f"({human_bytes(held)} a rank)" in line
     ep = compose_training_config(["logger=none", "strategy=ep", "model=tiny_moe"])
     assert ep["strategy"]["reduce_every_microbatch"] is False
+
+
+def test_ep_replicas_never_choose_to_reduce_every_micro_batch(monkeypatch):
+    """strategy=fsdp_ep with strategy.dp_mode=replicate (ep's layout) left at null: whole gradients either way, so
+    resolve sets false and says nothing, whatever the device (a faked 1 GB GPU, where fsdp_ep would reduce)."""
+    import types
+
+    import torch
+
+    from dist_train.accumulation import resolve
+    from dist_train.estimate.compose import _compose
+
+    cfg, run = _compose(["logger=none", "strategy=fsdp_ep", "strategy.dp_mode=replicate", "model=tiny_moe",
+                         "train.global_batch_size=8", "train.micro_batch_size=2"])
+    assert run.strategy.reduce_every_microbatch is None
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=2**30))
+    run, line = resolve(run, cfg, world_size=2, device=types.SimpleNamespace(type="cuda"))
+    assert (run.strategy.reduce_every_microbatch, line) == (False, "")
+    assert cfg.strategy.reduce_every_microbatch is False
