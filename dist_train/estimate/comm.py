@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from dist_train.parallel.catalog import GRADIENT_NORM
-from dist_train.estimate.memory import (element_bytes, expert_padded, expert_rank_elements, fsdp_padded, state_bytes,
-                                        tp_rank_params, with_model, zero3_keeps_for_backward, zero3_partitioned)
+from dist_train.estimate.memory import (dense_rank_params, element_bytes, expert_padded, expert_rank_elements,
+                                        fsdp_padded, state_bytes, tp_rank_params, with_model,
+                                        zero3_keeps_for_backward, zero3_partitioned)
 from dist_train.estimate.render import human_bytes
 from dist_train.estimate.setup import Setup
 from dist_train.estimate.shapes import ModelShape, stage_layers, stage_params
@@ -185,7 +186,7 @@ def _replicate(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
                            reduces * (shape.num_layers + 1))}
     if setup.family == "fsdp_tp":  # ddp_tp; and ep, whose experts expert_replicate reduces
         if setup.ep > 1:
-            params, what = tp_rank_params(shape, setup) - expert_rank_elements(shape, setup), "the dense weights'"
+            params, what = dense_rank_params(shape, setup), "the dense weights'"
         else:
             params, what = tp_rank_params(shape, setup), "the TP slice's"
         return {key: Sized(params * 4, f"{what} fp32 gradients, once per step", 4, shape.num_layers + 1)}

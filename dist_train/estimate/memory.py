@@ -351,14 +351,15 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     # all of them without tensor parallelism; under expert parallelism the dense ones and the rank's own experts,
     # whose unsharded fp32 gradients accumulate as the dense ones' do
     slice_params = tp_rank_params(shape, setup)
-    block = shape.layer_params_tp(setup.tensor_parallel_size)
     # ddp_tp's replicas (FSDP2's replicate) keep every block's compute copy from its forward to its backward
     reshards = setup.reshard_after_forward and setup.shard_with == "fsdp"
-    gathered = slice_params - (shape.num_layers - 1) * block if reshards else slice_params
-    accumulates_unsharded = setup.microbatches_per_step > 1 and not setup.reduce_every_microbatch
-    grads = 4.0 * slice_params if accumulates_unsharded else rank.grads
     if setup.ep > 1 and shape.num_experts:
         gathered = _expert_parallel_gathered(shape, setup, reshards=reshards)
+    else:
+        block = shape.layer_params_tp(setup.tensor_parallel_size)
+        gathered = slice_params - (shape.num_layers - 1) * block if reshards else slice_params
+    accumulates_unsharded = setup.microbatches_per_step > 1 and not setup.reduce_every_microbatch
+    grads = 4.0 * slice_params if accumulates_unsharded else rank.grads
     return with_loss(rank.params + grads + rank.master + rank.optimizer + rank.working_set
                      + gathered * element_bytes(setup.precision), grads)
 
@@ -372,7 +373,7 @@ def _expert_parallel_gathered(shape: ModelShape, setup: Setup, *, reshards: bool
     copies every layer's. Measured on model=tiny_moe, 2 and 4 ranks, ep 2, fp32 and bf16, resharding on and off:
     tests/launched/test_moe.py, docs/moe.md."""
     local = expert_rank_elements(shape, setup)  # the rank's E / ep experts of every layer
-    dense = tp_rank_params(shape, setup) - local  # which holds the rank's own experts only
+    dense = dense_rank_params(shape, setup)
     dense_block = shape.layer_params_tp(1) - shape.expert_params
     experts = local / shape.num_layers if setup.reshard_after_forward else local
     if setup.shard_with == "fsdp":  # fsdp_ep
@@ -453,6 +454,11 @@ def expert_state_bytes(shape: ModelShape, setup: Setup) -> Optional[dict[str, fl
     b = setup_state_bytes(setup)
     return {"params": elements * b.weights, "grads": elements * b.grads,
             "optimizer": elements * (b.optimizer + b.master)}
+
+
+def dense_rank_params(shape: ModelShape, setup: Setup) -> float:
+    """The parameters one rank holds that are not experts (tp_rank_params, less the rank's own experts)."""
+    return tp_rank_params(shape, setup) - expert_rank_elements(shape, setup)
 
 
 def tp_rank_params(shape: ModelShape, setup: Setup) -> float:
