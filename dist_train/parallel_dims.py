@@ -16,10 +16,12 @@ layout: a tensor-parallel group is consecutive ranks, one node's GPUs; pipeline 
 
 The data-parallel degree, the number of distinct slices of a global batch, is dp_replicate x dp_shard
 (`data_parallel`). Plain `dp` is never a dimension: it names strategy=dp, nn.DataParallel in one process.
-Expert parallelism (`ep`) borrows its ranks from dp_shard x cp, as in torchtitan (strategy=fsdp_ep): the experts'
-own mesh is (efsdp, ep), efsdp = dp_shard x cp / ep ranks that shard the same experts again. Where nothing shards
-(dp_shard x cp = 1: strategy=ep, whole replicas of the dense weights) it borrows from dp_replicate instead: the
-experts' mesh is (edp, ep), edp = dp_replicate / ep ranks that hold the same experts whole.
+Expert parallelism (`ep`) borrows its ranks from dp_shard x cp x tp, as in torchtitan (strategy=fsdp_ep; tp and
+fsdp_tp with strategy.ep): the experts' own mesh is (efsdp, ep), efsdp = dp_shard x cp x tp / ep ranks that shard the
+same experts again. The ranks of a tensor-parallel group share a batch: each sends its own share of the tokens to the
+experts. Where nothing shards and nothing splits (dp_shard x cp x tp = 1: strategy=ep, whole replicas of the dense
+weights) it borrows from dp_replicate instead: the experts' mesh is (edp, ep), edp = dp_replicate / ep ranks that hold
+the same experts whole.
 
 This module is pure arithmetic; the mesh itself is built by dist_train.parallel.mesh.
 """
@@ -34,6 +36,14 @@ from typing import Optional
 from dist_train.errors import ConfigError, require
 
 ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def share_bounds(rows: int, size: int, rank: int) -> tuple[int, int]:
+    """The rows [start, end) of `rows` that rank `rank` of a tensor-parallel group of `size` takes as its share
+    (an MoE layer's tokens under expert parallelism, which every rank of the group holds): contiguous chunks of
+    ceil(rows / size), the last ones shorter (or empty)."""
+    per = -(-rows // size)
+    return min(rank * per, rows), min((rank + 1) * per, rows)
 
 
 def nodes_of_launch(world_size: int) -> int:
@@ -71,18 +81,20 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ degrees
     def degree(self, name: str) -> int:
-        if name == "efsdp":  # the experts' FSDP: the ranks of dp_shard x cp that hold the same experts
-            return 1 if self.expert_dims[0] == "edp" else self.dp_shard * self.cp // self.ep
+        if name == "efsdp":  # the experts' FSDP: the ranks of dp_shard x cp x tp that hold the same experts
+            return 1 if self.expert_dims[0] == "edp" else self.expert_lender[1] // self.ep
         if name == "edp":  # the experts' replicas: the ranks of dp_replicate that hold the same experts whole
             return self.dp_replicate // self.ep if self.expert_dims[0] == "edp" else 1
         return int(getattr(self, name))
 
     @property
     def expert_lender(self) -> tuple[str, int]:
-        """The data-parallel ranks expert parallelism borrows its `ep` ranks from, and how many: dp_shard x cp, or
-        dp_replicate where nothing shards (strategy=ep)."""
-        if self.dp_shard * self.cp == 1 and self.dp_replicate > 1:
+        """The ranks expert parallelism borrows its `ep` ranks from, and how many: dp_shard x cp (x tp where tensor
+        parallelism splits the dense weights), or dp_replicate where nothing shards (strategy=ep)."""
+        if self.dp_shard * self.cp * self.tp == 1 and self.dp_replicate > 1:
             return "dp_replicate", self.dp_replicate
+        if self.tp > 1:
+            return "dp_shard x cp x tp", self.dp_shard * self.cp * self.tp
         return "dp_shard x cp", self.dp_shard * self.cp
 
     @property
@@ -173,8 +185,9 @@ def layout_dims(layout: str, world_size: int, *, replicas: int = 1, tp: int = 1,
         shard      the model state partitioned over every rank (ZeRO, Accelerate's FSDP and DeepSpeed)
         fsdp       `replicas` replicas, each sharded over world / replicas ranks (fsdp: 1 replica; hsdp); with `ep`,
                    the experts split over ep of those ranks (fsdp_ep)
-        tp         every rank a tensor-parallel slice
-        fsdp_tp    tensor-parallel groups of `tp`, FSDP over the world / tp groups (kept at degree 1)
+        tp         every rank a tensor-parallel slice; with `ep`, the experts split over ep of those ranks
+        fsdp_tp    tensor-parallel groups of `tp`, FSDP over the world / tp groups (kept at degree 1); with `ep`, the
+                   experts split over ep of the world's ranks (consecutive: a tensor-parallel group's first)
         ddp_tp     tensor-parallel groups of `tp`, whole replicas of each across the world / tp groups (Megatron's
                    TP x DP; kept at degree 1); at tp 1 with `ep`, the experts split over ep of the replicas (ep)
         pipeline   `stages` stages, world / stages replicas of the pipeline over `stage_dp` (dp_replicate: whole
@@ -190,9 +203,9 @@ def layout_dims(layout: str, world_size: int, *, replicas: int = 1, tp: int = 1,
     if layout == "fsdp":
         return ParallelDims(w, dp_replicate=replicas, dp_shard=max(w // replicas, 1), ep=ep, kept=("dp_shard",))
     if layout == "tp":
-        return ParallelDims(w, tp=w)
+        return ParallelDims(w, tp=w, ep=ep)
     if layout == "fsdp_tp":
-        return ParallelDims(w, dp_shard=max(w // tp, 1), tp=tp, kept=("dp_shard",))
+        return ParallelDims(w, dp_shard=max(w // tp, 1), tp=tp, ep=ep, kept=("dp_shard",))
     if layout == "ddp_tp":
         return ParallelDims(w, dp_replicate=max(w // tp, 1), tp=tp, ep=ep, kept=("dp_replicate",))
     if layout == "pipeline":

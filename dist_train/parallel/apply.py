@@ -10,10 +10,11 @@
    data-parallel dimension is `dp_replicate` (ddp_tp), FSDP2's replicate instead: whole replicas, each block's
    gradients all-reduced once a step, nothing gathered.
 
-Before step 4, where the degrees have `ep` (fsdp_ep, ep): every MoE layer's experts split over the experts' mesh's
-`ep` dimension, the tokens sent to them by all-to-all (parallel/experts.py), and FSDP2 over its `efsdp` dimension
-(or FSDP2's replicate over `edp`, where the dense weights are replicas: ep), each experts module its own unit; step 4
-then leaves them to it.
+Before step 4, where the degrees have `ep` (fsdp_ep, ep; tp and fsdp_tp with strategy.ep): every MoE layer's experts
+split over the experts' mesh's `ep` dimension, the tokens sent to them by all-to-all (parallel/experts.py; under
+tensor parallelism each TP rank sends its share and the results are all-gathered over tp, step 1 leaving the experts
+whole), and FSDP2 over its `efsdp` dimension (or FSDP2's replicate over `edp`, where the dense weights are replicas:
+ep), each experts module its own unit; step 4 then leaves them to it.
 
 fsdp, hsdp, tp, fsdp_tp, ddp_tp, fsdp_ep and ep are presets of degrees over this one function
 (strategies/parallelized.py); a pipeline applies it to each of its stages (pp_dp with dp_mode=fsdp). A new axis is one
@@ -57,7 +58,8 @@ def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: P
     if "tp" in dims.mesh_dim_names:
         from dist_train.parallel.tensor_parallel import parallelize as apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel,
+                              experts_by_ep=expert_mesh is not None)
     apply_activation_checkpointing(model, checkpointing, every=checkpoint_every)  # none | full | selective
     if compile:
         compile_blocks(model)
@@ -65,7 +67,8 @@ def parallelize(model: nn.Module, *, mesh: Any, dims: ParallelDims, precision: P
         from dist_train.parallel.experts import parallelize_experts
 
         parallelize_experts(model, expert_mesh, precision=precision, divide_by=dims.data_parallel,
-                            reshard_after_forward=sharding.reshard_after_forward if sharding else True)
+                            reshard_after_forward=sharding.reshard_after_forward if sharding else True,
+                            tp_mesh=mesh["tp"] if "tp" in dims.mesh_dim_names else None)
     if sharding is not None and "dp_shard" not in dims.mesh_dim_names:
         from dist_train.parallel.fsdp import replicate
 

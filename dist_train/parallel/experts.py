@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_train.architectures import expert_modules
+from dist_train.parallel_dims import share_bounds
 
 
 class _AllToAll(torch.autograd.Function):
@@ -53,9 +54,59 @@ def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) 
     return out
 
 
-def shard_experts(model: nn.Module, mesh: Any) -> None:
+def _exchange_gathered(rows: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """Every rank's `rows` (each the same count, padded), concatenated in rank order."""
+    out = rows.new_empty((rows.shape[0] * size, *rows.shape[1:]))
+    dist.all_gather_single(out, rows.contiguous(), group=group)
+    return out
+
+
+class _Share(torch.autograd.Function):
+    """Under tensor parallelism: this rank's share of rows that every rank of its tp group holds whole (tokens
+    split in tp contiguous chunks, the last ones shorter). Backward: every rank's share's gradient all-gathered, so
+    the whole tensor's gradient (the router's through it) is whole on every rank, as the residual stream's is."""
+
+    @staticmethod
+    def forward(ctx: Any, whole: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
+        ctx.group, ctx.size, ctx.rows = group, size, whole.shape[0]
+        start, end = share_bounds(whole.shape[0], size, rank)
+        return whole[start:end]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        return _gather_shares(grad, ctx.group, ctx.size, ctx.rows), None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    """The inverse of _Share: every rank's share all-gathered whole. Backward: the whole gradient (the same on every
+    rank of the group) cut to this rank's share, with no communication."""
+
+    @staticmethod
+    def forward(ctx: Any, share: torch.Tensor, group: Any, size: int, rows: int) -> torch.Tensor:
+        ctx.bounds = share_bounds(rows, size, dist.get_rank(group))
+        return _gather_shares(share, group, size, rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        start, end = ctx.bounds
+        return grad[start:end], None, None, None
+
+
+def _gather_shares(share: torch.Tensor, group: Any, size: int, rows: int) -> torch.Tensor:
+    per = -(-rows // size)
+    padded = share if share.shape[0] == per else torch.cat([share, share.new_zeros((per - share.shape[0],
+                                                                                    *share.shape[1:]))])
+    gathered = _exchange_gathered(padded, group, size)
+    if per * size == rows:
+        return gathered
+    return torch.cat([gathered[r * per:r * per + e - s] for r, (s, e) in
+                      enumerate(share_bounds(rows, size, r) for r in range(size))])
+
+
+def shard_experts(model: nn.Module, mesh: Any, *, tp_mesh: Any = None) -> None:
     """Each experts module's stacked tensors sharded by expert over `mesh` (1-D, the ep dimension), its forward
-    replaced by `dispatch`. In place."""
+    replaced by `dispatch`. In place. `tp_mesh`: the tensor-parallel dimension whose ranks hold the same tokens
+    (each dispatches its share of them)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     ep = mesh.size()
@@ -67,13 +118,16 @@ def shard_experts(model: nn.Module, mesh: Any) -> None:
             setattr(module, name, nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(0)], src_data_rank=None),
                                                requires_grad=full.requires_grad))
         module.ep_group, module.ep_size = mesh.get_group(), ep
+        module.tp_group = tp_mesh.get_group() if tp_mesh is not None and tp_mesh.size() > 1 else None
+        module.tp_size = tp_mesh.size() if module.tp_group is not None else 1
+        module.tp_rank = tp_mesh.get_local_rank() if module.tp_group is not None else 0
         module.num_global_experts, module.num_local_experts = experts, experts // ep
         module.received_rows = 0  # rows this rank's experts received outside backward (telemetry/moe.py)
         module.forward = types.MethodType(dispatch, module)
 
 
 def parallelize_experts(model: nn.Module, mesh: Any, *, precision: Any, divide_by: int,
-                        reshard_after_forward: bool) -> None:
+                        reshard_after_forward: bool, tp_mesh: Any = None) -> None:
     """parallel/apply.py's experts step: each experts module sharded over `mesh["ep"]` (`shard_experts`), then
     FSDP2 over `mesh["efsdp"]`, its own unit. An expert's gradient sums every rank's tokens, so FSDP2 divides it by
     `divide_by`, the number of distinct batches, not by the efsdp group; where that group has more than one rank the
@@ -85,7 +139,7 @@ def parallelize_experts(model: nn.Module, mesh: Any, *, precision: Any, divide_b
 
     from torch.distributed.tensor import Shard
 
-    shard_experts(model, mesh["ep"])
+    shard_experts(model, mesh["ep"], tp_mesh=tp_mesh)
     outer = mesh[mesh.mesh_dim_names[0]]  # efsdp, or edp (strategy=ep)
     if mesh.mesh_dim_names[0] == "edp" and outer.size() > 1:  # whole copies over edp, their gradients all-reduced
         _replicate_experts(model, outer, precision=precision, divide_by=divide_by)
@@ -153,7 +207,20 @@ def route(module: nn.Module, top_k_index: torch.Tensor) -> Route:
 def dispatch(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
              top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts module's forward under expert parallelism: (tokens, h) in, (tokens, h) out, as transformers'
-    own, for this rank's tokens."""
+    own, for this rank's tokens. Under tensor parallelism, where every rank of the tp group holds the same tokens,
+    each dispatches its share and the results are all-gathered (`_Share`, `_Gather`)."""
+    tp_group = getattr(module, "tp_group", None)
+    if tp_group is not None:
+        rows, size, rank = hidden.shape[0], module.tp_size, module.tp_rank
+        start, end = share_bounds(rows, size, rank)
+        share = _dispatch(module, _Share.apply(hidden, tp_group, size, rank), top_k_index[start:end],
+                          _Share.apply(top_k_weights, tp_group, size, rank))
+        return _Gather.apply(share, tp_group, size, rows)
+    return _dispatch(module, hidden, top_k_index, top_k_weights)
+
+
+def _dispatch(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+              top_k_weights: torch.Tensor) -> torch.Tensor:
     r = route(module, top_k_index)  # looked up at call time: the dry run swaps in a balanced router
     token = r.order // top_k_index.shape[1]  # each sorted pair's token
     if torch._C._current_graph_task_id() == -1:  # not a checkpointed block's recomputation

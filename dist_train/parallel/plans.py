@@ -20,15 +20,18 @@ TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input
 GATHERING_STYLES = ("colwise_gather_output", "rowwise_split_input")
 
 
-def block_tp_plan(config: Any) -> dict[str, str]:
+def block_tp_plan(config: Any, *, experts_by_ep: bool = False) -> dict[str, str]:
     """{path inside a transformer block: style} from transformers' own plan for this architecture
     (`base_model_tp_plan`'s `layers.*.` entries), or the one dist_train/architectures.py writes for an architecture
-    transformers gives none. ValueError, saying why, for a model without a plan or with a style not applied here."""
+    transformers gives none. ValueError, saying why, for a model without a plan or with a style not applied here.
+    `experts_by_ep`: an MoE model's experts are split by expert parallelism instead, and their entries left out."""
     fallback = fallback_plans(config.model_type)
     if fallback is not None:
         return dict(fallback.tp)
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     block = {key.split(".*.", 1)[1]: style for key, style in plan.items() if ".*." in key}
+    if experts_by_ep:
+        block = {path: style for path, style in block.items() if not _in_experts(path)}
     if not block:
         raise ValueError(f"model.arch={config.model_type} has no tensor-parallel plan in transformers "
                          "(base_model_tp_plan), so its projections cannot be split")
@@ -50,3 +53,8 @@ def per_rank_attributes(config: Any) -> tuple[str, ...]:
     """Block attributes counting what one rank computes, divided by the tensor-parallel degree (GPT-2's heads)."""
     fallback = fallback_plans(config.model_type)
     return fallback.per_rank if fallback is not None else ()
+
+
+def _in_experts(path: str) -> bool:
+    """Whether a block path is a layer of stacked experts or inside one (`mlp.experts`, `mlp.experts.down_proj`)."""
+    return "experts" in path.split(".")

@@ -123,6 +123,8 @@ class Replicated(ParallelStyle):
             )
 
         def outputs(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+            if isinstance(out, tuple):  # an MoE router's (logits, weights, indices)
+                return tuple(o.to_local() if isinstance(o, DTensor) else o for o in out)
             return out.to_local() if isinstance(out, DTensor) else out
 
         return distribute_module(module, device_mesh, partition, inputs, outputs)
@@ -148,7 +150,8 @@ class HeadNorm(ParallelStyle):
         return distribute_module(module, device_mesh, partition, inputs, outputs)
 
 
-def tp_plan(config: Any, block: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+def tp_plan(config: Any, block: nn.Module, *, sequence_parallel: bool = False,
+            experts_by_ep: bool = False) -> dict[str, ParallelStyle]:
     """Per transformer block: which projection is split how (paths relative to the block), from transformers'
     own plan for the architecture, or the one dist_train/architectures.py writes where transformers has none.
 
@@ -160,7 +163,9 @@ def tp_plan(config: Any, block: nn.Module, *, sequence_parallel: bool = False) -
     row = {"output_layouts": Shard(1)} if sequence_parallel else {}
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     plan: dict[str, ParallelStyle] = {}
-    styles = block_tp_plan(config)
+    styles = block_tp_plan(config, experts_by_ep=experts_by_ep)
+    if experts_by_ep:  # an MoE layer has no dense MLP (Qwen3-MoE's plan names both; mlp_only_layers are dense)
+        styles = {path: style for path, style in styles.items() if _has(block, path)}
     gathering = sorted({s for s in styles.values() if s in GATHERING_STYLES})
     if sequence_parallel and gathering:
         raise ValueError(f"model.arch={config.model_type}'s tensor-parallel plan uses {', '.join(gathering)}, which "
@@ -190,6 +195,14 @@ def tp_plan(config: Any, block: nn.Module, *, sequence_parallel: bool = False) -
                              f"({', '.join(sorted(roles))}); use strategy.sequence_parallel=false")
         plan |= {name: _SEQUENCE_PARALLEL_ROLES[role]() for name, role in roles.items()}
     return plan
+
+
+def _has(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _gather_input() -> ParallelStyle:
@@ -265,17 +278,21 @@ def _vocab_parallel_lookup(self: nn.Embedding, ids: torch.Tensor) -> torch.Tenso
     return out if scale is None else out * scale.to(out.dtype)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False,
+                experts_by_ep: bool = False) -> nn.Module:
     """Shard each block's projections, the token embedding and the LM head over `mesh` (1-D) and replicate the
-    rest, in place.
+    rest, in place. `experts_by_ep`: an MoE model's experts are left to expert parallelism (parallel/experts.py
+    shards them next, over the experts' mesh); its routers are replicated, as the norms.
 
     Sequence parallelism: the first block takes its rank's slice of the sequence, the final norm runs on
     it too, and its output is gathered whole for the head (and for any reshape before it)."""
+    from dist_train.architectures import expert_modules
     from dist_train.parallel.plans import block_tp_plan, per_rank_attributes
 
     tp, config = mesh.size(), model.config
     blocks = transformer_blocks(model)
-    fused = [path for path, style in block_tp_plan(config).items() if style == "colwise_fused_qkv"]
+    fused = [path for path, style in block_tp_plan(config, experts_by_ep=experts_by_ep).items()
+             if style == "colwise_fused_qkv"]
     per_rank = per_rank_attributes(config)
     for block in blocks:
         inner = _resolved(block)
@@ -286,7 +303,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool =
             owner = inner.get_submodule(parent)  # "" is the block itself
             setattr(owner, name, getattr(owner, name) // tp)
         # Every rank built the same weights from the seed: nothing to broadcast.
-        parallelize_module(inner, mesh, tp_plan(config, inner, sequence_parallel=sequence_parallel), src_data_rank=None)
+        parallelize_module(inner, mesh, tp_plan(config, inner, sequence_parallel=sequence_parallel,
+                                                experts_by_ep=experts_by_ep), src_data_rank=None)
     if sequence_parallel:
         _resolved(blocks[0]).register_forward_pre_hook(_split_sequence(mesh))
         norm = model.get_submodule(model_layout(model).last[0])  # the final norm
@@ -294,8 +312,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool =
         parallelize_module(norm, mesh, PrepareModuleOutput(
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
     _split_vocabulary(model, mesh)
+    experts = {id(m) for m in expert_modules(model)} if experts_by_ep else set()
     for module in list(model.modules()):
-        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+        if id(module) not in experts and any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             parallelize_module(module, mesh, Replicated(), src_data_rank=None)
     return model
 

@@ -18,7 +18,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from dist_train.config import ConfigError, ModelConfig, PrecisionConfig, RunConfig, TrainConfig, require
+from dist_train.config import ConfigError, ModelConfig, PrecisionConfig, RunConfig, StrategyConfig, TrainConfig, require
 from dist_train.contracts import Batch, ModelState, Runtime, StepOutput
 from dist_train.faults import overflow_if_injected
 from dist_train.model import forward_loss
@@ -68,19 +68,40 @@ def wrap_ddp(module: nn.Module, ctx: StrategyContext, *, group: Any = None, **op
     return ddp
 
 
-def check_tensor_parallel(run: RunConfig, tp: int, *, what: str) -> None:
+def check_expert_parallel(cfg: StrategyConfig, *, ranks: int, sequence_parallel: bool) -> None:
+    """ConfigError unless `cfg.ep` (a tensor-parallel strategy's expert-parallel degree) can split the experts over
+    `ranks` processes, ep consecutive ranks at a time, and the residual stream is whole on every TP rank."""
+    require(cfg.ep >= 1, f"strategy.ep={cfg.ep} must be >= 1")
+    require(ranks % cfg.ep == 0,
+            f"strategy.ep={cfg.ep} must divide the number of processes ({ranks}): the experts' mesh is "
+            f"(efsdp {ranks}/{cfg.ep}) x (ep {cfg.ep})")
+    require(cfg.ep == 1 or not sequence_parallel,
+            f"strategy={cfg.name} with strategy.ep={cfg.ep} and strategy.sequence_parallel=true is not built yet: the "
+            "experts take each rank's share of a whole residual stream; use strategy.sequence_parallel=false")
+
+
+def check_tensor_parallel(run: RunConfig, tp: int, *, what: str, ep: int = 1) -> None:
     """ConfigError unless the model can be split `tp` ways by tensor parallelism: a plan for its blocks, and heads,
-    KV heads and MLP width that divide."""
+    KV heads and MLP width that divide; an MoE model's experts split over `ep` ranks instead (expert parallelism)."""
     m = run.model
-    require(not m.num_experts,
-            f"{what}: model.num_experts={m.num_experts}: tensor parallelism here splits dense blocks only "
-            "(transformers' plan for stacked experts, moe_tp_experts and packed_colwise, is not applied); use fsdp, "
-            "ddp, a ZeRO stage or a pipeline")
+    require(not m.num_experts or ep > 1,
+            f"{what}: model.num_experts={m.num_experts}: tensor parallelism here does not split experts (transformers' "
+            f"moe_tp_experts and packed_colwise are not applied); split them by expert with strategy.ep (it must "
+            f"divide {m.num_experts} and the number of processes), or use fsdp_ep, fsdp, ddp, a ZeRO stage or a "
+            "pipeline")
+    require(ep == 1 or m.num_experts > 0,
+            f"{what}: strategy.ep={ep} splits experts, and model {m.name} has none (model.num_experts=0); leave "
+            "strategy.ep=1")
+    require(ep == 1 or m.num_experts % ep == 0,
+            f"{what}: strategy.ep={ep} must divide model.num_experts={m.num_experts}: each rank holds num_experts / ep "
+            "of every MoE layer's experts")
+    require(ep == 1 or run.peft.name == "none",
+            f"{what} with strategy.ep={ep} and peft={run.peft.name} is not built yet")
     if m.path is not None:
         from dist_train.pretrained import ModelDir
 
         try:
-            block_tp_plan(ModelDir.open(m.path).config(trust_remote_code=m.trust_remote_code))
+            block_tp_plan(ModelDir.open(m.path).config(trust_remote_code=m.trust_remote_code), experts_by_ep=ep > 1)
         except ValueError as exc:
             raise ConfigError(f"{what}: {exc}; use fsdp, ddp, a ZeRO stage or a pipeline") from exc
     kv = m.num_kv_heads or m.num_heads

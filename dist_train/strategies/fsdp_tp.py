@@ -25,7 +25,7 @@ from dist_train.config import RunConfig, StrategyConfig, choice, require
 from dist_train.parallel_dims import ParallelDims, layout_dims
 from dist_train.contracts import StrategyFamily
 from dist_train.parallel.apply import Sharding
-from dist_train.strategies.base import StrategyContext, check_tensor_parallel
+from dist_train.strategies.base import StrategyContext, check_expert_parallel, check_tensor_parallel
 from dist_train.strategies.parallelized import MeshWrapper
 from dist_train.strategies.torch_strategy import TorchStrategy
 
@@ -42,6 +42,9 @@ class FSDPTPConfig(StrategyConfig):
     reshard_after_forward: bool = True
     # how the data-parallel groups hold each TP slice: fsdp (sharded, fsdp_tp) | replicate (whole, ddp_tp)
     dp_mode: str = "fsdp"
+    # an MoE model's experts split over `ep` consecutive ranks (expert parallelism, as strategy=tp's ep); each
+    # rank's E/ep experts FSDP2-sharded again over the world / ep ranks holding the same ones. 1: a dense model
+    ep: int = 1
 
     splits_projections: ClassVar[bool] = True  # DTensor-sharded projections (config.StrategyConfig)
     transforms_in_parallelize: ClassVar[bool] = True  # parallel/apply.py: TP, checkpointing, compile, FSDP2
@@ -49,7 +52,7 @@ class FSDPTPConfig(StrategyConfig):
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         # FSDP over dp_shard even where it is one rank (world = tp): the same wrapping at every size
-        return layout_dims("ddp_tp" if self.dp_mode == "replicate" else "fsdp_tp", world_size, tp=self.tp)
+        return layout_dims("ddp_tp" if self.dp_mode == "replicate" else "fsdp_tp", world_size, tp=self.tp, ep=self.ep)
 
     def check(self, world_size: int) -> None:
         choice("strategy.dp_mode", self.dp_mode, DP_MODES)
@@ -59,10 +62,15 @@ class FSDPTPConfig(StrategyConfig):
             f"strategy.tp={self.tp} must divide the number of processes ({world_size}): the mesh is "
             f"(data-parallel {world_size}/{self.tp}) x (tensor-parallel {self.tp})",
         )
+        require(self.ep == 1 or self.dp_mode == "fsdp",
+                f"strategy={self.name} with strategy.ep={self.ep}: expert parallelism beside tensor parallelism is "
+                "built with FSDP2 (fsdp_tp), not with whole replicas (ddp_tp); use strategy=fsdp_tp, or strategy=ep "
+                "without tensor parallelism")
+        check_expert_parallel(self, ranks=world_size, sequence_parallel=False)
 
     def check_run(self, run: RunConfig, world_size: int) -> None:
         super().check_run(run, world_size)
-        check_tensor_parallel(run, self.tp, what=f"strategy={self.name} with strategy.tp={self.tp}")
+        check_tensor_parallel(run, self.tp, what=f"strategy={self.name} with strategy.tp={self.tp}", ep=self.ep)
 
 
 def build(cfg: FSDPTPConfig, ctx: StrategyContext) -> TorchStrategy:

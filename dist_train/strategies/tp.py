@@ -11,6 +11,11 @@ one gradient norm cover all parameters.
 
 Every rank sees the whole batch (data-parallel size 1): the ranks of a TP group compute one model together.
 
+An MoE model's experts are not split by tensor parallelism: `strategy.ep` splits them by expert over the ranks
+(expert parallelism, dist_train/parallel/experts.py). Attention and the router run as above on every rank; each rank
+then sends its own 1/tp share of the tokens to the experts by all-to-all and all-gathers the results over tp
+(backward: the shares' input gradients all-gathered, so the router's gradient is whole on every rank).
+
 - Llama (`nn.Linear`): torch's `ColwiseParallel` / `RowwiseParallel` on q/k/v, gate/up and o, down.
 - GPT-2 (transformers' `Conv1D`, weight stored as in x out): the same two styles, with the weight's split
   dimension swapped. Its query/key/value projection is one fused `c_attn` whose output is [q | k | v]: a rank
@@ -36,7 +41,7 @@ from typing import ClassVar
 from dist_train.config import RunConfig, StrategyConfig
 from dist_train.parallel_dims import ParallelDims, layout_dims
 from dist_train.contracts import StrategyFamily
-from dist_train.strategies.base import StrategyContext, check_tensor_parallel
+from dist_train.strategies.base import StrategyContext, check_expert_parallel, check_tensor_parallel
 from dist_train.strategies.parallelized import MeshWrapper
 from dist_train.strategies.torch_strategy import TorchStrategy
 
@@ -49,17 +54,23 @@ class TPConfig(StrategyConfig):
     # Megatron's sequence parallelism: norms on each rank's share of the sequence; all-gather before and
     # reduce-scatter after each attention and MLP instead of one all-reduce.
     sequence_parallel: bool = False
+    # an MoE model's experts split over `ep` of the ranks (expert parallelism; the tokens travel to them by
+    # all-to-all, each rank sending its share): tensor parallelism here does not split experts. 1: a dense model
+    ep: int = 1
 
     splits_projections: ClassVar[bool] = True  # DTensor-sharded projections (config.StrategyConfig)
     transforms_in_parallelize: ClassVar[bool] = True  # parallel/apply.py: TP, checkpointing, compile, FSDP2
     loads_own_shard: ClassVar[bool] = True  # parallelized on meta, then each rank fills its part
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        return layout_dims("tp", world_size)
+        return layout_dims("tp", world_size, ep=self.ep)
+
+    def check(self, world_size: int) -> None:
+        check_expert_parallel(self, ranks=world_size, sequence_parallel=self.sequence_parallel)
 
     def check_run(self, run: RunConfig, world_size: int) -> None:
         super().check_run(run, world_size)
-        check_tensor_parallel(run, world_size, what="strategy=tp")
+        check_tensor_parallel(run, world_size, what="strategy=tp", ep=self.ep)
 
 
 def build(cfg: TPConfig, ctx: StrategyContext) -> TorchStrategy:

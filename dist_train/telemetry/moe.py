@@ -15,9 +15,10 @@ and over the layers `moe/maxvio` (the worst layer), `moe/dead_experts` (summed) 
 mean fraction of experts that received a pair). Under expert parallelism (fsdp_ep, ep), `moe/layer{L}/ep_overload` is
 the rows this rank's experts received over the pairs it routed: every rank routes the same number of pairs, so the
 mean over the EP group is 1 and the largest is the most loaded rank's overload (`moe/ep_overload`, the worst layer;
-W&B's `/max` over ranks). `memory/expert_params_bytes` is the part of `memory/params_bytes` that experts hold (also
-under ZeRO-3's partitions; `memory/expert_grads_bytes` and `memory/expert_optimizer_bytes` come with the strategy's
-ModelState, contracts.py, where its optimizer is torch's).
+W&B's `/max` over ranks). Under tensor parallelism with strategy.ep every rank of a tp group holds the same tokens:
+each counts only the share it dispatches. `memory/expert_params_bytes` is the part of `memory/params_bytes` that
+experts hold (also under ZeRO-3's partitions; `memory/expert_grads_bytes` and `memory/expert_optimizer_bytes` come
+with the strategy's ModelState, contracts.py, where its optimizer is torch's).
 
 The loads are this rank's tokens, not the global batch's: summing `tokens_per_expert` over ranks gives the global
 load, and no collective is added to the step to do so. summary.json's `moe_load` does that sum over every window
@@ -80,6 +81,11 @@ class RouterLoad:
             if torch._C._current_graph_task_id() != -1:  # a checkpointed block recomputed in backward
                 return
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            if getattr(module, "tp_size", 1) > 1:  # tensor parallelism: each rank holds the tokens, dispatches a share
+                from dist_train.parallel_dims import share_bounds
+
+                start, end = share_bounds(index.shape[0], module.tp_size, module.tp_rank)
+                index = index[start:end]
             experts = int(getattr(module, "num_global_experts", 0) or module.num_experts)
             counts = torch.bincount(index.detach().reshape(-1), minlength=experts)
             self._counts[layer] = counts if layer not in self._counts else self._counts[layer] + counts

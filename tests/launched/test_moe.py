@@ -1,8 +1,8 @@
 """An MoE model (model=tiny_moe: Qwen3-MoE, 8 experts, top-2, every layer MoE) under the strategies that run one:
 the same losses as one process, and the estimator's figures for each rank (compare.from); and under expert
 parallelism (strategy=fsdp_ep), the same losses, gradient norms and, after the last step, every expert's and router's
-weights, with its all-to-alls counted and timed. Tensor parallelism refuses it in one line
-(tests/unit/test_config.py)."""
+weights, with its all-to-alls counted and timed; and beside tensor parallelism (tp, fsdp_tp with strategy.ep), the
+same."""
 
 from __future__ import annotations
 
@@ -161,6 +161,52 @@ def test_expert_parallel_trains_as_one_process_to_every_expert_weight(strategy, 
         assert rows[strategy]["model_state_ok"] is True, rows[strategy]
         # and the dry run (balanced routing) as the real run, rank by rank; its all-to-alls are the estimator's
         _assert_dry_run_equals([f"strategy={strategy}", "strategy.ep=2", *MOE, *SGD], s, nproc=nproc, a2a=a2a)
+
+
+@pytest.mark.beside
+@pytest.mark.parametrize(("strategy", "nproc"), [("tp", 2), ("fsdp_tp", 4)])
+def test_tensor_parallel_splits_the_experts_by_expert_as_one_process(strategy, nproc, single_moe_sgd, tmp_path):
+    """strategy.ep=2 beside tensor parallelism of degree 2: attention split by heads and the routers whole on each TP
+    rank, the experts split by expert over the same 2 ranks (tp: efsdp 1; fsdp_tp on 4 ranks: efsdp 2, FSDP2's
+    forced-sum path, over the data-parallel pair). The TP ranks hold the same tokens: each sends its half to the
+    experts and the results are all-gathered. Against one process on the same global batch: the loss and the
+    gradient norm of every step within 1e-6, and every expert's and router's weights after the last step. Dispatching
+    every token from both TP ranks would double the experts' gradients; gathering the shares' gradients on one rank
+    only would leave the router's a half on each."""
+    single_dir, single = single_moe_sgd
+    run_dir = tmp_path / strategy
+    degrees = ["strategy.tp=2"] if strategy == "fsdp_tp" else []
+    s = train_ok([f"strategy={strategy}", *degrees, "strategy.ep=2", *MOE, *SGD], run_dir=run_dir, nproc=nproc)
+    assert s["data_parallel_size"] == nproc // 2
+    for got, want in zip(s["losses"], single["losses"], strict=True):
+        assert abs(got - want) < 1e-6, (s["losses"], single["losses"])
+    for got, want in zip(_grad_norms(run_dir), _grad_norms(single_dir), strict=True):
+        assert abs(got - want) < 1e-6 * want, (_grad_norms(run_dir), _grad_norms(single_dir))
+    ours, theirs = _exported(run_dir, tmp_path / "ours"), _exported(single_dir, tmp_path / "theirs")
+    routed = [n for n in theirs if ".mlp.experts." in n or ".mlp.gate." in n]
+    assert len(routed) == 4 * (8 * 3 + 1)
+    for name in routed:
+        assert (ours[name] - theirs[name]).abs().max() < 1e-6, (name, (ours[name] - theirs[name]).abs().max())
+
+    # Per MoE layer and micro-batch, on each rank: 5 all-to-alls over ep (the counts, its half of the rows there and
+    # back, both mirrored in backward), and 3 all-gathers over tp: the halves' outputs forward, their input and
+    # routing weights' gradients backward, each the whole micro-batch's rows
+    layers, micro, tokens, k, hidden = 4, 8 // (2 * (nproc // 2)), 2 * 64, 2, 64
+    ranks = last_step(run_dir)
+    for rec in ranks:
+        assert rec["comm/ep/all_to_all/count"] == 5 * layers * micro
+        assert rec["comm/tp/all_gather/count"] == 3 * layers * micro
+        assert rec["comm/tp/all_gather/bytes"] == layers * micro * (2 * tokens * hidden + tokens * k) * 4
+    for group in ([0, 1], [2, 3])[: nproc // 2]:  # an ep group, here a tp group: each rank sends half the tokens
+        sent = sum(ranks[r]["comm/ep/all_to_all/bytes"] for r in group)
+        assert sent == len(group) * layers * micro * (4 * tokens // 2 * k * hidden * 4 + 8 * 8)
+        for r in group:  # the router's load on the half each rank dispatches; the group's adds up to its tokens
+            for layer in range(layers):
+                assert sum(ranks[r][f"moe/layer{layer}/tokens_per_expert"]) == micro * tokens // 2 * k
+    # summary.json's run-wide load: every (token, expert) pair of the 5 steps of 8 x 64 tokens, top-2, once
+    assert [sum(v["tokens_per_expert"]) for v in s["moe_load"].values()] == [5 * 8 * 64 * 2] * 4
+    # each rank stores 4 of the 8 experts of each layer, halved again by efsdp on 4 ranks
+    assert [rec["memory/expert_params_bytes"] for rec in ranks] == [4 * 8 * 3 * 64 * 32 * 4 // nproc] * nproc
 
 
 # ddp (its buckets hold the stacked experts like any parameter), FSDP2 (one block, experts included, per all-gather),

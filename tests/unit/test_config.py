@@ -44,9 +44,19 @@ def test_defaults_validate_for_one_and_two_processes():
         (["model.num_heads=5"], 1, "model.hidden_size=64 must be divisible by model.num_heads=5"),
         (["strategy=tp"], 3, "strategy=tp splits model.num_heads=4 3 ways"),
         (["strategy=tp", "model.arch=llama", "model.num_kv_heads=1"], 2, "model.num_kv_heads=1 2 ways"),
-        (["strategy=tp", "model=tiny_moe"], 2, "strategy=tp: model.num_experts=8: tensor parallelism here splits dense "
-         "blocks only"),
+        (["strategy=tp", "model=tiny_moe"], 2, "strategy=tp: model.num_experts=8: tensor parallelism here does not "
+         "split experts (transformers' moe_tp_experts and packed_colwise are not applied); split them by expert with "
+         "strategy.ep"),
         (["strategy=ddp_tp", "model=tiny_moe"], 4, "strategy=ddp_tp with strategy.tp=2: model.num_experts=8"),
+        (["strategy=ddp_tp", "model=tiny_moe", "strategy.ep=2"], 4, "strategy=ddp_tp with strategy.ep=2: expert "
+         "parallelism beside tensor parallelism is built with FSDP2 (fsdp_tp), not with whole replicas (ddp_tp)"),
+        (["strategy=tp", "model=tiny_moe", "strategy.ep=4"], 2, "strategy.ep=4 must divide the number of processes "
+         "(2): the experts' mesh is (efsdp 2/4) x (ep 4)"),
+        (["strategy=fsdp_tp", "model=tiny_moe", "strategy.ep=3"], 6, "strategy=fsdp_tp with strategy.tp=2: "
+         "strategy.ep=3 must divide model.num_experts=8"),
+        (["strategy=tp", "strategy.ep=2"], 2, "strategy=tp: strategy.ep=2 splits experts, and model tiny has none"),
+        (["strategy=tp", "model=tiny_moe", "strategy.ep=2", "strategy.sequence_parallel=true"], 2,
+         "strategy=tp with strategy.ep=2 and strategy.sequence_parallel=true is not built yet"),
         (["model=tiny_moe", "model.experts_per_token=9"], 1,
          "model.experts_per_token=9 must be between 1 and model.num_experts=8"),
         (["model=tiny_moe", "model.experts_implementation=grouped_mm", "model.moe_ffn_hidden_size=36"], 1,
