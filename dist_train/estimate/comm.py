@@ -107,6 +107,8 @@ def _rank(shape: ModelShape, setup: Setup, *, stage: Optional[int]) -> list[Coll
                 norm_dims.append(p.dim)
                 continue
             size = sized[(t.op, t.moves)]
+            if not size.calls:  # declared, but not issued by this model (tp's per-head norms without any)
+                continue
             op = t.paper_op if t.paper_op and not deepspeed else t.op
             out.append(Collective(op, size.bytes, size.what, size.elem, dim=p.dim,
                                   group_size=2 if op in ("send", "recv") else n, calls=size.calls,
@@ -207,6 +209,9 @@ def _fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     t = setup.tensor_parallel_size
     block_params = shape.num_layers * (shape.layer_params_tp(t) if t > 1 else shape.layer_params())
     num_params = tp_rank_params(shape, setup) if t > 1 else shape.num_params
+    if t > 1 and setup.ep > 1:  # the experts are expert_fsdp's
+        block_params -= shape.num_layers * shape.expert_params
+        num_params = dense_rank_params(shape, setup)
     if t == 1:  # FSDP2's units as it all-gathers and reduce-scatters them: padded where dim 0 does not divide
         n = setup.dims.dp_shard
         dense = [d for d in shape.param_shapes() if not (setup.ep > 1 and shape.is_experts(d))]  # expert_fsdp's
@@ -230,10 +235,12 @@ def _ep(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     """Expert parallelism's dispatch (parallel/experts.py), per MoE layer and micro-batch, at balanced routing: the
     counts (E int64), the T x k routed rows of h there and back, each mirrored in backward, and under checkpointing
     the forward's three again (full and selective alike recompute the dispatch: measured on 2 ranks): 4 T k h
-    elements a layer and micro-batch, 6 with checkpointing (torchtitan's formula). What a rank sends depends on its routing; over an EP group the sum is exact. Then the
+    elements a layer and micro-batch, 6 with checkpointing (torchtitan's formula), T the rank's share of the tokens
+    under tensor parallelism. What a rank sends depends on its routing; over an EP group the sum is exact. Then the
     experts' gradient norm over ep."""
     m, layers, k = setup.microbatches_per_step, shape.num_layers, shape.experts_per_token
-    rows = setup.micro_batch_size * setup.seq_len * k * shape.hidden_size * element_bytes(setup.precision)
+    tokens = setup.micro_batch_size * setup.seq_len / setup.tensor_parallel_size  # a TP rank sends its share
+    rows = tokens * k * shape.hidden_size * element_bytes(setup.precision)
     counts = 8 * shape.num_experts
     recomputed = setup.checkpointed_layers(layers)  # their forward's exchanges run again
 
@@ -251,12 +258,30 @@ def _ep(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     }
 
 
+def _expert_shares(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
+    """Tensor parallelism beside expert parallelism, per MoE layer and micro-batch: the TP ranks' shares of the
+    experts' outputs all-gathered (T x h), and in backward the shares' input gradients (T x h) and routing weights'
+    (T x k), all in the compute dtype (the MoE block's input is: measured, bf16 under tp's autocast and fsdp_tp's
+    mixed precision alike); a checkpointed block's recomputation gathers the outputs again (parallel/experts.py)."""
+    m, layers = setup.microbatches_per_step, shape.num_layers
+    tokens = setup.micro_batch_size * setup.seq_len
+    compute = element_bytes(setup.precision)
+    recomputed = setup.checkpointed_layers(layers)
+    once = (2 * tokens * shape.hidden_size + tokens * shape.experts_per_token) * compute
+    again = tokens * shape.hidden_size * compute
+    return {("all_gather", "expert outputs"): Sized(m * (layers * once + recomputed * again),
+                                                    "the experts' outputs forward, their input and routing weights' "
+                                                    "gradients backward, over tp", compute,
+                                                    m * (3 * layers + recomputed))}
+
+
 def _expert_fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     """FSDP2 of each MoE layer's E / ep experts over efsdp: gathered in forward and, resharded, again in backward,
     in the compute dtype; their fp32 gradients reduce-scattered once a step, or after every micro-batch
     (reduce_every_microbatch, with the dense ones); their norm over efsdp."""
     m, layers = setup.microbatches_per_step, shape.num_layers
-    reduces = m if setup.reduce_every_microbatch else 1
+    # strategy=tp holds no synchronisation back: FSDP2 of the experts reduce-scatters after every micro-batch
+    reduces = m if setup.reduce_every_microbatch or setup.family == "tp" else 1
     efsdp = setup.dims.degree("efsdp")
     local = sum(expert_padded(d, setup.ep, efsdp) for module in shape.layer_modules() for d in module
                 if shape.is_experts(d))
@@ -386,9 +411,10 @@ def _zero3(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
 
 def _tokens(shape: ModelShape, setup: Setup) -> tuple[int, int, int]:
     """Elements of one s x b x h activation, the compute dtype's bytes, and the bytes of a gradient (fp32 under
-    autocast: the cast to 16 bits sits after the split)."""
+    torch autocast: the cast to 16 bits sits after the split; FSDP2's mixed precision (fsdp_tp) computes backward
+    in the compute dtype throughout: measured, bf16 on 4 ranks)."""
     compute = element_bytes(setup.precision)
-    grad = 4 if setup.resolved_regime == "autocast" else compute
+    grad = 4 if setup.autocast_16bit else compute
     return setup.seq_len * setup.micro_batch_size * shape.hidden_size, compute, grad
 
 
@@ -409,13 +435,24 @@ def _tensor_parallel(shape: ModelShape, setup: Setup, stage: Optional[int]) -> S
     gradient on its own: Llama's q, k, v, gate and up are 5 all-reduces, GPT-2's fused c_attn and c_fc 2."""
     m, layers = setup.microbatches_per_step, shape.num_layers
     tokens, compute, grad = _tokens(shape, setup)
-    backward = shape.features.column_projections
+    backward, forward = shape.features.column_projections, 2
+    if shape.num_experts:  # an MoE layer's MLP is its experts, which expert parallelism splits: attention's only
+        backward, forward = 1 if shape.features.fused_qkv else 3, 1
     return {
-        ("all_reduce", "activations"): Sized(m * layers * (2 * tokens * compute + backward * tokens * grad),
-                                             f"activations: 2 forward + {backward} backward per layer, "
-                                             f"{m} micro-batch(es)", compute, m * layers * (2 + backward)),
+        ("all_reduce", "activations"): Sized(m * layers * (forward * tokens * compute + backward * tokens * grad),
+                                             f"activations: {forward} forward + {backward} backward per layer, "
+                                             f"{m} micro-batch(es)", compute, m * layers * (forward + backward)),
         ("all_reduce", "vocabulary"): _vocabulary(shape, setup),
+        ("all_reduce", "norm gradients"): _head_norms(shape, setup),
     }
+
+
+def _head_norms(shape: ModelShape, setup: Setup) -> Sized:
+    """The per-head q/k norms' weight gradients (Qwen3's), each partial over the TP ranks' heads and all-reduced in
+    backward (tensor_parallel.HeadNorm), fp32, per layer and micro-batch; nothing for a model without them."""
+    m, tensors = setup.microbatches_per_step, 2 * shape.num_layers * bool(shape.qk_norm)
+    return Sized(m * tensors * shape.head_dim * 4, f"{tensors} per-head norm weight gradients, {m} micro-batch(es)",
+                 4, m * tensors)
 
 
 def _sequence_parallel(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
@@ -459,7 +496,7 @@ def _pipeline(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
 SIZERS: dict[str, Callable[[ModelShape, Setup, Optional[int]], Sizes]] = {
     "replicate": _replicate, "fsdp": _fsdp, "zero1": _zero12, "zero2": _zero12, "zero3": _zero3,
     "tp": _tensor_parallel, "sequence_parallel": _sequence_parallel, "pipeline": _pipeline,
-    "ep": _ep, "expert_fsdp": _expert_fsdp, "expert_replicate": _expert_replicate,
+    "ep": _ep, "expert_shares": _expert_shares, "expert_fsdp": _expert_fsdp, "expert_replicate": _expert_replicate,
 }
 
 

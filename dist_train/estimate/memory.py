@@ -346,6 +346,11 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     def with_loss(base: float, grads: float) -> float:
         return max(base, base - grads + loss) if fresh else base + loss
 
+    if setup.family == "tp" and setup.ep > 1 and shape.num_experts:
+        # each layer's experts are an FSDP2 unit (parallel/experts.py), resharded after forward: the last layer's
+        # E / ep unsharded at the start of backward, separate storage even over a one-rank efsdp (as under fsdp_ep)
+        held = expert_rank_elements(shape, setup) / shape.num_layers
+        return with_loss(rank.total + held * element_bytes(setup.precision), rank.grads)
     if setup.family not in ("fsdp", "fsdp_tp"):
         return with_loss(rank.total, rank.grads)
     # all of them without tensor parallelism; under expert parallelism the dense ones and the rank's own experts,
@@ -374,7 +379,7 @@ def _expert_parallel_gathered(shape: ModelShape, setup: Setup, *, reshards: bool
     tests/launched/test_moe.py, docs/moe.md."""
     local = expert_rank_elements(shape, setup)  # the rank's E / ep experts of every layer
     dense = dense_rank_params(shape, setup)
-    dense_block = shape.layer_params_tp(1) - shape.expert_params
+    dense_block = shape.layer_params_tp(setup.tensor_parallel_size) - shape.expert_params
     experts = local / shape.num_layers if setup.reshard_after_forward else local
     if setup.shard_with == "fsdp":  # fsdp_ep
         return (dense - (shape.num_layers - 1) * dense_block if reshards else dense) + experts
@@ -400,9 +405,12 @@ def expert_padded(dims: tuple[int, ...], ep: int, efsdp: int) -> int:
 
 def fsdp_rank_elements(shape: ModelShape, setup: Setup) -> Optional[float]:
     """Parameters one rank holds under FSDP2 (fsdp, hsdp, fsdp_ep), padding included, times the dp_shard degree
-    (the figure model_state_bytes divides by it); None where another partitioning applies (ZeRO's flat
-    partitions, tensor parallelism's slices, pipeline stages). Exactly params / N where every parameter's dim 0
+    (the figure model_state_bytes divides by it); under tensor parallelism with expert parallelism the dense TP slice
+    and the experts' FSDP2 shards over efsdp; None where another partitioning applies (ZeRO's flat partitions,
+    tensor parallelism's slices, pipeline stages). Exactly params / N where every parameter's dim 0
     divides; at 1,024 ranks an MoE model's routers (E rows) and per-head norms are padded (Qwen3-30B-A3B: +0.6%)."""
+    if setup.tensor_parallel_size > 1 and setup.ep > 1:  # tp, fsdp_tp: the dense TP slice, the experts over efsdp
+        return dense_rank_params(shape, setup) + expert_rank_stored(shape, setup) * setup.dims.dp_shard
     if setup.family != "fsdp" or setup.shard_with != "fsdp":
         return None
     n, ep = setup.dims.dp_shard, setup.ep
@@ -424,16 +432,17 @@ def expert_rank_elements(shape: ModelShape, setup: Setup) -> float:
 
 def expert_rank_stored(shape: ModelShape, setup: Setup) -> Optional[float]:
     """Elements of the experts' parameters one rank stores: whole under ddp and the pipelines' replicas (a stage's own
-    layers), E / ep of them under ep, FSDP2's padded shards under fsdp and fsdp_ep (over efsdp, after ep); None for a
-    dense model and where it is not modelled (ZeRO's flat partitions, tensor parallelism)."""
-    if not shape.num_experts or setup.family in ("zero", "tp", "pipeline") or setup.tensor_parallel_size > 1:
+    layers), E / ep of them under ep, FSDP2's padded shards under fsdp, fsdp_ep and tensor parallelism with
+    strategy.ep (over efsdp, after ep); None for a dense model and where it is not modelled (ZeRO's flat
+    partitions)."""
+    if not shape.num_experts or setup.family in ("zero", "pipeline"):
         return None
     experts = [d for d in shape.param_shapes() if shape.is_experts(d)]
-    if setup.family != "fsdp" or setup.shard_with != "fsdp":
-        return expert_rank_elements(shape, setup)
-    if setup.ep > 1:
+    if setup.ep > 1 and setup.dims.expert_dims[0] == "efsdp":  # fsdp_ep; tp, fsdp_tp with strategy.ep
         efsdp = setup.dims.degree("efsdp")
         return sum(expert_padded(d, setup.ep, efsdp) / efsdp for d in experts)
+    if setup.family != "fsdp" or setup.shard_with != "fsdp":
+        return expert_rank_elements(shape, setup)
     n = setup.dims.dp_shard
     return sum(fsdp_padded(d, n) / n for d in experts)
 
@@ -528,6 +537,9 @@ def weight_copy_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_
     if not setup.autocast_16bit:
         return 0.0
     layer = shape.layer_matmul_weights() / setup.tensor_parallel_size
+    if setup.ep > 1 and shape.num_experts:  # tp with strategy.ep: the experts' FSDP2 unit gathers them in the
+        router = shape.num_experts * shape.hidden_size  # compute dtype (no cast); the router is whole on every rank
+        layer = (shape.layer_matmul_weights() - shape.expert_params - router) / setup.tensor_parallel_size + router
     head = shape.head_matmul_weights() / setup.tensor_parallel_size if with_head else 0
     checkpointed = setup.checkpointed_layers(num_layers, first_layer)
     if checkpointed:  # selective recomputes the casts too
@@ -581,7 +593,7 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len:
     norms = 2 * h / (tp if sequence_parallel else 1)
     masks = 2 * h if shape.dropout > 0 else 0  # attention-output and MLP-output dropout (1 byte each)
     per_token = values * elem + norms * norm_saved_bytes(shape, norm_elem or elem) + masks
-    per_token += moe_routing_bytes(shape, elem, autocast=autocast, experts_fp32=experts_fp32)
+    per_token += moe_routing_bytes(shape, elem, autocast=autocast, experts_fp32=experts_fp32, tp=tp)
     if shape.qk_norm:  # per-head RMSNorms on q and k: their fp32 input and normalized output, split with the heads
         per_token += (shape.q_dim + shape.kv_dim) * norm_saved_bytes(shape, elem) / tp
     scores = 0.0
@@ -600,7 +612,8 @@ def ep_dispatch_bytes(shape: ModelShape, setup: Setup) -> float:
     tests/launched/test_moe.py)."""
     if setup.ep <= 1 or not shape.num_experts:
         return 0.0
-    pairs = setup.micro_batch_size * setup.seq_len * shape.experts_per_token
+    # under tensor parallelism each rank of a tp group dispatches its 1/tp share of the tokens
+    pairs = setup.micro_batch_size * setup.seq_len * shape.experts_per_token / setup.tensor_parallel_size
     elem = element_bytes(setup.precision)
     # the busiest rank (setup.ep_overload): its experts keep what they save for every row they receive beyond
     # the balanced share: the row in and out, the gated MLP's 4 intermediates, the experts loop's int64 row index
@@ -608,7 +621,8 @@ def ep_dispatch_bytes(shape: ModelShape, setup: Setup) -> float:
     return pairs * (shape.hidden_size * elem + 8) + received
 
 
-def moe_routing_bytes(shape: ModelShape, elem: int, *, autocast: bool = False, experts_fp32: bool = False) -> float:
+def moe_routing_bytes(shape: ModelShape, elem: int, *, autocast: bool = False, experts_fp32: bool = False,
+                      tp: int = 1) -> float:
     """What an MoE layer saves per token beside the experts' own intermediates (counted in the MLP's, k x width),
     by model.experts_implementation. Every one: the router's fp32 softmax (E), its top-k weights (fp32) and indices
     (int64), and their renormalising sum (fp32). Then, for each of the token's k (token, expert) pairs:
@@ -621,7 +635,8 @@ def moe_routing_bytes(shape: ModelShape, elem: int, *, autocast: bool = False, e
     - batched_mm: the row in and out, the weight, and a gathered copy of its expert's three matrices (3 h x width
       elements a pair: transformers' batched_mm is built for a few tokens, not training).
     Measured with the activation meter on model=tiny_moe against the same model with a dense MLP of k x width, fp32
-    and bf16 autocast, each implementation: exactly this (tests/unit/test_moe.py)."""
+    and bf16 autocast, each implementation: exactly this (tests/unit/test_moe.py). Under tensor parallelism (`tp`,
+    with strategy.ep) the router runs on every token on every rank, and each rank dispatches a 1/tp share of them."""
     if not shape.num_experts:
         return 0.0
     k, e, h, i = shape.experts_per_token, shape.num_experts, shape.hidden_size, shape.moe_ffn
@@ -635,7 +650,7 @@ def moe_routing_bytes(shape: ModelShape, elem: int, *, autocast: bool = False, e
         pair = elem * (2 * h + 3 * h * i + 1)
     else:
         pair = 16 + elem + 2 * h * elem + h * (4 if autocast else elem)
-    return router + k * pair
+    return router + k * pair / tp
 
 
 def experts_in_fp32(shape: ModelShape, setup: Setup) -> bool:

@@ -201,9 +201,13 @@ class ModelShape:
     def layer_tp_sharded(self) -> int:
         """Elements of one layer that tensor parallelism splits across ranks: the matmul weights and the
         column-parallel biases (GPT-2's c_attn and c_fc; q, k, v, gate and up where they have them); norms
-        (per-head q/k norms included) and row-parallel biases stay whole."""
+        (per-head q/k norms included) and row-parallel biases stay whole, and an MoE layer's router and experts
+        (expert parallelism splits those: memory.tp_rank_params)."""
         if self.features.biased_projections:  # the fused q/k/v's and the MLP's first biases are split too
             return self.layer_matmul_weights() + 3 * self.hidden_size + self.ffn
+        if self.num_experts:  # an MoE layer's router stays whole, its experts are split by expert (strategy.ep)
+            biases = (self.q_dim + 2 * self.kv_dim) * self.qkv_bias
+            return self.layer_matmul_weights() - self.num_experts * self.hidden_size - self.expert_params + biases
         biases = (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + 2 * self.ffn * self.mlp_bias
         return self.layer_matmul_weights() + biases
 

@@ -2,7 +2,8 @@
 collectives it issues, per block, per micro-batch or per step. Pure data: no torch.
 
 A run is a composition of these, read from its degrees (`composition`): a pipeline over `pp`, tensor parallelism over
-`tp`, the experts over `ep` and their FSDP over `efsdp` (or their replicas over `edp`), FSDP or a ZeRO stage over
+`tp`, the experts over `ep` (each TP rank sending its share of the tokens, gathered back over `tp`) and their FSDP
+over `efsdp` (or their replicas over `edp`), FSDP or a ZeRO stage over
 `dp_shard`, replicas over `dp_replicate`. fsdp_tp is tensor parallelism then FSDP,
 hsdp is FSDP then replicas, pp_dp a pipeline then replicas or FSDP of each stage: no combination has an entry of
 its own. The estimator sizes every declared collective (dist_train/estimate/comm.py has one sizer per entry here, and
@@ -96,7 +97,9 @@ PARALLELISMS: dict[str, Parallelism] = {p.name: p for p in (
         (_t("all_reduce", "activations", "block", "forward: each row-parallel output; backward: each column-parallel "
             "input gradient", False),
          _t("all_reduce", "vocabulary", "micro-batch", "the embedding's rows, the head's input gradient, "
-            "loss_parallel's 3 reductions", False), GRADIENT_NORM),
+            "loss_parallel's 3 reductions", False),
+         _t("all_reduce", "norm gradients", "block", "backward: each per-head q/k norm's weight gradient (Qwen3's), "
+            "partial over the ranks' heads", False), GRADIENT_NORM),
         "Megatron tensor parallelism on DTensor (transformers' per-architecture plan)"),
     Parallelism(
         "sequence_parallel", "tp", STATE_CATEGORIES, "as tp; activations between blocks split by sequence",
@@ -112,6 +115,13 @@ PARALLELISMS: dict[str, Parallelism] = {p.name: p for p in (
             "again)", False),
          EXPERT_NORM),
         "expert parallelism (fsdp_ep, ep): dist_train's own dispatch, dist.all_to_all_single"),
+    Parallelism(
+        "expert_shares", "tp", (), "nothing: each TP rank dispatches its 1/tp share of an MoE layer's tokens",
+        (_t("all_gather", "expert outputs", "block", "forward: the TP ranks' shares of the experts' outputs; backward: "
+            "the shares' input and routing-weight gradients (a checkpointed block's recomputation: its forward's "
+            "again)", False),),
+        "tensor parallelism with expert parallelism (tp, fsdp_tp with strategy.ep): the ranks of a TP group hold the "
+        "same tokens, so each sends its share to the experts and the results are gathered"),
     Parallelism(
         "expert_fsdp", "efsdp", STATE_CATEGORIES, "a rank's E / ep experts, sharded again over the ranks holding them",
         (_t("all_gather", "expert parameters", "block", "forward, and again in backward when resharded after forward",
@@ -131,8 +141,8 @@ PARALLELISMS: dict[str, Parallelism] = {p.name: p for p in (
 
 # Where each parallelism is applied, innermost first: a pipeline cuts the model, tensor parallelism splits each
 # stage's blocks, then the data-parallel dimensions shard and replicate what a rank holds (parallel/apply.py's order).
-APPLICATION_ORDER = ("pipeline", "tp", "sequence_parallel", "ep", "expert_fsdp", "expert_replicate", "fsdp", "zero1",
-                     "zero2", "zero3", "replicate")
+APPLICATION_ORDER = ("pipeline", "tp", "sequence_parallel", "ep", "expert_shares", "expert_fsdp", "expert_replicate",
+                     "fsdp", "zero1", "zero2", "zero3", "replicate")
 SHARDERS = ("fsdp", "zero1", "zero2", "zero3")
 
 
@@ -149,7 +159,10 @@ def composition(dims: ParallelDims, *, shard_with: Optional[str] = None,
     if "tp" in used:
         names.append("sequence_parallel" if sequence_parallel else "tp")
     if dims.ep > 1:  # the experts' split, then their FSDP2 or replicas (parallel/apply.py's experts step), before
-        names += ["ep", "expert_replicate" if dims.expert_dims[0] == "edp" else "expert_fsdp"]  # the dense ones
+        names.append("ep")  # the dense ones
+        if "tp" in used:  # each TP rank dispatches its share of the tokens
+            names.append("expert_shares")
+        names.append("expert_replicate" if dims.expert_dims[0] == "edp" else "expert_fsdp")
     if "dp_shard" in used:
         if shard_with is None:
             raise ValueError(f"degrees {dims.describe()} shard over dp_shard: say with what ({', '.join(SHARDERS)})")

@@ -91,13 +91,20 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
+def _ep_overrides(experts: dict[str, int]) -> tuple[str, ...]:
+    return tuple(f"strategy.ep={ep}" for ep in experts.values())
+
+
 def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
             strategies: tuple[str, ...]) -> Iterator[tuple[str, dict[str, Any], tuple[str, ...], Optional[str]]]:
     """(strategy, Setup fields, overrides, why it cannot run or None) for each strategy and degree."""
     w, heads, kv = world_size, shape.num_heads, shape.kv_heads
+    # an MoE model under tensor parallelism: its experts split by expert over ep ranks of a node (strategy.ep)
+    expert_degrees = [{}] if not shape.num_experts else [
+        {"ep": ep} for ep in _degrees(min(w, gpus_per_node)) if ep > 1 and not shape.num_experts % ep and not w % ep]
     for name in strategies:
-        if shape.num_experts and name in ("tp", "fsdp_tp", "ddp_tp"):  # what strategies/base.check_tensor_parallel refuses
-            yield name, {}, (f"strategy={name}",), "tensor parallelism here splits dense blocks, not experts"
+        if shape.num_experts and name == "ddp_tp":  # what strategies/fsdp_tp.py refuses
+            yield name, {}, (f"strategy={name}",), "expert parallelism beside tensor parallelism is built with fsdp_tp"
             continue
         if name == "single":
             if w == 1:
@@ -118,13 +125,16 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
                 why = f"tp over {w} ranks would span nodes; fsdp_tp keeps tp within a node"
             elif heads % w or kv % w:
                 why = f"{w} does not divide the {heads} heads and {kv} kv heads"
-            yield name, {}, (f"strategy={name}",), why
+            for experts in expert_degrees:
+                yield name, dict(experts), (f"strategy={name}", *_ep_overrides(experts)), why
         elif name in ("fsdp_tp", "ddp_tp"):
             for tp in _degrees(min(w, gpus_per_node)):
                 if tp == 1 or tp == w or gpus_per_node % tp:
                     continue
                 why = f"tp={tp} does not divide the {heads} heads and {kv} kv heads" if heads % tp or kv % tp else None
-                yield name, {"tp": tp}, (f"strategy={name}", f"strategy.tp={tp}"), why
+                for experts in expert_degrees:
+                    yield name, {"tp": tp, **experts}, (f"strategy={name}", f"strategy.tp={tp}",
+                                                        *_ep_overrides(experts)), why
         elif name in ("fsdp_ep", "ep"):  # experts over ep ranks of a node, as torchtitan places them; dense weights
             # FSDP-sharded (fsdp_ep) or whole replicas (ep)
             if not shape.num_experts:

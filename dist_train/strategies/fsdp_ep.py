@@ -18,8 +18,9 @@ micro-batch, the counts, then the rows forward and back, each mirrored in backwa
 
 The estimator models both (parallel/catalog.py's ep, expert_fsdp and expert_replicate; estimate/comm.py), the dry run
 runs them (routing balanced), the advisor searches their ep. Built on meta, split and sharded, then each rank fills
-its part, from the seeded init or a directory's files (weights.StackedExperts reads its experts stacked). Not built
-yet: ep with tensor parallelism or a pipeline. train.compile compiles each block, the dispatch a graph break.
+its part, from the seeded init or a directory's files (weights.StackedExperts reads its experts stacked). Expert
+parallelism beside tensor parallelism is tp's and fsdp_tp's `strategy.ep`; with a pipeline it is not built.
+train.compile compiles each block, the dispatch a graph break.
 """
 
 from __future__ import annotations

@@ -205,8 +205,34 @@ def test_tensor_parallel_splits_the_experts_by_expert_as_one_process(strategy, n
                 assert sum(ranks[r][f"moe/layer{layer}/tokens_per_expert"]) == micro * tokens // 2 * k
     # summary.json's run-wide load: every (token, expert) pair of the 5 steps of 8 x 64 tokens, top-2, once
     assert [sum(v["tokens_per_expert"]) for v in s["moe_load"].values()] == [5 * 8 * 64 * 2] * 4
-    # each rank stores 4 of the 8 experts of each layer, halved again by efsdp on 4 ranks
-    assert [rec["memory/expert_params_bytes"] for rec in ranks] == [4 * 8 * 3 * 64 * 32 * 4 // nproc] * nproc
+    # each rank stores 4 of the 8 experts of each layer, halved again by efsdp on 4 ranks, and their gradients and
+    # SGD's momentum as the estimator predicts them (estimate/memory.py expert_state_bytes)
+    config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    shape, setup = ModelShape.from_config(config["model"]), setup_from_config(config, world_size=nproc)
+    state = expert_state_bytes(shape, setup)
+    assert [(r["memory/expert_params_bytes"], r["memory/expert_grads_bytes"], r["memory/expert_optimizer_bytes"])
+            for r in ranks] == [(4 * 8 * 3 * 64 * 32 * 4 // nproc,) * 3] * nproc == (
+        [(state["params"], state["grads"], state["optimizer"])] * nproc)
+    # The estimator's collectives (parallel/catalog.py's tp, ep, expert_shares, expert_fsdp and fsdp): every rank's
+    # calls and bytes of each op exactly, the all-to-alls' bytes at balanced routing, which each ep group sends
+    # together exactly; the peak of live tensors within 10% on every rank
+    predicted = predict_comm(shape, setup)[0]
+    for rec in ranks:
+        assert rec["comm/tp/all_gather/bytes"] == sum(c.bytes for c in predicted if c.moves == "expert outputs")
+        for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+            assert rec[f"comm/{op}/count"] == sum(c.calls for c in predicted if c.op == op), op
+            if op != "all_to_all":
+                assert rec[f"comm/{op}/bytes"] == sum(c.bytes for c in predicted if c.op == op), op
+    a2a = sum(c.bytes for c in predicted if c.op == "all_to_all")
+    for group in ([0, 1], [2, 3])[: nproc // 2]:
+        assert sum(ranks[r]["comm/all_to_all/bytes"] for r in group) == len(group) * a2a
+    peak = s["predicted_memory_bytes"]["peak_live"]
+    for rank in s["ranks"]:
+        assert abs(rank["memory/peak_live_bytes"] - peak) <= 0.10 * peak, (peak, rank["memory/peak_live_bytes"])
+    if nproc == 2:  # parameters, gradients and optimizer state as predicted; the dry run as the real run, rank by rank
+        rows = compare_from(tmp_path / "compare", single_dir, run_dir)
+        assert rows[strategy]["model_state_ok"] is True, rows[strategy]
+        _assert_dry_run_equals([f"strategy={strategy}", "strategy.ep=2", *MOE, *SGD], s, nproc=nproc, a2a=a2a)
 
 
 # ddp (its buckets hold the stacked experts like any parameter), FSDP2 (one block, experts included, per all-gather),

@@ -114,17 +114,25 @@ def test_an_moe_layer_keeps_what_the_estimator_says_beside_a_dense_layer_of_that
         assert measured(moe_cfg, autocast) - measured(dense_cfg, autocast) == predicted, (impl, autocast)
 
 
-def test_the_advisor_drops_tensor_parallelism_for_an_moe_model_as_training_refuses_it():
+def test_the_advisor_splits_an_moe_models_experts_by_expert_under_tensor_parallelism_as_training_does():
+    """tp and fsdp_tp take an MoE model with its experts over ep ranks of a node (strategy.ep: dividing the experts
+    and the world), each layout an override the training run accepts; ddp_tp, which training refuses with ep, is
+    dropped with its reason; a dense model gets no ep."""
     from dist_train.plan.search import layouts
 
     moe = ModelShape.from_config(model_config("tiny_moe"))
     dense = ModelShape.from_config({**model_config("tiny_moe"), "num_experts": 0, "ffn_hidden_size": 2 * 32})
     names = ("tp", "fsdp_tp", "ddp_tp", "fsdp")
-    why = {name: reason for name, _, _, reason in layouts(moe, world_size=2, gpus_per_node=2, strategies=names)}
-    assert why == {"tp": "tensor parallelism here splits dense blocks, not experts",
-                   "fsdp_tp": "tensor parallelism here splits dense blocks, not experts",
-                   "ddp_tp": "tensor parallelism here splits dense blocks, not experts", "fsdp": None}
-    assert [r for n, _, _, r in layouts(dense, world_size=2, gpus_per_node=2, strategies=("tp",))] == [None]
+    found = [(n, f, o, r) for n, f, o, r in layouts(moe, world_size=4, gpus_per_node=4, strategies=names)]
+    assert [(n, o, r) for n, _, o, r in found] == [
+        ("tp", ("strategy=tp", "strategy.ep=2"), "4 does not divide the 4 heads and 2 kv heads"),
+        ("tp", ("strategy=tp", "strategy.ep=4"), "4 does not divide the 4 heads and 2 kv heads"),
+        ("fsdp_tp", ("strategy=fsdp_tp", "strategy.tp=2", "strategy.ep=2"), None),
+        ("fsdp_tp", ("strategy=fsdp_tp", "strategy.tp=2", "strategy.ep=4"), None),
+        ("ddp_tp", ("strategy=ddp_tp",), "expert parallelism beside tensor parallelism is built with fsdp_tp"),
+        ("fsdp", ("strategy=fsdp",), None)]
+    assert [f for n, f, _, _ in found if n == "fsdp_tp"] == [{"tp": 2, "ep": 2}, {"tp": 2, "ep": 4}]
+    assert [(f, r) for n, f, _, r in layouts(dense, world_size=2, gpus_per_node=2, strategies=("tp",))] == [({}, None)]
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
@@ -433,3 +441,17 @@ def test_grouped_mm_experts_multiply_in_bf16_under_autocast_once_registered():
     assert experts and all(p.dtype == p.grad.dtype == torch.float32 and p.grad.abs().sum() > 0
                            for m in experts for p in m.parameters())
     assert loss == pytest.approx(eager, rel=2e-2)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 128, 129])
+@pytest.mark.parametrize("size", [1, 2, 3, 8])
+def test_the_tensor_parallel_ranks_shares_of_an_moe_layers_tokens_cover_them_once(rows, size):
+    """Under tensor parallelism with strategy.ep each TP rank dispatches a contiguous share of the tokens every rank
+    holds (parallel_dims.share_bounds): in rank order they cover every row once, none above ceil(rows / size), the
+    last ones shorter or empty where the rows do not divide."""
+    from dist_train.parallel_dims import share_bounds
+
+    bounds = [share_bounds(rows, size, rank) for rank in range(size)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == rows
+    assert all(end == start for (_, end), (start, _) in zip(bounds, bounds[1:]))
+    assert all(0 <= end - start <= -(-rows // size) for start, end in bounds)

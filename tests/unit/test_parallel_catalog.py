@@ -36,6 +36,7 @@ def _setup(name: str, world_size: int, **fields) -> Setup:
     ("tp", 4, {}, ("tp",)),
     ("tp", 4, {"sequence_parallel": True}, ("sequence_parallel",)),
     ("fsdp_tp", 8, {"tp": 4}, ("tp", "fsdp")),
+    ("tp", 4, {"ep": 2}, ("tp", "ep", "expert_shares", "expert_fsdp")),
     ("gpipe", 4, {}, ("pipeline",)),
     ("pp_dp", 8, {"pp": 4}, ("pipeline", "replicate")),
     ("pp_dp", 8, {"pp": 4, "dp_mode": "fsdp"}, ("pipeline", "fsdp")),
@@ -47,8 +48,8 @@ def test_a_run_is_a_composition_of_the_declared_parallelisms(name, world_size, f
     pipeline then replicas or FSDP of each stage, in the order parallel/apply.py applies them."""
     setup = _setup(name, world_size, **fields)
     assert tuple(p.name for p in setup.parallelisms) == expected
-    for p in setup.parallelisms:
-        assert p.dim in setup.dims.mesh_dim_names
+    for p in setup.parallelisms:  # the run's mesh, or the experts' own (ep, efsdp)
+        assert p.dim in setup.dims.mesh_dim_names + (setup.dims.expert_dims if setup.ep > 1 else ())
 
 
 def test_the_estimator_sizes_every_declared_collective_and_nothing_else():
@@ -64,8 +65,9 @@ def test_the_estimator_sizes_every_declared_collective_and_nothing_else():
         stage = 0 if p.name == "pipeline" else None
         sized = SIZERS[p.name](SHAPE, setup, stage)
         assert list(sized) == [(t.op, t.moves) for t in p.traffic if t is not GRADIENT_NORM]
-        colls = predict_comm(SHAPE, setup)[0]
-        assert [(c.moves, c.overlaps, c.dim) for c in colls] == [(t.moves, t.overlaps, p.dim) for t in p.traffic]
+        colls = predict_comm(SHAPE, setup)[0]  # less what this model does not issue (tp: per-head norms)
+        issued = [t for t in p.traffic if t is GRADIENT_NORM or sized[(t.op, t.moves)].calls]
+        assert [(c.moves, c.overlaps, c.dim) for c in colls] == [(t.moves, t.overlaps, p.dim) for t in issued]
         assert all(c.group_size == (2 if c.op in ("send", "recv") else setup.dims.degree(p.dim)) for c in colls)
     # expert parallelism composes three: the experts split over ep, their FSDP2 over efsdp, FSDP2 over the rest
     ep = _setup("fsdp_ep", 8, ep=2)
@@ -89,6 +91,22 @@ def test_the_estimator_sizes_every_declared_collective_and_nothing_else():
         ("all_reduce", "expert gradient norm", "ep", 2, 1),
         ("all_reduce", "expert gradients", "edp", 4, MOE_SHAPE.num_layers),
         ("all_reduce", "gradients", "dp_replicate", 8, MOE_SHAPE.num_layers + 1)]
+    # beside tensor parallelism (fsdp_tp, strategy.ep): each TP rank's share of the tokens, gathered back over tp;
+    # Qwen3's per-head norms' gradients all-reduced over tp in each micro-batch's backward
+    tp_ep = _setup("fsdp_tp", 8, tp=2, ep=2)
+    assert [p.name for p in tp_ep.parallelisms] == ["tp", "ep", "expert_shares", "expert_fsdp", "fsdp"]
+    covered.update(p.name for p in tp_ep.parallelisms)
+    m, layers = tp_ep.microbatches_per_step, MOE_SHAPE.num_layers
+    assert [(c.op, c.moves, c.dim, c.group_size, c.calls) for c in predict_comm(MOE_SHAPE, tp_ep)[0]] == [
+        ("all_reduce", "activations", "tp", 2, 4 * layers * m), ("all_reduce", "vocabulary", "tp", 2, 5 * m),
+        ("all_reduce", "norm gradients", "tp", 2, 2 * layers * m),
+        ("all_to_all", "tokens", "ep", 2, 5 * layers * m), ("all_reduce", "expert gradient norm", "ep", 2, 1),
+        ("all_gather", "expert outputs", "tp", 2, 3 * layers * m),
+        ("all_gather", "expert parameters", "efsdp", 4, 2 * layers * m),
+        ("reduce_scatter", "expert gradients", "efsdp", 4, layers),
+        ("all_reduce", "expert gradient norm", "efsdp", 4, 1),
+        ("all_gather", "parameters", "dp_shard", 4, 2 * layers * m + m),
+        ("reduce_scatter", "gradients", "dp_shard", 4, layers + 1), ("all_reduce", "gradient norm", "", 8, 1)]
     assert covered == set(PARALLELISMS)
 
 
