@@ -75,6 +75,23 @@ def _grad_norms(run_dir: Path) -> list[float]:
     return [r["grad_norm"] for r in metrics(run_dir) if r["rank"] == 0]
 
 
+def _assert_trains_as_one_process(run_dir: Path, s: dict, single_run: tuple[Path, dict], tmp_path: Path) -> None:
+    """The run's loss and gradient norm of every step within 1e-6 of one process's on the same global batch, and
+    every expert's and router's weights after the last step (as launch/export.py writes them)."""
+    single_dir, single = single_run
+    for got, want in zip(s["losses"], single["losses"], strict=True):
+        assert abs(got - want) < 1e-6, (s["losses"], single["losses"])
+    for got, want in zip(_grad_norms(run_dir), _grad_norms(single_dir), strict=True):
+        assert abs(got - want) < 1e-6 * want, (_grad_norms(run_dir), _grad_norms(single_dir))
+    ours, theirs = _exported(run_dir, tmp_path / "ours"), _exported(single_dir, tmp_path / "theirs")
+    routed = [n for n in theirs if ".mlp.experts." in n or ".mlp.gate." in n]
+    # per layer: each expert's gate, up and down projection (transformers saves them one by one), and the router
+    assert len(routed) == 4 * (8 * 3 + 1)
+    for name in routed:
+        assert ours[name].shape == theirs[name].shape, name
+        assert (ours[name] - theirs[name]).abs().max() < 1e-6, (name, (ours[name] - theirs[name]).abs().max())
+
+
 @pytest.mark.beside  # all: balances tests/suite.sh's two sessions
 @pytest.mark.parametrize("strategy", ["fsdp_ep", "ep"])
 @pytest.mark.parametrize("nproc", [2, 4])
@@ -91,17 +108,7 @@ def test_expert_parallel_trains_as_one_process_to_every_expert_weight(strategy, 
     run_dir = tmp_path / strategy
     s = train_ok([f"strategy={strategy}", "strategy.ep=2", *MOE, *SGD], run_dir=run_dir, nproc=nproc)
     assert s["data_parallel_size"] == nproc
-    for got, want in zip(s["losses"], single["losses"], strict=True):
-        assert abs(got - want) < 1e-6, (s["losses"], single["losses"])
-    for got, want in zip(_grad_norms(run_dir), _grad_norms(single_dir), strict=True):
-        assert abs(got - want) < 1e-6 * want, (_grad_norms(run_dir), _grad_norms(single_dir))
-    ours, theirs = _exported(run_dir, tmp_path / "ours"), _exported(single_dir, tmp_path / "theirs")
-    routed = [n for n in theirs if ".mlp.experts." in n or ".mlp.gate." in n]
-    # per layer: each expert's gate, up and down projection (transformers saves them one by one), and the router
-    assert len(routed) == 4 * (8 * 3 + 1)
-    for name in routed:
-        assert ours[name].shape == theirs[name].shape, name
-        assert (ours[name] - theirs[name]).abs().max() < 1e-6, (name, (ours[name] - theirs[name]).abs().max())
+    _assert_trains_as_one_process(run_dir, s, single_moe_sgd, tmp_path)
 
     # The all-to-alls, per MoE layer and micro-batch: the counts, the rows there and back, both mirrored in backward
     layers, micro, tokens, k, hidden = 4, 8 // (2 * nproc), 2 * 64, 2, 64  # a global batch of 8, micro-batches of 2
@@ -178,15 +185,7 @@ def test_tensor_parallel_splits_the_experts_by_expert_as_one_process(strategy, n
     degrees = ["strategy.tp=2"] if strategy == "fsdp_tp" else []
     s = train_ok([f"strategy={strategy}", *degrees, "strategy.ep=2", *MOE, *SGD], run_dir=run_dir, nproc=nproc)
     assert s["data_parallel_size"] == nproc // 2
-    for got, want in zip(s["losses"], single["losses"], strict=True):
-        assert abs(got - want) < 1e-6, (s["losses"], single["losses"])
-    for got, want in zip(_grad_norms(run_dir), _grad_norms(single_dir), strict=True):
-        assert abs(got - want) < 1e-6 * want, (_grad_norms(run_dir), _grad_norms(single_dir))
-    ours, theirs = _exported(run_dir, tmp_path / "ours"), _exported(single_dir, tmp_path / "theirs")
-    routed = [n for n in theirs if ".mlp.experts." in n or ".mlp.gate." in n]
-    assert len(routed) == 4 * (8 * 3 + 1)
-    for name in routed:
-        assert (ours[name] - theirs[name]).abs().max() < 1e-6, (name, (ours[name] - theirs[name]).abs().max())
+    _assert_trains_as_one_process(run_dir, s, single_moe_sgd, tmp_path)
 
     # Per MoE layer and micro-batch, on each rank: 5 all-to-alls over ep (the counts, its half of the rows there and
     # back, both mirrored in backward), and 3 all-gathers over tp: the halves' outputs forward, their input and
