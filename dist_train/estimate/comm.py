@@ -262,17 +262,15 @@ def _expert_shares(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Siz
     """Tensor parallelism beside expert parallelism, per MoE layer and micro-batch: the TP ranks' shares of the
     experts' outputs all-gathered (T x h), and in backward the shares' input gradients (T x h) and routing weights'
     (T x k), all in the compute dtype (the MoE block's input is: measured, bf16 under tp's autocast and fsdp_tp's
-    mixed precision alike); a checkpointed block's recomputation gathers the outputs again (parallel/experts.py)."""
+    mixed precision alike). A checkpointed block's recomputation does not gather them again: it stops at the block's
+    last saved tensor, inside the dispatch (its all-to-alls run again, `_ep`)."""
     m, layers = setup.microbatches_per_step, shape.num_layers
     tokens = setup.micro_batch_size * setup.seq_len
     compute = element_bytes(setup.precision)
-    recomputed = setup.checkpointed_layers(layers)
     once = (2 * tokens * shape.hidden_size + tokens * shape.experts_per_token) * compute
-    again = tokens * shape.hidden_size * compute
-    return {("all_gather", "expert outputs"): Sized(m * (layers * once + recomputed * again),
+    return {("all_gather", "expert outputs"): Sized(m * layers * once,
                                                     "the experts' outputs forward, their input and routing weights' "
-                                                    "gradients backward, over tp", compute,
-                                                    m * (3 * layers + recomputed))}
+                                                    "gradients backward, over tp", compute, m * 3 * layers)}
 
 
 def _expert_fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
@@ -414,7 +412,7 @@ def _tokens(shape: ModelShape, setup: Setup) -> tuple[int, int, int]:
     torch autocast: the cast to 16 bits sits after the split; FSDP2's mixed precision (fsdp_tp) computes backward
     in the compute dtype throughout: measured, bf16 on 4 ranks)."""
     compute = element_bytes(setup.precision)
-    grad = 4 if setup.autocast_16bit else compute
+    grad = 4 if setup.resolved_regime == "autocast" and setup.autocast_16bit else compute
     return setup.seq_len * setup.micro_batch_size * shape.hidden_size, compute, grad
 
 
@@ -438,10 +436,15 @@ def _tensor_parallel(shape: ModelShape, setup: Setup, stage: Optional[int]) -> S
     backward, forward = shape.features.column_projections, 2
     if shape.num_experts:  # an MoE layer's MLP is its experts, which expert parallelism splits: attention's only
         backward, forward = 1 if shape.features.fused_qkv else 3, 1
+    # full checkpointing recomputes a block's forward up to its last saved tensor: attention's output all-reduce
+    # again, not the MLP's, whose result nothing saves (measured, GPT-2 and Qwen3-MoE on 2 ranks); selective keeps both
+    again = m * setup.checkpointed_layers(layers) if setup.activation_checkpointing == "full" else 0
     return {
-        ("all_reduce", "activations"): Sized(m * layers * (forward * tokens * compute + backward * tokens * grad),
+        ("all_reduce", "activations"): Sized(m * layers * (forward * tokens * compute + backward * tokens * grad)
+                                             + again * tokens * compute,
                                              f"activations: {forward} forward + {backward} backward per layer, "
-                                             f"{m} micro-batch(es)", compute, m * layers * (forward + backward)),
+                                             f"{m} micro-batch(es), {again} recomputed", compute,
+                                             m * layers * (forward + backward) + again),
         ("all_reduce", "vocabulary"): _vocabulary(shape, setup),
         ("all_reduce", "norm gradients"): _head_norms(shape, setup),
     }
@@ -449,7 +452,8 @@ def _tensor_parallel(shape: ModelShape, setup: Setup, stage: Optional[int]) -> S
 
 def _head_norms(shape: ModelShape, setup: Setup) -> Sized:
     """The per-head q/k norms' weight gradients (Qwen3's), each partial over the TP ranks' heads and all-reduced in
-    backward (tensor_parallel.HeadNorm), fp32, per layer and micro-batch; nothing for a model without them."""
+    backward (tensor_parallel.HeadNorm), per layer and micro-batch, in fp32 (measured: also under fsdp_tp's bf16
+    mixed precision, on 4 ranks); nothing for a model without them. Sequence parallelism's too."""
     m, tensors = setup.microbatches_per_step, 2 * shape.num_layers * bool(shape.qk_norm)
     return Sized(m * tensors * shape.head_dim * 4, f"{tensors} per-head norm weight gradients, {m} micro-batch(es)",
                  4, m * tensors)
@@ -465,6 +469,7 @@ def _sequence_parallel(shape: ModelShape, setup: Setup, stage: Optional[int]) ->
     tokens, compute, wide = _tokens(shape, setup)
     # norm parameter tensors: GPT-2 LayerNorm weight + bias (2 per block, ln_f), Llama RMSNorm weight
     norm_grads = shape.features.norm_params_per_unit * (2 * layers + 1)
+    heads = _head_norms(shape, setup)
     return {
         ("all_gather", "activations"): Sized(m * (layers * 2 * tokens * (wide + compute) + 2 * tokens * wide),
                                              f"activations: 2 forward + 2 backward per layer, entry and exit, "
@@ -472,9 +477,9 @@ def _sequence_parallel(shape: ModelShape, setup: Setup, stage: Optional[int]) ->
         ("reduce_scatter", "activations"): Sized(m * layers * 2 * tokens * (compute + wide),
                                                  f"activations: 2 forward + 2 backward per layer, {m} micro-batch(es)",
                                                  compute, m * 4 * layers),
-        ("all_reduce", "norm gradients"): Sized(m * norm_grads * h * 4,
-                                                f"{norm_grads} norm weight gradients, {m} micro-batch(es)", 4,
-                                                m * norm_grads),
+        ("all_reduce", "norm gradients"): Sized(m * norm_grads * h * 4 + heads.bytes,
+                                                f"{norm_grads} norm weight gradients, {m} micro-batch(es); "
+                                                + heads.what, 4, m * norm_grads + heads.calls),
         ("all_reduce", "vocabulary"): _vocabulary(shape, setup),
     }
 

@@ -197,8 +197,9 @@ def layer_compute(shape: ModelShape, *, batch: int, seq_len: int, tp: int, seque
     fwd, bwd = projection_pass_seconds(tokens, projections(shape, tp), hw, peak, element_bytes)
     experts_s = routing_s = 0.0
     if shape.num_experts:
-        # under tensor parallelism (with strategy.ep) each rank of the tp group dispatches its share of the tokens
-        experts_s, routing_s = experts_compute(shape, tokens=max(1, tokens // tp), ep=ep, recompute=recompute, hw=hw,
+        # under tensor parallelism (with strategy.ep) each rank of the tp group dispatches its share of the tokens:
+        # the largest, ceil(tokens / tp), is the step's
+        experts_s, routing_s = experts_compute(shape, tokens=-(-tokens // tp), ep=ep, recompute=recompute, hw=hw,
                                                peak=hw.peak("fp32") if experts_fp32 else peak,
                                                element_bytes=4 if experts_fp32 else element_bytes,
                                                overload=ep_overload if ep > 1 else 1.0)

@@ -105,7 +105,8 @@ PARALLELISMS: dict[str, Parallelism] = {p.name: p for p in (
         "sequence_parallel", "tp", STATE_CATEGORIES, "as tp; activations between blocks split by sequence",
         (_t("all_gather", "activations", "block", "the norms' outputs before attention and the MLP, and back", False),
          _t("reduce_scatter", "activations", "block", "the row-parallel outputs, and back", False),
-         _t("all_reduce", "norm gradients", "micro-batch", "every norm weight's gradient, partial by sequence", False),
+         _t("all_reduce", "norm gradients", "micro-batch", "every norm weight's gradient, partial by sequence, and "
+            "each per-head q/k norm's, partial over the ranks' heads", False),
          _t("all_reduce", "vocabulary", "micro-batch", "as tp's", False), GRADIENT_NORM),
         "tensor parallelism with Megatron's sequence parallelism (strategy.sequence_parallel=true)"),
     Parallelism(
@@ -118,8 +119,7 @@ PARALLELISMS: dict[str, Parallelism] = {p.name: p for p in (
     Parallelism(
         "expert_shares", "tp", (), "nothing: each TP rank dispatches its 1/tp share of an MoE layer's tokens",
         (_t("all_gather", "expert outputs", "block", "forward: the TP ranks' shares of the experts' outputs; backward: "
-            "the shares' input and routing-weight gradients (a checkpointed block's recomputation: its forward's "
-            "again)", False),),
+            "the shares' input and routing-weight gradients", False),),
         "tensor parallelism with expert parallelism (tp, fsdp_tp with strategy.ep): the ranks of a TP group hold the "
         "same tokens, so each sends its share to the experts and the results are gathered"),
     Parallelism(

@@ -106,6 +106,10 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
         if shape.num_experts and name == "ddp_tp":  # what strategies/fsdp_tp.py refuses
             yield name, {}, (f"strategy={name}",), "expert parallelism beside tensor parallelism is built with fsdp_tp"
             continue
+        if shape.num_experts and name in ("tp", "fsdp_tp") and not expert_degrees:
+            yield name, {}, (f"strategy={name}",), (f"no expert-parallel degree divides the {shape.num_experts} "
+                                                    f"experts and {w} ranks within a node of {gpus_per_node}")
+            continue
         if name == "single":
             if w == 1:
                 yield name, {}, (f"strategy={name}",), None
