@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from dist_train.parallel.catalog import GRADIENT_NORM
+from dist_train.parallel.catalog import EXPERT_NORM, GRADIENT_NORM
 from dist_train.estimate.memory import (dense_rank_params, element_bytes, expert_padded, expert_rank_elements,
                                         fsdp_padded, state_bytes, tp_rank_params, with_model,
                                         zero3_keeps_for_backward, zero3_partitioned)
@@ -93,18 +93,19 @@ def predict_comm(shape: ModelShape, setup: Setup) -> list[list[Collective]]:
 def _rank(shape: ModelShape, setup: Setup, *, stage: Optional[int]) -> list[Collective]:
     out: list[Collective] = []
     dims, deepspeed = setup.dims, setup.resolved_regime == "deepspeed"
-    norm_dims: list[str] = []  # the dimensions whose parallelisms split the gradients: one norm over them all
+    # the dimensions whose parallelisms split the gradients (the experts' apart): one norm over them all
+    norm_dims: dict[Any, list[str]] = {GRADIENT_NORM: [], EXPERT_NORM: []}
     for p in setup.parallelisms:
         n = dims.degree(p.dim)
         if n == 1:
             continue
         sized = SIZERS[p.name](shape, setup, stage)
-        declared = [(t.op, t.moves) for t in p.traffic if t is not GRADIENT_NORM]
+        declared = [(t.op, t.moves) for t in p.traffic if t not in norm_dims]
         if list(sized) != declared:  # a sizer for every declared collective, and for nothing else
             raise AssertionError(f"{p.name}: sized {list(sized)}, declared {declared}")
         for t in p.traffic:
-            if t is GRADIENT_NORM:
-                norm_dims.append(p.dim)
+            if t in norm_dims:
+                norm_dims[t].append(p.dim)
                 continue
             size = sized[(t.op, t.moves)]
             if not size.calls:  # declared, but not issued by this model (tp's per-head norms without any)
@@ -113,12 +114,13 @@ def _rank(shape: ModelShape, setup: Setup, *, stage: Optional[int]) -> list[Coll
             out.append(Collective(op, size.bytes, size.what, size.elem, dim=p.dim,
                                   group_size=2 if op in ("send", "recv") else n, calls=size.calls,
                                   overlaps=t.overlaps, moves=t.moves))
-    if norm_dims:
-        size = _gradient_norm(shape, setup)
-        out.append(Collective("all_reduce", size.bytes, size.what, size.elem,
-                              dim=norm_dims[0] if len(norm_dims) == 1 else "",
-                              group_size=math.prod(dims.degree(d) for d in norm_dims), calls=size.calls,
-                              overlaps=GRADIENT_NORM.overlaps, moves=GRADIENT_NORM.moves))
+    for norm, over in norm_dims.items():
+        if over:
+            size = _gradient_norm(shape, setup) if norm is GRADIENT_NORM else _expert_norm(shape)
+            out.append(Collective("all_reduce", size.bytes, size.what, size.elem,
+                                  dim=over[0] if len(over) == 1 else "",
+                                  group_size=math.prod(dims.degree(d) for d in over), calls=size.calls,
+                                  overlaps=norm.overlaps, moves=norm.moves))
     return out
 
 
@@ -236,8 +238,8 @@ def _ep(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     counts (E int64), the T x k routed rows of h there and back, each mirrored in backward, and under checkpointing
     the forward's three again (full and selective alike recompute the dispatch: measured on 2 ranks): 4 T k h
     elements a layer and micro-batch, 6 with checkpointing (torchtitan's formula), T the rank's share of the tokens
-    under tensor parallelism. What a rank sends depends on its routing; over an EP group the sum is exact. Then the
-    experts' gradient norm over ep."""
+    under tensor parallelism. What a rank sends depends on its routing; over an EP group the sum is exact. (The
+    experts' gradient norm is _rank's, over ep and efsdp together.)"""
     m, layers, k = setup.microbatches_per_step, shape.num_layers, shape.experts_per_token
     tokens = setup.micro_batch_size * setup.seq_len / setup.tensor_parallel_size  # a TP rank sends its share
     rows = tokens * k * shape.hidden_size * element_bytes(setup.precision)
@@ -254,7 +256,6 @@ def _ep(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
         ("all_to_all", "tokens"): Sized(total, f"routed rows: {calls / (m * layers):g} exchanges a "
                                         "layer and micro-batch (counts, rows there and back, both ways in backward)",
                                         element_bytes(setup.precision), calls),
-        ("all_reduce", "expert gradient norm"): _expert_norm(shape),
     }
 
 
@@ -276,7 +277,7 @@ def _expert_shares(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Siz
 def _expert_fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes:
     """FSDP2 of each MoE layer's E / ep experts over efsdp: gathered in forward and, resharded, again in backward,
     in the compute dtype; their fp32 gradients reduce-scattered once a step, or after every micro-batch
-    (reduce_every_microbatch, with the dense ones); their norm over efsdp."""
+    (reduce_every_microbatch, with the dense ones)."""
     m, layers = setup.microbatches_per_step, shape.num_layers
     # strategy=tp holds no synchronisation back: FSDP2 of the experts reduce-scatters after every micro-batch
     reduces = m if setup.reduce_every_microbatch or setup.family == "tp" else 1
@@ -293,7 +294,6 @@ def _expert_fsdp(shape: ModelShape, setup: Setup, stage: Optional[int]) -> Sizes
                                                       "their fp32 gradients, " + (f"every micro-batch ({m})"
                                                                                   if reduces > 1 else "once per step"),
                                                       4, reduces * layers),
-        ("all_reduce", "expert gradient norm"): _expert_norm(shape),
     }
 
 

@@ -63,8 +63,8 @@ _UPDATE = _t("all_gather", "parameters", "bucket", "after the optimizer step (th
 # pp_dp with FSDP-sharded stages: pp x dp_shard), which its telemetry counts under no single dimension.
 GRADIENT_NORM = _t("all_reduce", "gradient norm", "step", "after the last backward", False)
 # Under expert parallelism the experts' gradients are DTensors on their own (efsdp, ep) mesh: their partial norm is
-# all-reduced over each of its dimensions in turn (strategies/base.py takes the norm mesh by mesh), apart from the
-# dense one's.
+# all-reduced over the dimensions that split them, at once (the mesh flattens them: parallel/mesh.py), apart from the
+# dense one's (strategies/base.py takes the norm mesh by mesh).
 EXPERT_NORM = _t("all_reduce", "expert gradient norm", "step", "after the last backward", False)
 
 PARALLELISMS: dict[str, Parallelism] = {p.name: p for p in (

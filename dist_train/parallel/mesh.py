@@ -33,7 +33,11 @@ def build_expert_mesh(dims: ParallelDims, device_type: str) -> Any:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (dims.world_size // dims.ep, dims.ep), mesh_dim_names=dims.expert_dims)
+    mesh = init_device_mesh(device_type, (dims.world_size // dims.ep, dims.ep), mesh_dim_names=dims.expert_dims)
+    # the experts' gradient norm, partial over both dimensions where FSDP2 shards them again (efsdp), is then one
+    # all-reduce over the flattened group rather than two in sequence, whose order could differ between ranks
+    mesh[dims.expert_dims]._flatten("_".join(dims.expert_dims))
+    return mesh
 
 
 def mesh_groups(mesh: Any) -> dict[str, list[int]]:

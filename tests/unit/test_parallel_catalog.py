@@ -12,7 +12,7 @@ from dist_train.estimate.comm import SIZERS, predict_comm
 from dist_train.estimate.setup import IMPLIED, KNOWN_STRATEGIES, Setup
 from dist_train.estimate.shapes import ModelShape
 from dist_train.estimate.compose import model_config
-from dist_train.parallel.catalog import GRADIENT_NORM, PARALLELISMS, composition
+from dist_train.parallel.catalog import EXPERT_NORM, GRADIENT_NORM, PARALLELISMS, composition
 from dist_train.parallel_dims import ParallelDims
 
 SHAPE = ModelShape.from_config(ModelConfig())
@@ -75,22 +75,22 @@ def test_the_estimator_sizes_every_declared_collective_and_nothing_else():
     for p in ep.parallelisms:
         covered.add(p.name)
         sized = SIZERS[p.name](MOE_SHAPE, ep, None)
-        assert list(sized) == [(t.op, t.moves) for t in p.traffic if t is not GRADIENT_NORM]
-    colls = predict_comm(MOE_SHAPE, ep)[0]
+        assert list(sized) == [(t.op, t.moves) for t in p.traffic if t not in (GRADIENT_NORM, EXPERT_NORM)]
+    colls = predict_comm(MOE_SHAPE, ep)[0]  # the experts' norm: one all-reduce over (efsdp, ep), flattened
     assert [(c.op, c.moves, c.dim, c.group_size) for c in colls] == [
-        ("all_to_all", "tokens", "ep", 2), ("all_reduce", "expert gradient norm", "ep", 2),
+        ("all_to_all", "tokens", "ep", 2),
         ("all_gather", "expert parameters", "efsdp", 4), ("reduce_scatter", "expert gradients", "efsdp", 4),
-        ("all_reduce", "expert gradient norm", "efsdp", 4), ("all_gather", "parameters", "dp_shard", 8),
-        ("reduce_scatter", "gradients", "dp_shard", 8), ("all_reduce", "gradient norm", "dp_shard", 8)]
+        ("all_gather", "parameters", "dp_shard", 8), ("reduce_scatter", "gradients", "dp_shard", 8),
+        ("all_reduce", "gradient norm", "dp_shard", 8), ("all_reduce", "expert gradient norm", "", 8)]
     # over replicas (strategy=ep): the experts split over ep, their replicas over edp, the dense replicas over the rest
     ep = _setup("ep", 8, **IMPLIED["ep"])
     assert [p.name for p in ep.parallelisms] == ["ep", "expert_replicate", "replicate"]
     covered.update(p.name for p in ep.parallelisms)
     assert [(c.op, c.moves, c.dim, c.group_size, c.calls) for c in predict_comm(MOE_SHAPE, ep)[0]] == [
         ("all_to_all", "tokens", "ep", 2, 5 * MOE_SHAPE.num_layers * ep.microbatches_per_step),
-        ("all_reduce", "expert gradient norm", "ep", 2, 1),
         ("all_reduce", "expert gradients", "edp", 4, MOE_SHAPE.num_layers),
-        ("all_reduce", "gradients", "dp_replicate", 8, MOE_SHAPE.num_layers + 1)]
+        ("all_reduce", "gradients", "dp_replicate", 8, MOE_SHAPE.num_layers + 1),
+        ("all_reduce", "expert gradient norm", "ep", 2, 1)]
     # beside tensor parallelism (fsdp_tp, strategy.ep): each TP rank's share of the tokens, gathered back over tp;
     # Qwen3's per-head norms' gradients all-reduced over tp in each micro-batch's backward
     tp_ep = _setup("fsdp_tp", 8, tp=2, ep=2)
@@ -100,13 +100,13 @@ def test_the_estimator_sizes_every_declared_collective_and_nothing_else():
     assert [(c.op, c.moves, c.dim, c.group_size, c.calls) for c in predict_comm(MOE_SHAPE, tp_ep)[0]] == [
         ("all_reduce", "activations", "tp", 2, 4 * layers * m), ("all_reduce", "vocabulary", "tp", 2, 5 * m),
         ("all_reduce", "norm gradients", "tp", 2, 2 * layers * m),
-        ("all_to_all", "tokens", "ep", 2, 5 * layers * m), ("all_reduce", "expert gradient norm", "ep", 2, 1),
+        ("all_to_all", "tokens", "ep", 2, 5 * layers * m),
         ("all_gather", "expert outputs", "tp", 2, 3 * layers * m),
         ("all_gather", "expert parameters", "efsdp", 4, 2 * layers * m),
         ("reduce_scatter", "expert gradients", "efsdp", 4, layers),
-        ("all_reduce", "expert gradient norm", "efsdp", 4, 1),
         ("all_gather", "parameters", "dp_shard", 4, 2 * layers * m + m),
-        ("reduce_scatter", "gradients", "dp_shard", 4, layers + 1), ("all_reduce", "gradient norm", "", 8, 1)]
+        ("reduce_scatter", "gradients", "dp_shard", 4, layers + 1), ("all_reduce", "gradient norm", "", 8, 1),
+        ("all_reduce", "expert gradient norm", "", 8, 1)]
     assert covered == set(PARALLELISMS)
 
 
