@@ -38,7 +38,7 @@ from dist_train.errors import ConfigError, require
 ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
-def share_bounds(rows: int, size: int, rank: int) -> tuple[int, int]:
+def share_bounds(rows: int, *, size: int, rank: int) -> tuple[int, int]:
     """The rows [start, end) of `rows` that rank `rank` of a tensor-parallel group of `size` takes as its share
     (an MoE layer's tokens under expert parallelism, which every rank of the group holds): contiguous chunks of
     ceil(rows / size), the last ones shorter (or empty)."""

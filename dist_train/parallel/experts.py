@@ -13,11 +13,14 @@ expert indices and weights. Here:
   row to its expert's rank and brings the results back (`dist.all_to_all_single`, looked up when called, so that
   telemetry counts and times every call; gloo takes uneven splits with this form only), then weights and sums the
   k results of each token on the rank that owns it. A rank that receives no rows still runs both exchanges and
-  keeps its (empty) share in the graph: its experts' gradients are zeros, and every collective still runs.
+  keeps its (empty) share in the graph: its experts' gradients are zeros, and every collective still runs;
+- under tensor parallelism (tp, fsdp_tp with strategy.ep) every rank of a tp group holds the same tokens: each
+  dispatches its contiguous share of them (`_Share`) and the results are all-gathered over tp (`_Gather`); in
+  backward the shares' gradients are all-gathered, so the router's and the residual stream's stay whole.
 
 Gradients: a rank's expert gradient already sums the contributions of every rank whose tokens it computed, so the
 right division is by the number of distinct batches (the data-parallel degree), not by the expert group's size:
-the strategy sets it (strategies/fsdp_ep.py). The design and its traps: ../shared/DESIGN-moe.md.
+parallel/apply.py passes it. The design and its traps: ../shared/DESIGN-moe.md.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) 
     return out
 
 
-def _exchange_gathered(rows: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+def _exchange_gathered(rows: torch.Tensor, *, group: Any, size: int) -> torch.Tensor:
     """Every rank's `rows` (each the same count, padded), concatenated in rank order."""
     out = rows.new_empty((rows.shape[0] * size, *rows.shape[1:]))
     dist.all_gather_single(out, rows.contiguous(), group=group)
@@ -69,12 +72,12 @@ class _Share(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, whole: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
         ctx.group, ctx.size, ctx.rows = group, size, whole.shape[0]
-        start, end = share_bounds(whole.shape[0], size, rank)
+        start, end = share_bounds(whole.shape[0], size=size, rank=rank)
         return whole[start:end]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        return _gather_shares(grad, ctx.group, ctx.size, ctx.rows), None, None, None
+        return _gather_shares(grad, group=ctx.group, size=ctx.size, rows=ctx.rows), None, None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -83,8 +86,8 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, share: torch.Tensor, group: Any, size: int, rows: int) -> torch.Tensor:
-        ctx.bounds = share_bounds(rows, size, dist.get_rank(group))
-        return _gather_shares(share, group, size, rows)
+        ctx.bounds = share_bounds(rows, size=size, rank=dist.get_rank(group))
+        return _gather_shares(share, group=group, size=size, rows=rows)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -92,15 +95,17 @@ class _Gather(torch.autograd.Function):
         return grad[start:end], None, None, None
 
 
-def _gather_shares(share: torch.Tensor, group: Any, size: int, rows: int) -> torch.Tensor:
+def _gather_shares(share: torch.Tensor, *, group: Any, size: int, rows: int) -> torch.Tensor:
+    """The `rows` whole, from every rank's share (`share_bounds`): padded to one size for the all-gather, the padding
+    dropped after."""
     per = -(-rows // size)
     padded = share if share.shape[0] == per else torch.cat([share, share.new_zeros((per - share.shape[0],
                                                                                     *share.shape[1:]))])
-    gathered = _exchange_gathered(padded, group, size)
+    gathered = _exchange_gathered(padded, group=group, size=size)
     if per * size == rows:
         return gathered
     return torch.cat([gathered[r * per:r * per + e - s] for r, (s, e) in
-                      enumerate(share_bounds(rows, size, r) for r in range(size))])
+                      enumerate(share_bounds(rows, size=size, rank=r) for r in range(size))])
 
 
 def shard_experts(model: nn.Module, mesh: Any, *, tp_mesh: Any = None) -> None:
@@ -212,7 +217,7 @@ def dispatch(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
     tp_group = getattr(module, "tp_group", None)
     if tp_group is not None:
         rows, size, rank = hidden.shape[0], module.tp_size, module.tp_rank
-        start, end = share_bounds(rows, size, rank)
+        start, end = share_bounds(rows, size=size, rank=rank)
         share = _dispatch(module, _Share.apply(hidden, tp_group, size, rank), top_k_index[start:end],
                           _Share.apply(top_k_weights, tp_group, size, rank))
         return _Gather.apply(share, tp_group, size, rows)

@@ -84,7 +84,7 @@ class RouterLoad:
             if getattr(module, "tp_size", 1) > 1:  # tensor parallelism: each rank holds the tokens, dispatches a share
                 from dist_train.parallel_dims import share_bounds
 
-                start, end = share_bounds(index.shape[0], module.tp_size, module.tp_rank)
+                start, end = share_bounds(index.shape[0], size=module.tp_size, rank=module.tp_rank)
                 index = index[start:end]
             experts = int(getattr(module, "num_global_experts", 0) or module.num_experts)
             counts = torch.bincount(index.detach().reshape(-1), minlength=experts)

@@ -451,7 +451,7 @@ def test_the_tensor_parallel_ranks_shares_of_an_moe_layers_tokens_cover_them_onc
     last ones shorter or empty where the rows do not divide."""
     from dist_train.parallel_dims import share_bounds
 
-    bounds = [share_bounds(rows, size, rank) for rank in range(size)]
+    bounds = [share_bounds(rows, size=size, rank=rank) for rank in range(size)]
     assert bounds[0][0] == 0 and bounds[-1][1] == rows
     assert all(end == start for (_, end), (start, _) in zip(bounds, bounds[1:]))
     assert all(0 <= end - start <= -(-rows // size) for start, end in bounds)
