@@ -106,7 +106,10 @@ def check_tensor_parallel(run: RunConfig, tp: int, *, what: str, ep: int = 1) ->
             raise ConfigError(f"{what}: {exc}; use fsdp, ddp, a ZeRO stage or a pipeline") from exc
     kv = m.num_kv_heads or m.num_heads
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
-    for field, value in (("num_heads", m.num_heads), ("num_kv_heads", kv), ("ffn_hidden_size", ffn)):
+    split = [("num_heads", m.num_heads), ("num_kv_heads", kv)]
+    if not (m.num_experts and m.moe_layers is None):  # a dense MLP somewhere (every layer MoE: none to split)
+        split.append(("ffn_hidden_size", ffn))
+    for field, value in split:
         require(
             value % tp == 0,
             f"{what} splits model.{field}={value} {tp} ways (tensor parallelism): it must be divisible by {tp}",

@@ -86,6 +86,17 @@ def test_bad_values_are_one_clear_line(overrides, world, needle):
     assert needle in message and "\n" not in message
 
 
+@pytest.mark.parametrize(("overrides", "world"), [
+    (["strategy=tp", "model=tiny_moe", "strategy.ep=2"], 2),
+    (["strategy=fsdp_tp", "model=tiny_moe", "strategy.tp=2", "strategy.ep=4"], 4),  # an EP group of two TP groups
+    # every layer MoE: no dense MLP for tensor parallelism to split, whatever its width
+    (["strategy=tp", "model=tiny_moe", "strategy.ep=2", "model.ffn_hidden_size=35"], 2),
+])
+def test_tensor_parallelism_takes_an_moe_model_with_its_experts_split_by_ep(overrides, world):
+    _, run = run_config(*overrides)
+    validate(run, world)
+
+
 @pytest.mark.parametrize(("given", "mode"), [("true", "full"), ("false", "none"), ("True", "full"), ("none", "none"),
                                              ("full", "full"), ("selective", "selective")])
 def test_checkpointing_takes_three_modes_and_the_booleans_as_aliases(given, mode):
