@@ -107,6 +107,10 @@ class Hardware:
             if key not in data and data.get("name") in OPS and key in OPS[data["name"]][0]:
                 data[key] = OPS[data["name"]][0][key]
                 data["source"] = {**data.get("source", {}), key: OPS[data["name"]][1].get(key, "")}
+        overheads = dict(data.get("overhead_s") or {})
+        if "pipeline" in overheads:  # stored before the pipelines' overheads were keyed by schedule: both had it
+            shared = overheads.pop("pipeline")
+            data["overhead_s"] = {"gpipe": shared, "1f1b": shared, **overheads}
         return cls(**{**data, "intra": Link(**data["intra"]), "inter": Link(**data["inter"])})
 
 

@@ -436,5 +436,21 @@ def test_calibration_probes_fit_the_efficiency_and_eager_cost_per_block_from_two
     # faster than the products alone: efficiency stays 1, the rest goes to the blocks
     fast = [(c, predict(c, replace(hw, layer_overhead_s=1e-3)).step_s * 0.9) for c in ranked]
     assert fit_ddp(hw, fast, predict=predict)[0] == 1.0
-    assert probes_for(("ddp", "hsdp", "1f1b", "pp_dp", "zero3")) == ("ddp", "fsdp", "zero3", "gpipe")
+    assert probes_for(("ddp", "hsdp", "1f1b", "pp_dp", "zero3")) == ("ddp", "fsdp", "zero3", "gpipe", "1f1b")
+    assert probes_for(("ddp", "1f1b")) == ("ddp", "1f1b")  # each schedule its own (pp_dp runs gpipe's)
     assert probes_for(("ddp",)) == ("ddp",)
+
+
+def test_each_pipeline_schedule_has_its_own_overhead_and_older_profiles_give_both_theirs():
+    """The pipelines' overhead_s is keyed by schedule (gpipe's step was 13% above 1f1b's on 2 CPU ranks at the same
+    micro-batches: one probe for both mispriced 1f1b); a profile stored with one `pipeline` key gives it to both."""
+    cfg = _cfg("model=tiny", "train.seq_len=128", "train.global_batch_size=16")
+    shape = ModelShape.from_config(cfg["model"])
+    hw = replace(_cpu(), overhead_s={"gpipe": 2e-3, "1f1b": 1e-3})
+    found = search(shape, cfg, hw, nodes=1, strategies=("gpipe", "1f1b"), micro_batch_sizes=[1],
+                   checkpointing=("none",), distinct=False).ranked
+    times = {c.setup.schedule: c.time for c in found}
+    assert {s: t.overhead_key for s, t in times.items()} == {"gpipe": "gpipe", "1f1b": "1f1b"}
+    assert times["gpipe"].framework_s == 2 * times["1f1b"].framework_s > 0
+    old = Hardware.from_json({**_cpu().to_json(), "overhead_s": {"pipeline": 3e-3, "zero1": 1e-3}})
+    assert old.overhead_s == {"gpipe": 3e-3, "1f1b": 3e-3, "zero1": 1e-3}
