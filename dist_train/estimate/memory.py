@@ -538,7 +538,7 @@ def weight_copy_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_
         return 0.0
     layer = shape.layer_matmul_weights() / setup.tensor_parallel_size
     if setup.ep > 1 and shape.num_experts:  # tp with strategy.ep: the experts' FSDP2 unit gathers them in the
-        router = shape.num_experts * shape.hidden_size  # compute dtype (no cast); the router is whole on every rank
+        router = shape.router_params  # compute dtype (no cast); the router is whole on every rank
         layer = (shape.layer_matmul_weights() - shape.expert_params - router) / setup.tensor_parallel_size + router
     head = shape.head_matmul_weights() / setup.tensor_parallel_size if with_head else 0
     checkpointed = setup.checkpointed_layers(num_layers, first_layer)

@@ -132,6 +132,11 @@ class ModelShape:
         return self.num_experts * self.params_per_expert
 
     @property
+    def router_params(self) -> int:
+        """One MoE layer's router (E x h, no bias in the layouts counted here); 0 for a dense model."""
+        return self.num_experts * self.hidden_size
+
+    @property
     def dense_params(self) -> int:
         """Everything but the experts: attention, norms, routers, embeddings, head."""
         return self.num_params - self.num_layers * self.expert_params
@@ -207,7 +212,7 @@ class ModelShape:
             return self.layer_matmul_weights() + 3 * self.hidden_size + self.ffn
         if self.num_experts:  # an MoE layer's router stays whole, its experts are split by expert (strategy.ep)
             biases = (self.q_dim + 2 * self.kv_dim) * self.qkv_bias
-            return self.layer_matmul_weights() - self.num_experts * self.hidden_size - self.expert_params + biases
+            return self.layer_matmul_weights() - self.router_params - self.expert_params + biases
         biases = (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + 2 * self.ffn * self.mlp_bias
         return self.layer_matmul_weights() + biases
 

@@ -85,27 +85,23 @@ class _Gather(torch.autograd.Function):
     rank of the group) cut to this rank's share, with no communication."""
 
     @staticmethod
-    def forward(ctx: Any, share: torch.Tensor, group: Any, size: int, rows: int) -> torch.Tensor:
-        ctx.bounds = share_bounds(rows, size=size, rank=dist.get_rank(group))
+    def forward(ctx: Any, share: torch.Tensor, group: Any, size: int, rank: int, rows: int) -> torch.Tensor:
+        ctx.bounds = share_bounds(rows, size=size, rank=rank)
         return _gather_shares(share, group=group, size=size, rows=rows)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         start, end = ctx.bounds
-        return grad[start:end], None, None, None
+        return grad[start:end], None, None, None, None
 
 
 def _gather_shares(share: torch.Tensor, *, group: Any, size: int, rows: int) -> torch.Tensor:
-    """The `rows` whole, from every rank's share (`share_bounds`): padded to one size for the all-gather, the padding
-    dropped after."""
+    """The `rows` whole, from every rank's share (`share_bounds`): each padded to ceil(rows / size) for the
+    all-gather. Only the last non-empty share is short, so the rows are the gathered tensor's first `rows`."""
     per = -(-rows // size)
     padded = share if share.shape[0] == per else torch.cat([share, share.new_zeros((per - share.shape[0],
                                                                                     *share.shape[1:]))])
-    gathered = _exchange_gathered(padded, group=group, size=size)
-    if per * size == rows:
-        return gathered
-    return torch.cat([gathered[r * per:r * per + e - s] for r, (s, e) in
-                      enumerate(share_bounds(rows, size=size, rank=r) for r in range(size))])
+    return _exchange_gathered(padded, group=group, size=size)[:rows]
 
 
 def shard_experts(model: nn.Module, mesh: Any, *, tp_mesh: Any = None) -> None:
@@ -220,7 +216,7 @@ def dispatch(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
         start, end = share_bounds(rows, size=size, rank=rank)
         share = _dispatch(module, _Share.apply(hidden, tp_group, size, rank), top_k_index[start:end],
                           _Share.apply(top_k_weights, tp_group, size, rank))
-        return _Gather.apply(share, tp_group, size, rows)
+        return _Gather.apply(share, tp_group, size, rank, rows)
     return _dispatch(module, hidden, top_k_index, top_k_weights)
 
 

@@ -68,16 +68,25 @@ def wrap_ddp(module: nn.Module, ctx: StrategyContext, *, group: Any = None, **op
     return ddp
 
 
-def check_expert_parallel(cfg: StrategyConfig, *, ranks: int, sequence_parallel: bool) -> None:
-    """ConfigError unless `cfg.ep` (a tensor-parallel strategy's expert-parallel degree) can split the experts over
-    `ranks` processes, ep consecutive ranks at a time, and the residual stream is whole on every TP rank."""
+def check_expert_parallel(cfg: StrategyConfig, *, ranks: int, sequence_parallel: bool = False,
+                          outer: str = "efsdp") -> None:
+    """ConfigError unless `cfg.ep` (the strategy's expert-parallel degree) can split the experts over `ranks`
+    processes, ep consecutive ranks at a time (the experts' mesh is (`outer`, ep)), and under tensor parallelism the
+    residual stream is whole on every TP rank."""
     require(cfg.ep >= 1, f"strategy.ep={cfg.ep} must be >= 1")
     require(ranks % cfg.ep == 0,
             f"strategy.ep={cfg.ep} must divide the number of processes ({ranks}): the experts' mesh is "
-            f"(efsdp {ranks}/{cfg.ep}) x (ep {cfg.ep})")
+            f"({outer} {ranks}/{cfg.ep}) x (ep {cfg.ep})")
     require(cfg.ep == 1 or not sequence_parallel,
             f"strategy={cfg.name} with strategy.ep={cfg.ep} and strategy.sequence_parallel=true is not built yet: the "
             "experts take each rank's share of a whole residual stream; use strategy.sequence_parallel=false")
+
+
+def check_experts_divide(run: RunConfig, ep: int, *, what: str) -> None:
+    """ConfigError unless `ep` ranks can split every MoE layer's experts evenly."""
+    require(run.model.num_experts % ep == 0,
+            f"{what}: strategy.ep={ep} must divide model.num_experts={run.model.num_experts}: each rank holds "
+            "num_experts / ep of every MoE layer's experts")
 
 
 def check_tensor_parallel(run: RunConfig, tp: int, *, what: str, ep: int = 1) -> None:
@@ -92,9 +101,8 @@ def check_tensor_parallel(run: RunConfig, tp: int, *, what: str, ep: int = 1) ->
     require(ep == 1 or m.num_experts > 0,
             f"{what}: strategy.ep={ep} splits experts, and model {m.name} has none (model.num_experts=0); leave "
             "strategy.ep=1")
-    require(ep == 1 or m.num_experts % ep == 0,
-            f"{what}: strategy.ep={ep} must divide model.num_experts={m.num_experts}: each rank holds num_experts / ep "
-            "of every MoE layer's experts")
+    if ep > 1:
+        check_experts_divide(run, ep, what=what)
     require(ep == 1 or run.peft.name == "none",
             f"{what} with strategy.ep={ep} and peft={run.peft.name} is not built yet")
     if m.path is not None:

@@ -32,7 +32,7 @@ from dist_train.config import RunConfig, StrategyConfig, choice, require
 from dist_train.contracts import StrategyFamily
 from dist_train.parallel.apply import Sharding
 from dist_train.parallel_dims import ParallelDims, layout_dims
-from dist_train.strategies.base import StrategyContext
+from dist_train.strategies.base import StrategyContext, check_expert_parallel, check_experts_divide
 from dist_train.strategies.parallelized import MeshWrapper
 from dist_train.strategies.torch_strategy import TorchStrategy
 
@@ -71,23 +71,17 @@ class FSDPEPConfig(StrategyConfig):
 
     def check(self, world_size: int) -> None:
         choice("strategy.dp_mode", self.dp_mode, DP_MODES)
-        require(self.ep >= 1, f"strategy.ep={self.ep} must be >= 1")
+        check_expert_parallel(self, ranks=world_size, outer="edp" if self.dp_mode == "replicate" else "efsdp")
         require(not (self.dp_mode == "replicate" and self.reduce_every_microbatch),
                 f"strategy={self.name}: strategy.reduce_every_microbatch=true applies to sharded gradients (fsdp_ep); "
                 "ep's replicas hold whole ones either way: leave it false")
-        outer = "edp" if self.dp_mode == "replicate" else "efsdp"
-        require(world_size % self.ep == 0,
-                f"strategy.ep={self.ep} must divide the number of processes ({world_size}): the experts' mesh is "
-                f"({outer} {world_size}/{self.ep}) x (ep {self.ep})")
 
     def check_run(self, run: RunConfig, world_size: int) -> None:
         super().check_run(run, world_size)
         m = run.model
         require(m.num_experts > 0, f"strategy={self.name}: model {m.name} has no experts (model.num_experts=0); "
                                    "expert parallelism needs an MoE model, such as model=tiny_moe")
-        require(m.num_experts % self.ep == 0,
-                f"strategy.ep={self.ep} must divide model.num_experts={m.num_experts}: each rank holds "
-                f"num_experts / ep of every MoE layer's experts")
+        check_experts_divide(run, self.ep, what=f"strategy={self.name}")
         require(run.peft.name == "none", f"strategy={self.name} with peft={run.peft.name} is not built yet")
 
 

@@ -66,7 +66,7 @@ class FSDPTPConfig(StrategyConfig):
                 f"strategy={self.name} with strategy.ep={self.ep}: expert parallelism beside tensor parallelism is "
                 "built with FSDP2 (fsdp_tp), not with whole replicas (ddp_tp); use strategy=fsdp_tp, or strategy=ep "
                 "without tensor parallelism")
-        check_expert_parallel(self, ranks=world_size, sequence_parallel=False)
+        check_expert_parallel(self, ranks=world_size)
 
     def check_run(self, run: RunConfig, world_size: int) -> None:
         super().check_run(run, world_size)

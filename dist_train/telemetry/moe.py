@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from dist_train.contracts import local_tensor
+from dist_train.parallel_dims import share_bounds
 
 
 def maxvio(counts: list[int]) -> float:
@@ -82,8 +83,6 @@ class RouterLoad:
                 return
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]
             if getattr(module, "tp_size", 1) > 1:  # tensor parallelism: each rank holds the tokens, dispatches a share
-                from dist_train.parallel_dims import share_bounds
-
                 start, end = share_bounds(index.shape[0], size=module.tp_size, rank=module.tp_rank)
                 index = index[start:end]
             experts = int(getattr(module, "num_global_experts", 0) or module.num_experts)
