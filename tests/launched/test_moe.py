@@ -6,9 +6,8 @@ same."""
 
 from __future__ import annotations
 
+import functools
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from dist_train.estimate import ModelShape, setup_from_config
 from dist_train.estimate.comm import predict_comm
 from dist_train.estimate.memory import ep_dispatch_bytes, expert_param_bytes, expert_state_bytes
 from dist_train.estimate.setup import Setup
-from tests.helpers import FAST, ROOT, assert_same_losses, compare_from, env, forked, last_step, metrics, train_ok
+from tests.helpers import FAST, ROOT, assert_same_losses, compare_from, forked, last_step, metrics, train_ok
 from tests.launched.test_dryrun import dry_run
 
 # 5 steps of 2 micro-batches of 2 x 64 tokens, a checkpoint after the last
@@ -44,13 +43,16 @@ def single_moe_sgd(tmp_path_factory):
     return run_dir, train_ok(["strategy=single", *MOE, *SGD], run_dir=run_dir)
 
 
+@functools.lru_cache(maxsize=None)
 def _exported(run_dir: Path, out: Path) -> dict:
-    """The weights after the last step, as launch/export.py writes them for transformers (one process, any strategy)."""
+    """The weights after the last step, as launch/export.py writes them for transformers (dist_train.export, which
+    it runs: any strategy's checkpoint, read in this process). Cached: one process's run is compared by several
+    tests (launch/export.py itself is tested in tests/launched/test_checkpoint.py and test_export_lora.py)."""
     from safetensors.torch import load_file
 
-    proc = subprocess.run([sys.executable, "launch/export.py", str(run_dir / "checkpoints" / step_dir_name(5)),
-                           str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    from dist_train.export import export_pretrained
+
+    export_pretrained(run_dir / "checkpoints" / step_dir_name(5), out)
     return load_file(out / "model.safetensors")
 
 
@@ -83,7 +85,7 @@ def _assert_trains_as_one_process(run_dir: Path, s: dict, single_run: tuple[Path
         assert abs(got - want) < 1e-6, (s["losses"], single["losses"])
     for got, want in zip(_grad_norms(run_dir), _grad_norms(single_dir), strict=True):
         assert abs(got - want) < 1e-6 * want, (_grad_norms(run_dir), _grad_norms(single_dir))
-    ours, theirs = _exported(run_dir, tmp_path / "ours"), _exported(single_dir, tmp_path / "theirs")
+    ours, theirs = _exported(run_dir, tmp_path / "ours"), _exported(single_dir, single_dir / "exported")
     routed = [n for n in theirs if ".mlp.experts." in n or ".mlp.gate." in n]
     # per layer: each expert's gate, up and down projection (transformers saves them one by one), and the router
     assert len(routed) == 4 * (8 * 3 + 1)
