@@ -224,9 +224,9 @@ def assert_same_losses(single: dict[str, Any], other: dict[str, Any], *, steps: 
 
 
 def compare_from(out: Path, *run_dirs: Path) -> dict[str, dict[str, Any]]:
-    """The comparison report of runs that already happened (`compare.from`), by strategy."""
-    cmd = [sys.executable, "launch/compare.py", f"compare.out_dir={out}", "compare.wandb=false",
-           f"compare.from=[{','.join(str(d) for d in run_dirs)}]"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    """The comparison report of runs that already happened (`compare.from`), by strategy (launch/compare.py forked
+    from tests/forkserver.py: its table.json is what is read)."""
+    proc = forked_python(["launch/compare.py", f"compare.out_dir={out}", "compare.wandb=false",
+                          f"compare.from=[{','.join(str(d) for d in run_dirs)}]"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["strategy"]: r for r in json.loads((out / "table.json").read_text())}
