@@ -12,6 +12,7 @@ never a model's name (tests/unit/test_structure.py checks that they name none).
   (dist_train/model.py), the one piece that is code.
 - Gemma: its RMSNorm scales by (1 + weight) in fp32, so the normalized output it keeps is fp32 too.
 - Phi-3: fused qkv_proj and gate_up_proj.
+- GPT-OSS: attention sinks, and experts stored in x out with biases, behind a biased router.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ class BlockFeatures:
     fused_gate_up: bool = False  # gate and up as one projection
     biased_projections: bool = False  # every projection and its fused q/k/v carry a bias (GPT-2)
     norm_output_fp32: bool = False  # the norm keeps its normalized output in fp32 whatever the residual's dtype
+    attention_sinks: bool = False  # a learned sink logit per attention head (GPT-OSS's `sinks`)
+    # An MoE layer's experts: stored in x out (`x @ W`), each with a bias on both projections, and a router with a
+    # bias (GPT-OSS); else out x in, no bias (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE)
+    experts_in_by_out: bool = False
+    expert_biases: bool = False
+    router_bias: bool = False
 
     @property
     def column_projections(self) -> int:
@@ -50,6 +57,9 @@ _DESCRIBED = {
     "gemma": BlockFeatures(norm_output_fp32=True),
     "gemma2": BlockFeatures(norm_output_fp32=True),
     "phi3": BlockFeatures(fused_qkv=True, fused_gate_up=True),
+    # GPT-OSS: biases on q, k, v and o (its config.json's attention_bias), sink logits, experts in x out with biases
+    # and their gate and up interleaved (transformers' GptOssExperts._apply_gate), a biased router
+    "gpt_oss": BlockFeatures(attention_sinks=True, experts_in_by_out=True, expert_biases=True, router_bias=True),
 }
 
 

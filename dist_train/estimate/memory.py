@@ -538,8 +538,9 @@ def weight_copy_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_
         return 0.0
     layer = shape.layer_matmul_weights() / setup.tensor_parallel_size
     if setup.ep > 1 and shape.num_experts:  # tp with strategy.ep: the experts' FSDP2 unit gathers them in the
-        router = shape.router_params  # compute dtype (no cast); the router is whole on every rank
-        layer = (shape.layer_matmul_weights() - shape.expert_params - router) / setup.tensor_parallel_size + router
+        router = shape.router_weight  # compute dtype (no cast); the router is whole on every rank
+        dense = shape.layer_matmul_weights() - shape.expert_matmul_weights - router
+        layer = dense / setup.tensor_parallel_size + router
     head = shape.head_matmul_weights() / setup.tensor_parallel_size if with_head else 0
     checkpointed = setup.checkpointed_layers(num_layers, first_layer)
     if checkpointed:  # selective recomputes the casts too

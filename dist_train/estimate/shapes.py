@@ -20,6 +20,12 @@ from dist_train.architectures import BlockFeatures, block_features
 from dist_train.config import ModelConfig
 
 
+class ExpertDims(tuple):
+    """The shape of an experts module's tensor that is not a 3-D stack (GPT-OSS's per-expert biases, E x n): one row
+    per expert, split by expert parallelism with the stacks, which `ModelShape.is_experts` tells by this type (an
+    E x h bias has the router's shape)."""
+
+
 @dataclass(frozen=True)
 class ModelShape:
     name: str
@@ -123,18 +129,30 @@ class ModelShape:
 
     @property
     def params_per_expert(self) -> int:
-        """One expert's gate, up and down projections (no biases in the stacked layouts counted here)."""
-        return 3 * self.hidden_size * self.moe_ffn
+        """One expert's gate, up and down projections, and their biases where it has them (GPT-OSS: 2I + h)."""
+        biases = (2 * self.moe_ffn + self.hidden_size) if self.features.expert_biases else 0
+        return 3 * self.hidden_size * self.moe_ffn + biases
 
     @property
     def expert_params(self) -> int:
-        """Parameters of one layer's experts, all of them (transformers' stacked gate_up_proj and down_proj)."""
+        """Parameters of one layer's experts, all of them (transformers' stacked gate_up_proj and down_proj, and any
+        biases)."""
         return self.num_experts * self.params_per_expert
 
     @property
-    def router_params(self) -> int:
-        """One MoE layer's router (E x h, no bias in the layouts counted here); 0 for a dense model."""
+    def expert_matmul_weights(self) -> int:
+        """One layer's experts' matrices (E x 3 h I), their biases left out."""
+        return self.num_experts * 3 * self.hidden_size * self.moe_ffn
+
+    @property
+    def router_weight(self) -> int:
+        """One MoE layer's router's matrix (E x h); 0 for a dense model."""
         return self.num_experts * self.hidden_size
+
+    @property
+    def router_params(self) -> int:
+        """One MoE layer's router: its matrix, and its bias where it has one (GPT-OSS); 0 for a dense model."""
+        return self.router_weight + (self.num_experts if self.features.router_bias else 0)
 
     @property
     def dense_params(self) -> int:
@@ -161,8 +179,10 @@ class ModelShape:
             return [(out, inp), (out,)] if bias else [(out, inp)]
 
         qk_norm = [[(self.head_dim,)]] if self.qk_norm else []  # after q_proj and after k_proj
+        sinks = [[(self.num_heads,)]] if self.features.attention_sinks else []  # attention's own parameter
         return [
             [(h,)],  # RMSNorm (weight only)
+            *sinks,
             linear(q, h, self.qkv_bias), *qk_norm, linear(kv, h, self.qkv_bias), *qk_norm, linear(kv, h, self.qkv_bias),
             linear(h, q, self.out_bias),
             [(h,)],
@@ -171,10 +191,18 @@ class ModelShape:
         ]
 
     def _moe_modules(self) -> list[list[tuple[int, ...]]]:
-        """An MoE layer's router (E x h) and its stacked experts (gate_up_proj E x 2I x h, down_proj E x h x I:
-        transformers' layout), one module."""
+        """An MoE layer's router (E x h, and GPT-OSS's bias) and its stacked experts (gate_up_proj E x 2I x h,
+        down_proj E x h x I: transformers' layout; GPT-OSS's in x out, E x h x 2I and E x I x h, each with its
+        biases), one module."""
         h, e, i = self.hidden_size, self.num_experts, self.moe_ffn
-        return [[(e, h)], [(e, 2 * i, h), (e, h, i)]]
+        router = [(e, h), (e,)] if self.features.router_bias else [(e, h)]
+        if self.features.experts_in_by_out:
+            stacks = [(e, h, 2 * i), (e, i, h)]
+        else:
+            stacks = [(e, 2 * i, h), (e, h, i)]
+        if self.features.expert_biases:
+            stacks = [stacks[0], ExpertDims((e, 2 * i)), stacks[1], ExpertDims((e, h))]
+        return [router, stacks]
 
     def layer_params(self) -> int:
         return sum(math.prod(dims) for module in self.layer_modules() for dims in module)
@@ -200,8 +228,10 @@ class ModelShape:
 
     # ------------------------------------------------------------------ what autocast and ZeRO-3 see
     def layer_matmul_weights(self) -> int:
-        """Weights of one layer's matrix products: what autocast copies to 16 bits and keeps for backward."""
-        return sum(math.prod(dims) for module in self.layer_modules() for dims in module if len(dims) >= 2)
+        """Weights of one layer's matrix products: what autocast copies to 16 bits and keeps for backward (the
+        experts' biases are not one)."""
+        return sum(math.prod(dims) for module in self.layer_modules() for dims in module
+                   if len(dims) >= 2 and not isinstance(dims, ExpertDims))
 
     def layer_tp_sharded(self) -> int:
         """Elements of one layer that tensor parallelism splits across ranks: the matmul weights and the
@@ -212,7 +242,7 @@ class ModelShape:
             return self.layer_matmul_weights() + 3 * self.hidden_size + self.ffn
         if self.num_experts:  # an MoE layer's router stays whole, its experts are split by expert (strategy.ep)
             biases = (self.q_dim + 2 * self.kv_dim) * self.qkv_bias
-            return self.layer_matmul_weights() - self.router_params - self.expert_params + biases
+            return self.layer_matmul_weights() - self.router_weight - self.expert_matmul_weights + biases
         biases = (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + 2 * self.ffn * self.mlp_bias
         return self.layer_matmul_weights() + biases
 
@@ -238,9 +268,9 @@ class ModelShape:
 
     @staticmethod
     def is_experts(dims: tuple[int, ...]) -> bool:
-        """Whether a parameter of this shape is an MoE layer's stacked experts (gate_up_proj E x 2I x h, down_proj
-        E x h x I): the only 3-D parameters here, and what expert parallelism splits by expert."""
-        return len(dims) == 3
+        """Whether a parameter of this shape is an MoE layer's experts' (gate_up_proj E x 2I x h, down_proj E x h x I,
+        the only 3-D parameters here; GPT-OSS's biases, `ExpertDims`): what expert parallelism splits by expert."""
+        return len(dims) == 3 or isinstance(dims, ExpertDims)
 
     def module_params(self) -> list[tuple[int, ...]]:
         """Each module's own parameter tensors (their sizes), in forward order: the unit ZeRO-3 gathers."""

@@ -114,8 +114,8 @@ def shard_experts(model: nn.Module, mesh: Any, *, tp_mesh: Any = None) -> None:
     for module in expert_modules(model):
         experts = int(module.gate_up_proj.shape[0])
         assert experts % ep == 0, (experts, ep)  # checked with the config (strategies/fsdp_ep.py)
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(module, name)
+        for name, full in list(module.named_parameters(recurse=False)):  # the stacked matrices, and any biases
+            assert full.shape[0] == experts, (name, tuple(full.shape))  # one row per expert (GPT-OSS's biases too)
             setattr(module, name, nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(0)], src_data_rank=None),
                                                requires_grad=full.requires_grad))
         module.ep_group, module.ep_size = mesh.get_group(), ep
@@ -241,15 +241,28 @@ def _local_experts(module: nn.Module, rows: torch.Tensor, local_rows: list[torch
     e's rows at `local_rows[e]`). The weights are this rank's shards; an expert that received nothing, or a rank
     that received nothing, still touches its weights and the received rows, so that their gradients exist (zeros),
     every rank reduces the same tensors, and every rank runs the exchanges' backward."""
-    gate_up, down = module.gate_up_proj.to_local(), module.down_proj.to_local()
+    weights = {name: p.to_local() for name, p in module.named_parameters(recurse=False)}
     # Built from the rows and the weights, not beside them: with no row received, the exchange that brought them
     # must still run its backward (the peers wait in it), and every local expert still gets a (zero) gradient.
     out = rows * 0.0
-    touched = (gate_up.sum() + down.sum()) * 0.0
+    touched = sum(w.sum() for w in weights.values()) * 0.0
     for e, idx in enumerate(local_rows):
         if idx.numel() == 0:
             continue
-        gate, up = nn.functional.linear(rows[idx], gate_up[e]).chunk(2, dim=-1)
-        hidden = nn.functional.linear(module.act_fn(gate) * up, down[e])
+        hidden = one_expert(module, rows[idx], e, weights)
         out = out.index_add(0, idx, hidden.to(out.dtype))
     return out + touched
+
+
+def one_expert(module: nn.Module, rows: torch.Tensor, e: int, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Expert `e`'s output for `rows`, as transformers' eager loop computes it, from the layout its experts class
+    declares (`use_experts_implementation`: `is_transposed`, in x out as GPT-OSS stores them, else out x in;
+    `has_bias`; its `_apply_gate`, which splits gate from up, concatenated or GPT-OSS's interleaved and clamped).
+    `weights`: the module's stacked tensors by name, this rank's experts (the dry run passes the module's own)."""
+    transposed, biased = getattr(module, "is_transposed", False), getattr(module, "has_bias", False)
+
+    def project(x: torch.Tensor, name: str) -> torch.Tensor:
+        y = x @ weights[name][e] if transposed else nn.functional.linear(x, weights[name][e])
+        return y + weights[f"{name}_bias"][e] if biased else y
+
+    return project(module._apply_gate(project(rows, "gate_up_proj")), "down_proj")

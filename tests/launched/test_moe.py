@@ -21,6 +21,7 @@ from dist_train.estimate.memory import ep_dispatch_bytes, expert_param_bytes, ex
 from dist_train.estimate.setup import Setup
 from tests.helpers import FAST, ROOT, assert_same_losses, compare_from, forked, last_step, metrics, train_ok
 from tests.launched.test_dryrun import dry_run
+from tests.moe_support import gpt_oss_dir
 
 # 5 steps of 2 micro-batches of 2 x 64 tokens, a checkpoint after the last
 MOE = ["logger=none", *FAST, "model=tiny_moe", "checkpoint.every_steps=5"]
@@ -77,19 +78,21 @@ def _grad_norms(run_dir: Path) -> list[float]:
     return [r["grad_norm"] for r in metrics(run_dir) if r["rank"] == 0]
 
 
-def _assert_trains_as_one_process(run_dir: Path, s: dict, single_run: tuple[Path, dict], tmp_path: Path) -> None:
+def _assert_trains_as_one_process(run_dir: Path, s: dict, single_run: tuple[Path, dict], tmp_path: Path, *,
+                                  routed: int = 4 * (8 * 3 + 1)) -> None:
     """The run's loss and gradient norm of every step within 1e-6 of one process's on the same global batch, and
-    every expert's and router's weights after the last step (as launch/export.py writes them)."""
+    every expert's and router's weights after the last step (as launch/export.py writes them): `routed` tensors,
+    tiny_moe's by default (per layer each expert's gate, up and down projection, which transformers saves one by
+    one, and the router)."""
     single_dir, single = single_run
     for got, want in zip(s["losses"], single["losses"], strict=True):
         assert abs(got - want) < 1e-6, (s["losses"], single["losses"])
     for got, want in zip(_grad_norms(run_dir), _grad_norms(single_dir), strict=True):
         assert abs(got - want) < 1e-6 * want, (_grad_norms(run_dir), _grad_norms(single_dir))
     ours, theirs = _exported(run_dir, tmp_path / "ours"), _exported(single_dir, single_dir / "exported")
-    routed = [n for n in theirs if ".mlp.experts." in n or ".mlp.gate." in n]
-    # per layer: each expert's gate, up and down projection (transformers saves them one by one), and the router
-    assert len(routed) == 4 * (8 * 3 + 1)
-    for name in routed:
+    names = [n for n in theirs if ".mlp.experts." in n or ".mlp.gate." in n or ".mlp.router." in n]
+    assert len(names) == routed, names
+    for name in names:
         assert ours[name].shape == theirs[name].shape, name
         assert (ours[name] - theirs[name]).abs().max() < 1e-6, (name, (ours[name] - theirs[name]).abs().max())
 
@@ -238,6 +241,44 @@ def test_tensor_parallel_splits_the_experts_by_expert_as_one_process(strategy, n
 
 # ddp (its buckets hold the stacked experts like any parameter), FSDP2 (one block, experts included, per all-gather),
 # DeepSpeed's ZeRO-3 (its own partitioning of the 3-D expert tensors) and a pipeline (1F1B over 2 stages).
+@pytest.mark.beside
+def test_gpt_oss_trains_under_expert_parallelism_as_one_process_and_is_predicted(tmp_path_factory, tmp_path):
+    """A GPT-OSS directory (tests/moe_support.py): experts stored in x out with a bias on each projection, gate and up
+    interleaved and clamped, a biased router, attention sinks. Under fsdp_ep on 2 ranks (ep 2) the dispatch runs each
+    expert as its class declares (parallel/experts.py one_expert) and splits the biases by expert with the matrices:
+    the loss and gradient norm of every step within 1e-6 of one process's, and after the last step every expert's
+    matrices and biases and the router's weight and bias. Each rank's experts' bytes, its collectives and the dry
+    run are the estimator's, biases and sinks counted."""
+    model_dir = gpt_oss_dir(tmp_path_factory.mktemp("gpt-oss"))
+    goss = ["logger=none", *FAST, "model=hf", f"model.path={model_dir}", "checkpoint.every_steps=5", *SGD]
+    single = (tmp_path / "single", train_ok(["strategy=single", *goss], run_dir=tmp_path / "single"))
+    run_dir = tmp_path / "fsdp_ep"
+    s = train_ok(["strategy=fsdp_ep", "strategy.ep=2", *goss], run_dir=run_dir, nproc=2)
+    # 2 layers: the two stacked matrices and their two biases, and the router's weight and bias
+    _assert_trains_as_one_process(run_dir, s, single, tmp_path, routed=2 * (4 + 2))
+
+    config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    shape, setup = ModelShape.from_config(config["model"]), setup_from_config(config, world_size=2)
+    assert s["num_params"] == shape.num_params == 159_448
+    state = expert_state_bytes(shape, setup)
+    ranks = last_step(run_dir)
+    for rec in ranks:  # 4 of the 8 experts of each layer, biases included, and their SGD momentum
+        assert rec["memory/expert_params_bytes"] == expert_param_bytes(shape, setup) == 2 * 4 * (3 * 64 * 32 + 128) * 4
+        assert (rec["memory/expert_grads_bytes"], rec["memory/expert_optimizer_bytes"]) == (
+            state["grads"], state["optimizer"])
+    predicted = predict_comm(shape, setup)[0]
+    for rec in ranks:
+        for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+            assert rec[f"comm/{op}/count"] == sum(c.calls for c in predicted if c.op == op), op
+            if op != "all_to_all":
+                assert rec[f"comm/{op}/bytes"] == sum(c.bytes for c in predicted if c.op == op), op
+    a2a = sum(c.bytes for c in predicted if c.op == "all_to_all")
+    assert sum(rec["comm/all_to_all/bytes"] for rec in ranks) == 2 * a2a
+    rows = compare_from(tmp_path / "compare", single[0], run_dir)
+    assert rows["fsdp_ep"]["model_state_ok"] is True, rows["fsdp_ep"]
+    _assert_dry_run_equals(["strategy=fsdp_ep", "strategy.ep=2", *goss], s, nproc=2, a2a=a2a)
+
+
 @pytest.mark.beside
 def test_compiled_expert_parallel_blocks_train_as_one_process(single_moe, tmp_path):
     """train.compile=true under fsdp_ep: each block compiled before the experts are split and FSDP2 shards it. The

@@ -15,6 +15,7 @@ from dist_train.estimate.memory import layer_activation_bytes
 from dist_train.estimate.shapes import ModelShape
 from dist_train.model import build_model
 from dist_train.pretrained import resolve_model
+from tests.moe_support import gpt_oss_dir
 
 
 def _counts(model: torch.nn.Module) -> tuple[int, int]:
@@ -63,6 +64,25 @@ def test_a_mixtral_directory_fills_the_experts_and_is_counted_as_built(tmp_path)
     shape = ModelShape.from_config(model)
     expert, dense = _counts(built)
     assert (shape.num_layers * shape.expert_params, shape.dense_params) == (expert, dense)
+
+
+def test_a_gpt_oss_directory_is_counted_as_built_its_biases_and_sinks_included(tmp_path):
+    """GPT-OSS's experts carry a bias on each projection (E x 2I, E x h) and its router one (E); its attention a sink
+    logit per head. Each counted where it is: the experts' biases with the experts (expert parallelism splits them by
+    expert), the rest dense; an E x h expert bias told from the router's E x h matrix by the estimator's ExpertDims."""
+    model = ModelConfig(name="hf", path=str(gpt_oss_dir(tmp_path)))
+    resolve_model(model)
+    assert (model.num_experts, model.experts_per_token, model.moe_ffn_hidden_size) == (8, 2, 32)
+    built = build_model(model, seed=0, empty=torch.device("meta"))
+    shape = ModelShape.from_config(model)
+    expert, dense = _counts(built)
+    assert (shape.num_layers * shape.expert_params, shape.dense_params) == (expert, dense)
+    assert shape.num_params == 159_448
+    # per layer: each expert's 3 h I weights and 2I + h biases; the router's E x h and E; 4 sink logits
+    assert shape.params_per_expert == 3 * 64 * 32 + 2 * 32 + 64 and shape.router_params == 8 * 64 + 8
+    experts_module = [n for n, _ in built.named_parameters() if ".0.mlp.experts." in n]
+    assert sum(shape.is_experts(d) for d in shape.layer_modules()[-1]) == len(experts_module) == 4
+    assert [d for d in shape.layer_modules()[-2] if shape.is_experts(d)] == []  # the router's (8, 64) is not
 
 
 def test_moe_layers_among_dense_ones_are_refused_by_the_estimator_in_one_line(tmp_path):
@@ -455,3 +475,21 @@ def test_the_tensor_parallel_ranks_shares_of_an_moe_layers_tokens_cover_them_onc
     assert bounds[0][0] == 0 and bounds[-1][1] == rows
     assert all(end == start for (_, end), (start, _) in zip(bounds, bounds[1:]))
     assert all(0 <= end - start <= -(-rows // size) for start, end in bounds)
+
+
+def test_an_mxfp4_directory_is_refused_by_the_meta_reader_naming_the_two_ways_out():
+    """GPT-OSS's published experts are MXFP4 blocks and scales: a model built on meta finds no tensor of its own name,
+    and the one line says they are quantized and what to do, not only that weights are missing."""
+    from types import SimpleNamespace
+
+    from dist_train.weights import source_names
+
+    experts = "model.layers.0.mlp.experts.down_proj"
+    source = SimpleNamespace(path="/ckpt", locations={"lm_head.weight": 0, f"{experts}_blocks": 0,
+                                                      f"{experts}_scales": 0})
+    with pytest.raises(ValueError, match=r"^/ckpt: 1 of the model's tensors are saved quantized \(e\.g\. "
+                                         rf"'{experts}_blocks' and its _scales: MXFP4\).*Mxfp4Config\(dequantize=True\)"
+                                         r".*\(single, ddp, zero1, zero2\)$"):
+        source_names(torch.nn.Module(), source, {experts: None, "lm_head.weight": None})
+    with pytest.raises(ValueError, match=r"^/ckpt: no weights for 1 of the model's tensors"):  # anything else
+        source_names(torch.nn.Module(), source, {"model.norm.weight": None})

@@ -326,22 +326,22 @@ def balanced_experts(model: Any) -> None:
 
 
 def _eager_balanced(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
-    """transformers' eager experts forward (Qwen3-MoE, Mixtral, OLMoE share it), each expert's rows given by the
-    balanced routing instead of `where(expert_mask)`: the same gathers, products, weighting and index_add."""
+    """transformers' eager experts forward (Qwen3-MoE, Mixtral, OLMoE and GPT-OSS share its loop; each expert's
+    products as its class declares them, parallel/experts.py one_expert), each expert's rows given by the balanced
+    routing instead of `where(expert_mask)`: the same gathers, products, weighting and index_add."""
     import torch
-    from torch import nn
+
+    from dist_train.parallel.experts import one_expert
 
     tokens, k = top_k_index.shape
+    weights = dict(self.named_parameters(recurse=False))
     final_hidden_states = torch.zeros_like(hidden_states)
     for expert_idx, pairs in enumerate(_balanced_pairs(tokens * k, self.num_experts)):
         if not len(pairs):
             continue
         pair = torch.arange(pairs.start, pairs.stop, pairs.step)
         top_k_pos, token_idx = pair % k, pair // k
-        current_state = hidden_states[token_idx]
-        gate, up = nn.functional.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
-        current_hidden_states = self.act_fn(gate) * up
-        current_hidden_states = nn.functional.linear(current_hidden_states, self.down_proj[expert_idx])
+        current_hidden_states = one_expert(self, hidden_states[token_idx], expert_idx, weights)
         current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
         final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
     return final_hidden_states
