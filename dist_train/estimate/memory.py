@@ -431,13 +431,17 @@ def expert_rank_elements(shape: ModelShape, setup: Setup) -> float:
 
 
 def expert_rank_stored(shape: ModelShape, setup: Setup) -> Optional[float]:
-    """Elements of the experts' parameters one rank stores: whole under ddp and the pipelines' replicas (a stage's own
-    layers), E / ep of them under ep, FSDP2's padded shards under fsdp, fsdp_ep and tensor parallelism with
-    strategy.ep (over efsdp, after ep); None for a dense model and where it is not modelled (ZeRO's flat
-    partitions)."""
-    if not shape.num_experts or setup.family in ("zero", "pipeline"):
+    """Elements of the experts' parameters one rank stores: whole under ddp, E / ep of them under ep, FSDP2's padded
+    shards under fsdp, fsdp_ep and tensor parallelism with strategy.ep (over efsdp, after ep), ZeRO-3's partition of
+    each tensor (ceil(n / N) elements, padding included, as DeepSpeed partitions each parameter on its own); None for a
+    dense model and where it is not modelled (ZeRO-1/2's flat partitions, which cut across parameters; a pipeline's
+    stages, which differ)."""
+    if not shape.num_experts or setup.family == "pipeline" or (setup.family == "zero" and setup.zero_stage != 3):
         return None
     experts = [d for d in shape.param_shapes() if shape.is_experts(d)]
+    if setup.family == "zero":  # each expert tensor's partition (its ds_tensor), what telemetry counts
+        n = setup.data_parallel_size
+        return float(sum(-(-math.prod(d) // n) for d in experts))
     if setup.ep > 1 and setup.dims.expert_dims[0] == "efsdp":  # fsdp_ep; tp, fsdp_tp with strategy.ep
         efsdp = setup.dims.degree("efsdp")
         return sum(expert_padded(d, setup.ep, efsdp) / efsdp for d in experts)

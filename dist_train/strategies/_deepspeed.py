@@ -164,13 +164,16 @@ class ZeroModelState(ModelState):
     being measured. The bytes are counted with the same function, the largest after any backward.
     """
 
-    def __init__(self, *, params: list[torch.Tensor], optimizer: list[torch.Tensor], grads_bytes: int) -> None:
+    def __init__(self, *, params: list[torch.Tensor], optimizer: list[torch.Tensor], grads_bytes: int,
+                 expert_bytes: dict[str, int] | None = None) -> None:
         super().__init__(params=params, grads=[], optimizer=optimizer)
         self.grads_bytes = grads_bytes
+        self.expert_bytes = expert_bytes or {}  # memory/expert_grads_bytes, memory/expert_optimizer_bytes (stage 3)
 
     def bytes(self) -> dict[str, int]:
         out = super().bytes()
         out["memory/grads_bytes"] = self.grads_bytes
+        out.update(self.expert_bytes)
         return out
 
     def by_dtype(self) -> dict[str, int]:
@@ -209,6 +212,8 @@ class ZeroStrategy:
         self.engine: Any = None
         self._grads_bytes = 0  # peak gradient bytes of the last step, counted at the boundary
         self._grads_seen = 0  # the same, during the step
+        self._expert_grads_bytes = self._expert_grads_seen = 0  # the experts' part of both (stage 3)
+        self._expert_ids: set[int] | None = None  # the experts' parameters, found once
         self.peaks = TransientPeaks()
         self._config: dict[str, Any] | None = None
 
@@ -267,8 +272,51 @@ class ZeroStrategy:
         self.engine.step()  # an optimizer step only at the accumulation boundary
 
     def _count_grads(self) -> None:
-        """After a backward, before its step: the gradient bytes this rank holds (peak over the micro-batches)."""
+        """After a backward, before its step: the gradient bytes this rank holds (peak over the micro-batches), and
+        the experts' part of them."""
         self._grads_seen = max(self._grads_seen, tensor_bytes(self._gradient_tensors()))
+        if self._expert_partitions():
+            self._expert_grads_seen = max(self._expert_grads_seen, self._expert_gradient_bytes())
+
+    def _expert_partitions(self) -> list[int]:
+        """Stage 3: the experts' elements in this rank's partition of each of ZeRO-3's sub-groups (each parameter is
+        partitioned on its own, `ds_tensor`, and a sub-group's flat buffers concatenate its parameters' partitions);
+        [] for a dense model, and under stages 1 and 2, whose flat partitions cut across parameters (not split)."""
+        if self.cfg.stage != 3:
+            return []
+        if self._expert_ids is None:
+            from dist_train.architectures import expert_modules
+
+            self._expert_ids = {id(p) for m in expert_modules(self.engine.module) for p in m.parameters()}
+        if not self._expert_ids:
+            return []
+        return [sum(p.ds_tensor.numel() for p in group if id(p) in self._expert_ids)
+                for group in self.engine.optimizer.fp16_groups]
+
+    def _expert_gradient_bytes(self) -> int:
+        """The experts' part of `_gradient_tensors` under stage 3: their elements of the flat gradient partition
+        (and of the offloaded fp32 ones), and any whole expert gradient held."""
+        opt, parts = self.engine.optimizer, self._expert_partitions()
+        flat = getattr(opt, "grad_partitions_flat_buffer", None)
+        total = sum(parts) * flat.element_size() if flat is not None else 0
+        for n, master in zip(parts, self._master_partitions()):
+            grad = getattr(master, "grad", None)
+            total += n * grad.element_size() if grad is not None else 0
+        return total + tensor_bytes(p.grad for p in self._params() if id(p) in self._expert_ids and p.grad is not None)
+
+    def _expert_optimizer_bytes(self, *, counted_master: set[int]) -> int:
+        """The experts' part of the optimizer category under stage 3: in each sub-group, their elements of every
+        tensor of the sub-group's flat size (its fp32 master partition where counted there, the optimizer's moments;
+        step counters left out, as for a torch optimizer's experts)."""
+        opt = self.engine.optimizer
+        total = 0
+        for n, master in zip(self._expert_partitions(), self._master_partitions()):
+            state = [t for t in opt.optimizer.state.get(master, {}).values()
+                     if isinstance(t, torch.Tensor) and t.numel() == master.numel()]
+            if id(master) in counted_master:
+                state.append(master)
+            total += n * sum(t.element_size() for t in state)
+        return total
 
     def _watch_transients(self) -> None:
         opt = self.engine.optimizer
@@ -302,12 +350,12 @@ class ZeroStrategy:
         # DeepSpeed's step applies the update after exactly gradient_accumulation_steps backwards.
         assert len(micro) == engine.gradient_accumulation_steps(), (len(micro), engine.gradient_accumulation_steps())
         loss_sum = torch.zeros((), device=self.ctx.runtime.device)
-        self._grads_seen = 0
+        self._grads_seen = self._expert_grads_seen = 0
         for mb in micro:
             loss = forward_loss(engine, mb.input_ids, mb.labels)
             self._backward_and_step(loss)
             loss_sum += loss.detach().float()
-        self._grads_bytes = self._grads_seen
+        self._grads_bytes, self._expert_grads_bytes = self._grads_seen, self._expert_grads_seen
         norm = engine.get_global_grad_norm()  # before clipping; a float or a tensor depending on the stage
         grad_norm = None if norm is None else torch.as_tensor(norm, dtype=torch.float32).detach()
         return StepOutput(loss_sum=loss_sum, num_microbatches=len(micro), grad_norm=grad_norm)
@@ -371,10 +419,16 @@ class ZeroStrategy:
         # optimizer. Under stage 3 in fp32 it is the parameters' own partition (_zero3_setup): counted once, there.
         flats = {id(t) for t in getattr(opt, "fp16_partitioned_groups_flat", [])}  # the same tensor when shared
         master = [t for t in self._master_partitions() if id(t) not in flats]
+        experts = None
+        if self._expert_partitions():
+            experts = {"memory/expert_grads_bytes": self._expert_grads_bytes,
+                       "memory/expert_optimizer_bytes": self._expert_optimizer_bytes(counted_master={
+                           id(t) for t in master})}
         return ZeroModelState(
             params=params,
             optimizer=optimizer_state_tensors(opt.optimizer) + master,
             grads_bytes=self._grads_bytes,
+            expert_bytes=experts,
         )
 
     def state_dict(self) -> dict[str, Any]:
