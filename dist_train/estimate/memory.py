@@ -430,14 +430,17 @@ def expert_rank_elements(shape: ModelShape, setup: Setup) -> float:
     return shape.num_layers * shape.expert_params / setup.ep if shape.num_experts else 0.0
 
 
-def expert_rank_stored(shape: ModelShape, setup: Setup) -> Optional[float]:
-    """Elements of the experts' parameters one rank stores: whole under ddp, E / ep of them under ep, FSDP2's padded
-    shards under fsdp, fsdp_ep and tensor parallelism with strategy.ep (over efsdp, after ep), ZeRO-3's partition of
-    each tensor (ceil(n / N) elements, padding included, as DeepSpeed partitions each parameter on its own); None for a
-    dense model and where it is not modelled (ZeRO-1/2's flat partitions, which cut across parameters; a pipeline's
-    stages, which differ)."""
-    if not shape.num_experts or setup.family == "pipeline" or (setup.family == "zero" and setup.zero_stage != 3):
+def expert_rank_stored(shape: ModelShape, setup: Setup, *, rank: int = 0) -> Optional[float]:
+    """Elements of the experts' parameters rank `rank` stores: whole under ddp, E / ep of them under ep, FSDP2's
+    padded shards under fsdp, fsdp_ep and tensor parallelism with strategy.ep (over efsdp, after ep), ZeRO-3's
+    partition of each tensor (ceil(n / N) elements, padding included, as DeepSpeed partitions each parameter on its
+    own), a pipeline stage's own layers' (rank = stage x D + replica; pp_dp's FSDP stages: their share, as
+    `model_state_bytes` counts a stage); None for a dense model and under ZeRO-1/2, whose flat partitions cut across
+    parameters."""
+    if not shape.num_experts or (setup.family == "zero" and setup.zero_stage != 3):
         return None
+    if setup.family == "pipeline":
+        return _stage_experts(shape, setup, rank=rank) / shards(setup).weights
     experts = [d for d in shape.param_shapes() if shape.is_experts(d)]
     if setup.family == "zero":  # each expert tensor's partition (its ds_tensor), what telemetry counts
         n = setup.data_parallel_size
@@ -451,20 +454,31 @@ def expert_rank_stored(shape: ModelShape, setup: Setup) -> Optional[float]:
     return sum(fsdp_padded(d, n) / n for d in experts)
 
 
-def expert_param_bytes(shape: ModelShape, setup: Setup) -> Optional[float]:
-    """Bytes of the experts' parameters on one rank (telemetry's memory/expert_params_bytes), as
+def _stage_experts(shape: ModelShape, setup: Setup, *, rank: int) -> float:
+    """The experts of the pipeline stage rank `rank` runs (its layers', every layer MoE), whole."""
+    split = list(setup.split_points) if setup.split_points else None
+    layers = stage_layers(shape, num_stages=setup.num_stages, split_points=split)
+    return float(layers[rank // setup.data_parallel_size] * shape.expert_params)
+
+
+def expert_param_bytes(shape: ModelShape, setup: Setup, *, rank: int = 0) -> Optional[float]:
+    """Bytes of the experts' parameters on rank `rank` (telemetry's memory/expert_params_bytes), as
     `expert_rank_stored` counts them."""
-    elements = expert_rank_stored(shape, setup)
+    elements = expert_rank_stored(shape, setup, rank=rank)
     return None if elements is None else elements * setup_state_bytes(setup).weights
 
 
-def expert_state_bytes(shape: ModelShape, setup: Setup) -> Optional[dict[str, float]]:
+def expert_state_bytes(shape: ModelShape, setup: Setup, *, rank: int = 0) -> Optional[dict[str, float]]:
     """The experts' parameters, gradients and optimizer state (with any master copy; step counters left out, as in
-    the optimizer category) on one rank: telemetry's memory/expert_{params,grads,optimizer}_bytes."""
-    elements = expert_rank_stored(shape, setup)
+    the optimizer category) on rank `rank`: telemetry's memory/expert_{params,grads,optimizer}_bytes."""
+    elements = expert_rank_stored(shape, setup, rank=rank)
     if elements is None:
         return None
     b = setup_state_bytes(setup)
+    if setup.family == "pipeline":  # each category over its own shards, as model_state_bytes counts a stage
+        whole, sh = _stage_experts(shape, setup, rank=rank), shards(setup)
+        return {"params": elements * b.weights, "grads": whole * b.grads / sh.grads,
+                "optimizer": whole * (b.optimizer + b.master) / sh.optimizer}
     return {"params": elements * b.weights, "grads": elements * b.grads,
             "optimizer": elements * (b.optimizer + b.master)}
 

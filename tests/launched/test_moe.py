@@ -328,22 +328,21 @@ def test_an_moe_model_trains_as_one_process_does_and_is_predicted(strategy, sing
     assert_same_losses(single, s)
     assert s["num_params"] == single["num_params"] == 281_280
     config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
-    expert_bytes = expert_param_bytes(ModelShape.from_config(config["model"]), setup_from_config(config, world_size=2))
-    state = expert_state_bytes(ModelShape.from_config(config["model"]), setup_from_config(config, world_size=2))
-    for rec in last_step(run_dir):
+    shape, setup = ModelShape.from_config(config["model"]), setup_from_config(config, world_size=2)
+    for rank, rec in enumerate(last_step(run_dir)):
         assert rec["memory/params_bytes"] > 0
-        if strategy != "1f1b":  # whole, FSDP2's shard or ZeRO-3's partition of each: as the estimator predicts
-            assert rec["memory/expert_params_bytes"] == expert_bytes, (strategy, rec["memory/expert_params_bytes"])
+        # whole, FSDP2's shard, ZeRO-3's partition of each, or a pipeline stage's layers': as the estimator predicts
+        ours = rec["memory/expert_params_bytes"]
+        assert ours == expert_param_bytes(shape, setup, rank=rank), (strategy, rank, ours)
         # the experts' fp32 gradients and AdamW's two moments of them (a pipeline stage: its own layers'), and under
         # torch's optimizers a step count for each of the 8 expert tensors; ZeRO-3's partitions of each, its moments
         # flat per sub-group (no step count of their own)
-        ours = rec["memory/expert_params_bytes"]
         tensors = 0 if strategy == "zero3" else 2 * (4 if strategy != "1f1b" else 2)  # gate_up_proj, down_proj
         assert rec["memory/expert_grads_bytes"] == ours > 0, strategy
         assert rec["memory/expert_optimizer_bytes"] == 2 * ours + 4 * tensors, strategy
-        if strategy != "1f1b":  # the estimator's, step counters aside (expert_state_bytes)
-            assert (state["grads"], state["optimizer"] + 4 * tensors) == (
-                rec["memory/expert_grads_bytes"], rec["memory/expert_optimizer_bytes"]), strategy
+        state = expert_state_bytes(shape, setup, rank=rank)  # the estimator's, step counters aside
+        assert (state["grads"], state["optimizer"] + 4 * tensors) == (
+            rec["memory/expert_grads_bytes"], rec["memory/expert_optimizer_bytes"]), strategy
     # Step 1, the same weights everywhere: the ranks' router loads add up to one process's, layer by layer (under
     # 1f1b each stage counts its own layers, under their model-wide numbers)
     first = [r for r in metrics(run_dir) if r["step"] == 1]
