@@ -186,7 +186,8 @@ def resolve_model(model: ModelConfig) -> None:
     model.head_dim = getattr(text, "head_dim", None)
     # attention_bias covers q, k, v and o (Llama, Mistral, Qwen3, Gemma); Qwen2 builds q, k, v with biases always
     attention_bias = bool(getattr(text, "attention_bias", False))
-    model.qkv_bias = attention_bias or cfg.model_type == "qwen2"
+    # (Qwen2-MoE's config says so as qkv_bias)
+    model.qkv_bias = attention_bias or bool(getattr(text, "qkv_bias", False)) or cfg.model_type == "qwen2"
     model.out_bias = attention_bias
     model.mlp_bias = bool(getattr(text, "mlp_bias", False))
     # per-head q/k norms: the entries transformers' tensor-parallel plan keeps whole on every rank (Qwen3)

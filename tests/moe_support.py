@@ -21,3 +21,23 @@ def gpt_oss_dir(tmp_path: Path) -> Path:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     return tmp_path
+
+
+def qwen2_moe_config(**extra: object) -> object:
+    """A tiny Qwen2-MoE (transformers' Qwen2MoeConfig): q/k/v biases, 8 experts of width 32, top-2 (weights not
+    renormalised, its default), and a shared expert of width 64 every token takes, gated by a sigmoid."""
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(**{**dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                                    max_position_embeddings=256), **extra})
+
+
+def qwen2_moe_dir(tmp_path: Path) -> Path:
+    """qwen2_moe_config's model, saved with its weights (each expert apart, as save_pretrained writes them)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(qwen2_moe_config()).save_pretrained(tmp_path)
+    return tmp_path

@@ -556,9 +556,9 @@ def weight_copy_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_
         return 0.0
     layer = shape.layer_matmul_weights() / setup.tensor_parallel_size
     if setup.ep > 1 and shape.num_experts:  # tp with strategy.ep: the experts' FSDP2 unit gathers them in the
-        router = shape.router_weight  # compute dtype (no cast); the router is whole on every rank
-        dense = shape.layer_matmul_weights() - shape.expert_matmul_weights - router
-        layer = dense / setup.tensor_parallel_size + router
+        whole = shape.router_weight + shape.shared_expert_params  # the router and a shared expert: whole on every rank
+        dense = shape.layer_matmul_weights() - shape.expert_matmul_weights - whole
+        layer = dense / setup.tensor_parallel_size + whole
     head = shape.head_matmul_weights() / setup.tensor_parallel_size if with_head else 0
     checkpointed = setup.checkpointed_layers(num_layers, first_layer)
     if checkpointed:  # selective recomputes the casts too
@@ -613,6 +613,7 @@ def layer_activation_bytes(shape: ModelShape, *, micro_batch_size: int, seq_len:
     masks = 2 * h if shape.dropout > 0 else 0  # attention-output and MLP-output dropout (1 byte each)
     per_token = values * elem + norms * norm_saved_bytes(shape, norm_elem or elem) + masks
     per_token += moe_routing_bytes(shape, elem, autocast=autocast, experts_fp32=experts_fp32, tp=tp)
+    per_token += shared_expert_bytes(shape, elem, autocast=autocast)
     if shape.qk_norm:  # per-head RMSNorms on q and k: their fp32 input and normalized output, split with the heads
         per_token += (shape.q_dim + shape.kv_dim) * norm_saved_bytes(shape, elem) / tp
     scores = 0.0
@@ -670,6 +671,19 @@ def moe_routing_bytes(shape: ModelShape, elem: int, *, autocast: bool = False, e
     else:
         pair = 16 + elem + 2 * h * elem + h * (4 if autocast else elem)
     return router + k * pair / tp
+
+
+def shared_expert_bytes(shape: ModelShape, elem: int, *, autocast: bool = False) -> float:
+    """What a shared expert (Qwen2-MoE's) saves per token: its SwiGLU's four S-wide tensors (gate and up outputs, the
+    activation, their product), its output and its gate's sigmoid (one element), both kept by their product; under
+    autocast its three projections' (gate, up and the 1 x h gate) own 16-bit casts of the block's input. Whole on
+    every rank under tensor parallelism. Measured with the activation meter on a 2-layer Qwen2-MoE (h 64, S 64 and 96)
+    against the same block without it, fp32 and bf16 autocast: exactly this (tests/unit/test_moe.py)."""
+    s = shape.shared_expert_ffn_hidden_size if shape.num_experts else 0
+    if not s:
+        return 0.0
+    h = shape.hidden_size
+    return (4 * s + h + 1) * elem + (3 * h * elem if autocast else 0)
 
 
 def experts_in_fp32(shape: ModelShape, setup: Setup) -> bool:

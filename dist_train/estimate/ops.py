@@ -83,8 +83,10 @@ def projections(shape: ModelShape, tp: int) -> list[tuple[int, int]]:
     h, q, kv, f = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.ffn
     feats = shape.features
     attention = [(h, (q + 2 * kv) // tp)] if feats.fused_qkv else [(h, q // tp), (h, kv // tp), (h, kv // tp)]
-    if shape.num_experts:  # the router; the experts are experts_compute's
-        return [*attention, (q // tp, h), (h, shape.num_experts)]
+    if shape.num_experts:  # the router; the experts are experts_compute's; a shared expert, whole on every rank
+        s = shape.shared_expert_ffn_hidden_size
+        shared = [(h, s), (h, s), (s, h), (h, 1)] if s else []
+        return [*attention, (q // tp, h), (h, shape.num_experts), *shared]
     if not feats.gated_mlp:
         mlp = [(h, f // tp)]
     else:
@@ -150,7 +152,11 @@ def elementwise_bytes_per_token(shape: ModelShape, *, tp: int, sequence_parallel
         act = ELEMENTWISE["gelu_tanh"] * e * f // tp
     rotary = 0 if feats.learned_positions else ELEMENTWISE["rotary"] * e * (q + kv)
     layout = 2 * e * q  # attention's output back from (batch, heads, seq, dim): one copy
-    return per_h * h + act + rotary + layout
+    shared = 0
+    if shape.num_experts and shape.shared_expert_ffn_hidden_size:  # its SwiGLU, then its gated output (read h and
+        # the gate, write h) added to the experts' (read 2 h, write h); the gate's sigmoid, one element, left out
+        shared = ELEMENTWISE["swiglu"] * e * shape.shared_expert_ffn_hidden_size + 5 * e * h
+    return per_h * h + act + rotary + layout + shared
 
 
 # Bytes per element of the kernels eager transformers runs (each kernel reads its inputs and writes its output once):

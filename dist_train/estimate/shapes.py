@@ -51,6 +51,7 @@ class ModelShape:
     experts_per_token: int = 0
     moe_ffn_hidden_size: Optional[int] = None
     experts_implementation: str = "eager"  # model.experts_implementation: how the experts' products run
+    shared_expert_ffn_hidden_size: Optional[int] = None  # Qwen2-MoE's shared expert: a gated MLP every token takes
 
     def __post_init__(self) -> None:
         if self.num_experts and self.features.biased_projections:
@@ -74,20 +75,19 @@ class ModelShape:
             num_experts=int(get("num_experts", 0) or 0), experts_per_token=int(get("experts_per_token", 0) or 0),
             moe_ffn_hidden_size=get("moe_ffn_hidden_size"),
             experts_implementation=str(get("experts_implementation", "eager") or "eager"),
+            shared_expert_ffn_hidden_size=get("shared_expert_ffn_hidden_size") or None,
         )
 
     @staticmethod
     def unsupported(model: Any) -> Optional[str]:
         """Why the estimator cannot count `model` (a ModelConfig or its dict), or None: MoE models whose layers are
-        not all MoE, or with a shared expert, are not modelled yet."""
+        not all MoE are not modelled yet."""
         get = _getter(model)
         if not get("num_experts", 0):
             return None
         if get("moe_layers") is not None:
             return (f"model {get('name', '')}: MoE layers {list(get('moe_layers'))} of {get('num_layers')} (dense MLP "
                     "layers between them) are not modelled yet; the estimator counts models whose every layer is MoE")
-        if get("shared_expert_ffn_hidden_size"):
-            return f"model {get('name', '')}: a shared expert (Qwen2-MoE's) is not modelled yet"
         return None
 
     @property
@@ -155,6 +155,13 @@ class ModelShape:
         return self.router_weight + (self.num_experts if self.features.router_bias else 0)
 
     @property
+    def shared_expert_params(self) -> int:
+        """One MoE layer's shared expert (Qwen2-MoE's: gate, up and down projections S x h, and its 1 x h gate);
+        0 without one. Dense: every token takes it, and nothing splits it by expert."""
+        s = self.shared_expert_ffn_hidden_size or 0
+        return 3 * self.hidden_size * s + self.hidden_size if s else 0
+
+    @property
     def dense_params(self) -> int:
         """Everything but the experts: attention, norms, routers, embeddings, head."""
         return self.num_params - self.num_layers * self.expert_params
@@ -202,6 +209,9 @@ class ModelShape:
             stacks = [(e, 2 * i, h), (e, h, i)]
         if self.features.expert_biases:
             stacks = [stacks[0], ExpertDims((e, 2 * i)), stacks[1], ExpertDims((e, h))]
+        shared = self.shared_expert_ffn_hidden_size
+        if shared:  # Qwen2-MoE runs its shared expert first, gates its output after the experts' (sigmoid, 1 x h)
+            return [[(shared, h)], [(shared, h)], [(h, shared)], router, stacks, [(1, h)]]
         return [router, stacks]
 
     def layer_params(self) -> int:
@@ -240,9 +250,11 @@ class ModelShape:
         (expert parallelism splits those: memory.tp_rank_params)."""
         if self.features.biased_projections:  # the fused q/k/v's and the MLP's first biases are split too
             return self.layer_matmul_weights() + 3 * self.hidden_size + self.ffn
-        if self.num_experts:  # an MoE layer's router stays whole, its experts are split by expert (strategy.ep)
+        if self.num_experts:  # an MoE layer's router stays whole, its experts are split by expert (strategy.ep), and a
+            # shared expert stays whole (transformers' Qwen2-MoE plan has no entry for it)
             biases = (self.q_dim + 2 * self.kv_dim) * self.qkv_bias
-            return self.layer_matmul_weights() - self.router_weight - self.expert_matmul_weights + biases
+            return (self.layer_matmul_weights() - self.router_weight - self.expert_matmul_weights
+                    - self.shared_expert_params + biases)
         biases = (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + 2 * self.ffn * self.mlp_bias
         return self.layer_matmul_weights() + biases
 

@@ -21,7 +21,7 @@ from dist_train.estimate.memory import ep_dispatch_bytes, expert_param_bytes, ex
 from dist_train.estimate.setup import Setup
 from tests.helpers import FAST, ROOT, assert_same_losses, compare_from, forked, last_step, metrics, train_ok
 from tests.launched.test_dryrun import dry_run
-from tests.moe_support import gpt_oss_dir
+from tests.moe_support import gpt_oss_dir, qwen2_moe_dir
 
 # 5 steps of 2 micro-batches of 2 x 64 tokens, a checkpoint after the last
 MOE = ["logger=none", *FAST, "model=tiny_moe", "checkpoint.every_steps=5"]
@@ -242,29 +242,39 @@ def test_tensor_parallel_splits_the_experts_by_expert_as_one_process(strategy, n
 
 # ddp (its buckets hold the stacked experts like any parameter), FSDP2 (one block, experts included, per all-gather),
 # DeepSpeed's ZeRO-3 (its own partitioning of the 3-D expert tensors) and a pipeline (1F1B over 2 stages).
+# Directories of the architectures whose experts differ from tiny_moe's (tests/moe_support.py): how each is made,
+# its parameters, and the tensors compared after the last step, per layer (GPT-OSS: the two stacked matrices and their
+# biases, and the router's weight and bias; Qwen2-MoE: each expert's three projections, saved apart, and the router)
+OTHER_MOE = {"gpt_oss": (gpt_oss_dir, 159_448, 4 + 2, 3 * 64 * 32 + 2 * 32 + 64),
+             "qwen2_moe": (qwen2_moe_dir, 181_952, 8 * 3 + 1, 3 * 64 * 32)}
+
+
 @pytest.mark.beside
-def test_gpt_oss_trains_under_expert_parallelism_as_one_process_and_is_predicted(tmp_path_factory, tmp_path):
-    """A GPT-OSS directory (tests/moe_support.py): experts stored in x out with a bias on each projection, gate and up
-    interleaved and clamped, a biased router, attention sinks. Under fsdp_ep on 2 ranks (ep 2) the dispatch runs each
-    expert as its class declares (parallel/experts.py one_expert) and splits the biases by expert with the matrices:
-    the loss and gradient norm of every step within 1e-6 of one process's, and after the last step every expert's
-    matrices and biases and the router's weight and bias. Each rank's experts' bytes, its collectives and the dry
-    run are the estimator's, biases and sinks counted."""
-    model_dir = gpt_oss_dir(tmp_path_factory.mktemp("gpt-oss"))
-    goss = ["logger=none", *FAST, "model=hf", f"model.path={model_dir}", "checkpoint.every_steps=5", *SGD]
-    single = (tmp_path / "single", train_ok(["strategy=single", *goss], run_dir=tmp_path / "single"))
+@pytest.mark.parametrize("arch", sorted(OTHER_MOE))
+def test_other_moe_architectures_train_under_expert_parallelism_as_one_process_and_are_predicted(
+        arch, tmp_path_factory, tmp_path):
+    """GPT-OSS: experts stored in x out with a bias on each projection, gate and up interleaved and clamped, a biased
+    router, attention sinks; the dispatch runs each expert as its class declares (parallel/experts.py one_expert) and
+    splits the biases by expert with the matrices. Qwen2-MoE: a shared expert beside the routed ones, dense, and
+    routing weights not renormalised. Under fsdp_ep on 2 ranks (ep 2), against one process: the loss and gradient
+    norm of every step within 1e-6, and after the last step every expert's tensors and the router's. Each rank's
+    experts' bytes, its collectives, its model state (compare.from) and the dry run are the estimator's, biases,
+    sinks and shared expert counted."""
+    make, num_params, routed, per_expert = OTHER_MOE[arch]
+    model_dir = make(tmp_path_factory.mktemp(arch))
+    overrides = ["logger=none", *FAST, "model=hf", f"model.path={model_dir}", "checkpoint.every_steps=5", *SGD]
+    single = (tmp_path / "single", train_ok(["strategy=single", *overrides], run_dir=tmp_path / "single"))
     run_dir = tmp_path / "fsdp_ep"
-    s = train_ok(["strategy=fsdp_ep", "strategy.ep=2", *goss], run_dir=run_dir, nproc=2)
-    # 2 layers: the two stacked matrices and their two biases, and the router's weight and bias
-    _assert_trains_as_one_process(run_dir, s, single, tmp_path, routed=2 * (4 + 2))
+    s = train_ok(["strategy=fsdp_ep", "strategy.ep=2", *overrides], run_dir=run_dir, nproc=2)
+    _assert_trains_as_one_process(run_dir, s, single, tmp_path, routed=2 * routed)
 
     config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
     shape, setup = ModelShape.from_config(config["model"]), setup_from_config(config, world_size=2)
-    assert s["num_params"] == shape.num_params == 159_448
+    assert s["num_params"] == shape.num_params == num_params
     state = expert_state_bytes(shape, setup)
     ranks = last_step(run_dir)
-    for rec in ranks:  # 4 of the 8 experts of each layer, biases included, and their SGD momentum
-        assert rec["memory/expert_params_bytes"] == expert_param_bytes(shape, setup) == 2 * 4 * (3 * 64 * 32 + 128) * 4
+    for rec in ranks:  # 4 of the 8 experts of each of the 2 layers, biases included, and their SGD momentum
+        assert rec["memory/expert_params_bytes"] == expert_param_bytes(shape, setup) == 2 * 4 * per_expert * 4
         assert (rec["memory/expert_grads_bytes"], rec["memory/expert_optimizer_bytes"]) == (
             state["grads"], state["optimizer"])
     predicted = predict_comm(shape, setup)[0]
@@ -277,7 +287,7 @@ def test_gpt_oss_trains_under_expert_parallelism_as_one_process_and_is_predicted
     assert sum(rec["comm/all_to_all/bytes"] for rec in ranks) == 2 * a2a
     rows = compare_from(tmp_path / "compare", single[0], run_dir)
     assert rows["fsdp_ep"]["model_state_ok"] is True, rows["fsdp_ep"]
-    _assert_dry_run_equals(["strategy=fsdp_ep", "strategy.ep=2", *goss], s, nproc=2, a2a=a2a)
+    _assert_dry_run_equals(["strategy=fsdp_ep", "strategy.ep=2", *overrides], s, nproc=2, a2a=a2a)
 
 
 @pytest.mark.beside

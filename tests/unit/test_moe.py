@@ -15,7 +15,7 @@ from dist_train.estimate.memory import layer_activation_bytes
 from dist_train.estimate.shapes import ModelShape
 from dist_train.model import build_model
 from dist_train.pretrained import resolve_model
-from tests.moe_support import gpt_oss_dir
+from tests.moe_support import gpt_oss_dir, qwen2_moe_config, qwen2_moe_dir
 
 
 def _counts(model: torch.nn.Module) -> tuple[int, int]:
@@ -83,6 +83,65 @@ def test_a_gpt_oss_directory_is_counted_as_built_its_biases_and_sinks_included(t
     experts_module = [n for n, _ in built.named_parameters() if ".0.mlp.experts." in n]
     assert sum(shape.is_experts(d) for d in shape.layer_modules()[-1]) == len(experts_module) == 4
     assert [d for d in shape.layer_modules()[-2] if shape.is_experts(d)] == []  # the router's (8, 64) is not
+
+
+def test_a_qwen2_moe_directory_with_its_shared_expert_is_counted_as_built(tmp_path):
+    """Qwen2-MoE's shared expert (a gated MLP every token takes, and its 1 x h sigmoid gate) is dense: counted with
+    the dense parameters, active for every token, whole under tensor parallelism (transformers' plan has no entry for
+    it). Its q/k/v biases come from its config's qkv_bias."""
+    model = ModelConfig(name="hf", path=str(qwen2_moe_dir(tmp_path)))
+    resolve_model(model)
+    assert (model.num_experts, model.shared_expert_ffn_hidden_size, model.qkv_bias) == (8, 64, True)
+    built = build_model(model, seed=0, empty=torch.device("meta"))
+    shape = ModelShape.from_config(model)
+    expert, dense = _counts(built)
+    assert (shape.num_layers * shape.expert_params, shape.dense_params) == (expert, dense)
+    assert shape.num_params == 181_952 and shape.shared_expert_params == 3 * 64 * 64 + 64
+    from dist_train.model import count_params, idle_expert_params
+
+    assert count_params(built) - idle_expert_params(built, 2) == shape.active_params
+    assert shape.layer_params() - shape.layer_tp_sharded() == (  # what stays whole under tp: norms, the router,
+        2 * 64 + 8 * 64 + shape.shared_expert_params + shape.expert_params)  # the shared expert, the experts (ep's)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_shared_expert_keeps_what_the_estimator_says(monkeypatch, autocast):
+    """What Qwen2-MoE's block saves for backward, less what the same block without its shared expert saves (its
+    forward with the shared expert's lines taken out), measured with training's activation meter over one forward:
+    the estimator's shared_expert_bytes, exactly, in fp32 and under bf16 autocast, for two widths."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
+
+    from dist_train.estimate.memory import shared_expert_bytes
+    from dist_train.telemetry.activations import ActivationMeter
+
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def without_shared(self, hidden_states):
+        batch, seq, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        _, weights, experts = self.gate(x)
+        return self.experts(x, experts, weights).reshape(batch, seq, h)
+
+    def measured(width: int) -> int:
+        config = qwen2_moe_config(shared_expert_intermediate_size=width)
+        config._experts_implementation = "eager"
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        meter = ActivationMeter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), meter.measuring():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return meter.peak_bytes
+
+    for width in (64, 96):
+        with_shared = measured(width)
+        monkeypatch.setattr(modeling_qwen2_moe.Qwen2MoeSparseMoeBlock, "forward", without_shared)
+        without = measured(width)
+        monkeypatch.undo()
+        shape = ModelShape.from_config({**model_config("tiny_moe"), "shared_expert_ffn_hidden_size": width})
+        # 2 layers of 2 x 64 tokens
+        assert with_shared - without == 2 * 128 * shared_expert_bytes(shape, 2 if autocast else 4, autocast=autocast)
 
 
 def test_moe_layers_among_dense_ones_are_refused_by_the_estimator_in_one_line(tmp_path):
