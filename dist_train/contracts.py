@@ -186,7 +186,7 @@ class ModelState:
     grads: list[torch.Tensor | None] = field(default_factory=list)
     optimizer: list[torch.Tensor] = field(default_factory=list)
     # An MoE model's experts' part of the three (a torch optimizer's state, keyed by parameter), None where there is
-    # none or it cannot be told apart (ZeRO-1/2's flat partitions; ZeRO-3's, split by _deepspeed.py, come as its bytes)
+    # none (ZeRO's flat partitions, split by strategies/_deepspeed.py, come as bytes of their own)
     experts: ModelState | None = None
 
     def bytes(self) -> dict[str, int]:

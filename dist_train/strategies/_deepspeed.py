@@ -168,7 +168,7 @@ class ZeroModelState(ModelState):
                  expert_bytes: dict[str, int] | None = None) -> None:
         super().__init__(params=params, grads=[], optimizer=optimizer)
         self.grads_bytes = grads_bytes
-        self.expert_bytes = expert_bytes or {}  # memory/expert_grads_bytes, memory/expert_optimizer_bytes (stage 3)
+        self.expert_bytes = expert_bytes or {}  # memory/expert_grads_bytes, memory/expert_optimizer_bytes
 
     def bytes(self) -> dict[str, int]:
         out = super().bytes()
@@ -212,7 +212,7 @@ class ZeroStrategy:
         self.engine: Any = None
         self._grads_bytes = 0  # peak gradient bytes of the last step, counted at the boundary
         self._grads_seen = 0  # the same, during the step
-        self._expert_grads_bytes = self._expert_grads_seen = 0  # the experts' part of both (stage 3)
+        self._expert_grads_bytes = self._expert_grads_seen = 0  # the experts' part of both
         self._expert_ids: set[int] | None = None  # the experts' parameters, found once
         self.peaks = TransientPeaks()
         self._config: dict[str, Any] | None = None
@@ -279,34 +279,52 @@ class ZeroStrategy:
             self._expert_grads_seen = max(self._expert_grads_seen, self._expert_gradient_bytes())
 
     def _expert_partitions(self) -> list[int]:
-        """Stage 3: the experts' elements in this rank's partition of each of ZeRO-3's sub-groups (each parameter is
-        partitioned on its own, `ds_tensor`, and a sub-group's flat buffers concatenate its parameters' partitions);
-        [] for a dense model, and under stages 1 and 2, whose flat partitions cut across parameters (not split)."""
-        if self.cfg.stage != 3:
-            return []
+        """The experts' elements in this rank's partition of each of ZeRO's parameter groups; [] for a dense model.
+        Stage 3 partitions each parameter on its own (`ds_tensor`), and a sub-group's flat buffers concatenate its
+        parameters' partitions. Stages 1 and 2 cut one flat buffer of the group's parameters (DeepSpeed's offsets into
+        it) into equal partitions, which cut across parameters: what of each expert tensor falls in this rank's."""
         if self._expert_ids is None:
             from dist_train.architectures import expert_modules
 
             self._expert_ids = {id(p) for m in expert_modules(self.engine.module) for p in m.parameters()}
         if not self._expert_ids:
             return []
-        return [sum(p.ds_tensor.numel() for p in group if id(p) in self._expert_ids)
-                for group in self.engine.optimizer.fp16_groups]
+        opt = self.engine.optimizer
+        if self.cfg.stage == 3:
+            return [sum(p.ds_tensor.numel() for p in group if id(p) in self._expert_ids) for group in opt.fp16_groups]
+        import torch.distributed as dist
+
+        out = []
+        for i, group in enumerate(opt.round_robin_bit16_groups):
+            size = int(opt.partition_size[i])
+            start = dist.get_rank(group=opt.real_dp_process_group[i]) * size
+            out.append(sum(max(0, min(offset + p.numel(), start + size) - max(offset, start))
+                           for p, offset in zip(group, opt.round_robin_bit16_offsets[i]) if id(p) in self._expert_ids))
+        return out
 
     def _expert_gradient_bytes(self) -> int:
-        """The experts' part of `_gradient_tensors` under stage 3: their elements of the flat gradient partition
-        (and of the offloaded fp32 ones), and any whole expert gradient held."""
+        """The experts' part of `_gradient_tensors`: their elements of each flat gradient partition held (stage 3's
+        buffer; stage 1's and 2's reduced partitions), of the offloaded fp32 ones, and any whole expert gradient held
+        (stage 1 accumulates whole gradients until the last micro-batch)."""
         opt, parts = self.engine.optimizer, self._expert_partitions()
-        flat = getattr(opt, "grad_partitions_flat_buffer", None)
-        total = sum(parts) * flat.element_size() if flat is not None else 0
+        total = 0
+        if self.cfg.stage == 3:
+            flat = getattr(opt, "grad_partitions_flat_buffer", None)
+            total += sum(parts) * flat.element_size() if flat is not None else 0
+        else:
+            for i, n in enumerate(parts):
+                values = [holder.get(i) for holder in (opt.averaged_gradients, opt.all_grad_tensors)]
+                held = [t for v in values for t in (v if isinstance(v, (list, tuple)) else [v])
+                        if isinstance(t, torch.Tensor)]
+                total += n * held[0].element_size() if held else 0
         for n, master in zip(parts, self._master_partitions()):
             grad = getattr(master, "grad", None)
             total += n * grad.element_size() if grad is not None else 0
         return total + tensor_bytes(p.grad for p in self._params() if id(p) in self._expert_ids and p.grad is not None)
 
     def _expert_optimizer_bytes(self, *, counted_master: set[int]) -> int:
-        """The experts' part of the optimizer category under stage 3: in each sub-group, their elements of every
-        tensor of the sub-group's flat size (its fp32 master partition where counted there, the optimizer's moments;
+        """The experts' part of the optimizer category: in each group (stage 3: sub-group), their elements of every
+        tensor of the partition's flat size (its fp32 master partition where counted there, the optimizer's moments;
         step counters left out, as for a torch optimizer's experts)."""
         opt = self.engine.optimizer
         total = 0

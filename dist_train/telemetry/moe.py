@@ -18,7 +18,7 @@ mean over the EP group is 1 and the largest is the most loaded rank's overload (
 W&B's `/max` over ranks). Under tensor parallelism with strategy.ep every rank of a tp group holds the same tokens:
 each counts only the share it dispatches. `memory/expert_params_bytes` is the part of `memory/params_bytes` that
 experts hold (also under ZeRO-3's partitions; `memory/expert_grads_bytes` and `memory/expert_optimizer_bytes` come
-with the strategy's ModelState, contracts.py, where its optimizer is torch's, and under ZeRO-3).
+with the strategy's ModelState, contracts.py, where its optimizer is torch's, and under ZeRO).
 
 The loads are this rank's tokens, not the global batch's: summing `tokens_per_expert` over ranks gives the global
 load, and no collective is added to the step to do so. summary.json's `moe_load` does that sum over every window
