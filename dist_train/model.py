@@ -116,8 +116,17 @@ def _from_pretrained(cfg: ModelConfig) -> nn.Module:
 
     d = ModelDir.open(cfg.path)
     hf = d.config(trust_remote_code=cfg.trust_remote_code, dropout=cfg.dropout)
+    extra = {}
+    quantized = getattr(hf, "quantization_config", None) or {}
+    if (quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)) \
+            == "mxfp4":  # GPT-OSS's published experts: kept quantized (and untrainable) where transformers' MXFP4
+        # kernels run (a GPU with triton and `kernels`), dequantized elsewhere; trained here, so dequantized always
+        from transformers import Mxfp4Config
+
+        extra["quantization_config"] = Mxfp4Config(dequantize=True)
     return AutoModelForCausalLM.from_pretrained(
-        d.path, config=hf, dtype=torch.float32, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+        d.path, config=hf, dtype=torch.float32, local_files_only=True, trust_remote_code=cfg.trust_remote_code,
+        **extra)
 
 
 def _build_gpt2(cfg: ModelConfig) -> nn.Module:

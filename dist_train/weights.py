@@ -232,7 +232,7 @@ def source_names(model: nn.Module, source: WeightSource, tensors: dict[str, Any]
             out[name] = (held, tensor)
     if missing:
         where = getattr(source, "path", type(source).__name__)
-        quantized = sorted(f"{name}_blocks" for name in missing if f"{name}_blocks" in saved)
+        quantized = sorted(f"{_clean(name)}_blocks" for name in missing if f"{_clean(name)}_blocks" in saved)
         if quantized:  # GPT-OSS's published checkpoints: the experts in MXFP4, blocks and scales
             raise ValueError(
                 f"{where}: {len(quantized)} of the model's tensors are saved quantized (e.g. {quantized[0]!r} and its "
@@ -240,7 +240,7 @@ def source_names(model: nn.Module, source: WeightSource, tensors: dict[str, Any]
                 "from_pretrained(DIR, quantization_config=Mxfp4Config(dequantize=True)), then save_pretrained) or "
                 "use a strategy that loads through from_pretrained (single, ddp, zero1, zero2)")
         raise ValueError(f"{where}: no weights for {len(missing)} of the model's tensors, e.g. "
-                         f"{sorted(missing)[0]!r} (it holds {len(saved)}, e.g. {sorted(saved)[0]!r})")
+                         f"{sorted(map(_clean, missing))[0]!r} (it holds {len(saved)}, e.g. {sorted(saved)[0]!r})")
     return out
 
 

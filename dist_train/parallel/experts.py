@@ -112,6 +112,10 @@ def shard_experts(model: nn.Module, mesh: Any, *, tp_mesh: Any = None) -> None:
 
     ep = mesh.size()
     for module in expert_modules(model):
+        if getattr(module, "has_post_expert_norm", False) or not getattr(module, "has_gate", True):
+            raise ValueError(f"{type(module).__name__}: expert parallelism runs experts as a gated projection, then "
+                             "down (transformers' has_gate, without has_post_expert_norm); this architecture's are not "
+                             "that: train it with fsdp, ddp, a ZeRO stage or a pipeline")
         experts = int(module.gate_up_proj.shape[0])
         assert experts % ep == 0, (experts, ep)  # checked with the config (strategies/fsdp_ep.py)
         for name, full in list(module.named_parameters(recurse=False)):  # the stacked matrices, and any biases
@@ -265,4 +269,8 @@ def one_expert(module: nn.Module, rows: torch.Tensor, e: int, weights: dict[str,
         y = x @ weights[name][e] if transposed else nn.functional.linear(x, weights[name][e])
         return y + weights[f"{name}_bias"][e] if biased else y
 
-    return project(module._apply_gate(project(rows, "gate_up_proj")), "down_proj")
+    def gate(x: torch.Tensor) -> torch.Tensor:  # transformers' default, for a class without its decorator
+        gate_out, up = x.chunk(2, dim=-1)
+        return module.act_fn(gate_out) * up
+
+    return project(getattr(module, "_apply_gate", gate)(project(rows, "gate_up_proj")), "down_proj")

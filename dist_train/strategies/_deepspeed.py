@@ -305,7 +305,8 @@ class ZeroStrategy:
     def _expert_gradient_bytes(self) -> int:
         """The experts' part of `_gradient_tensors`: their elements of each flat gradient partition held (stage 3's
         buffer; stage 1's and 2's reduced partitions), of the offloaded fp32 ones, and any whole expert gradient held
-        (stage 1 accumulates whole gradients until the last micro-batch)."""
+        (stage 1 accumulates whole gradients until the last micro-batch; stage 2, between micro-batches, the whole
+        gradient of every parameter its partition touches)."""
         opt, parts = self.engine.optimizer, self._expert_partitions()
         total = 0
         if self.cfg.stage == 3:
@@ -313,8 +314,13 @@ class ZeroStrategy:
             total += sum(parts) * flat.element_size() if flat is not None else 0
         else:
             for i, n in enumerate(parts):
-                values = [holder.get(i) for holder in (opt.averaged_gradients, opt.all_grad_tensors)]
-                held = [t for v in values for t in (v if isinstance(v, (list, tuple)) else [v])
+                whole = opt.all_grad_tensors.get(i)  # between micro-batches: the whole gradient of each parameter
+                if isinstance(whole, (list, tuple)):  # the partition touches, in params_in_partition's order
+                    total += tensor_bytes(t for t, p in zip(whole, opt.params_in_partition[i])
+                                          if id(p) in self._expert_ids and isinstance(t, torch.Tensor))
+                    continue
+                value = opt.averaged_gradients.get(i)  # the reduced partition: the experts' elements of it
+                held = [t for t in (value if isinstance(value, (list, tuple)) else [value])
                         if isinstance(t, torch.Tensor)]
                 total += n * held[0].element_size() if held else 0
         for n, master in zip(parts, self._master_partitions()):

@@ -552,3 +552,7 @@ def test_an_mxfp4_directory_is_refused_by_the_meta_reader_naming_the_two_ways_ou
         source_names(torch.nn.Module(), source, {experts: None, "lm_head.weight": None})
     with pytest.raises(ValueError, match=r"^/ckpt: no weights for 1 of the model's tensors"):  # anything else
         source_names(torch.nn.Module(), source, {"model.norm.weight": None})
+    # under activation checkpointing a model built on meta is read with its blocks wrapped: the same line
+    wrapped = "model.layers.0._checkpoint_wrapped_module.mlp.experts.down_proj"
+    with pytest.raises(ValueError, match=rf"saved quantized \(e\.g\. '{experts}_blocks'"):
+        source_names(torch.nn.Module(), source, {wrapped: None, "lm_head.weight": None})
