@@ -23,7 +23,7 @@ def test_verify_on_this_machine(tmp_path):
     """Calibrates the cpu profile, runs the best two configurations for real, puts measured beside predicted."""
     profiles, runs = tmp_path / "profiles", tmp_path / "runs"
     proc = run_plan("model=tiny", "model.hidden_size=256", "train.seq_len=128", "train.global_batch_size=8",
-                    "logger=none", "cluster.gpu=cpu", "cluster.gpus_per_node=2", "plan.strategies=[ddp,zero2]",
+                    "logger=none", "cluster.gpu=cpu", "cluster.gpus_per_node=2", "plan.strategies=[ddp,fsdp]",
                     "plan.micro_batch_sizes=[4]", "plan.checkpointing=[false]", "plan.verify=2", "plan.steps=4",
                     f"plan.profile_dir={profiles}", f"plan.out_dir={runs}", "format=json")
     assert proc.returncode == 0, proc.stderr[-3000:]
