@@ -118,8 +118,8 @@ def _from_pretrained(cfg: ModelConfig) -> nn.Module:
     hf = d.config(trust_remote_code=cfg.trust_remote_code, dropout=cfg.dropout)
     extra = {}
     quantized = getattr(hf, "quantization_config", None) or {}
-    if (quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)) \
-            == "mxfp4":  # GPT-OSS's published experts: kept quantized (and untrainable) where transformers' MXFP4
+    method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+    if method == "mxfp4":  # GPT-OSS's published experts: kept quantized (and untrainable) where transformers' MXFP4
         # kernels run (a GPU with triton and `kernels`), dequantized elsewhere; trained here, so dequantized always
         from transformers import Mxfp4Config
 

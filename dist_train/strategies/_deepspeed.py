@@ -213,7 +213,11 @@ class ZeroStrategy:
         self._grads_bytes = 0  # peak gradient bytes of the last step, counted at the boundary
         self._grads_seen = 0  # the same, during the step
         self._expert_grads_bytes = self._expert_grads_seen = 0  # the experts' part of both
-        self._expert_ids: set[int] | None = None  # the experts' parameters, found once
+        # An MoE model's experts' parameters and their elements in this rank's partition of each group, found once
+        # (_expert_partitions): DeepSpeed's layout is fixed after its set-up
+        self._expert_params: list[nn.Parameter] = []
+        self._expert_ids: set[int] = set()
+        self._expert_parts: list[int] | None = None
         self.peaks = TransientPeaks()
         self._config: dict[str, Any] | None = None
 
@@ -282,13 +286,18 @@ class ZeroStrategy:
         """The experts' elements in this rank's partition of each of ZeRO's parameter groups; [] for a dense model.
         Stage 3 partitions each parameter on its own (`ds_tensor`), and a sub-group's flat buffers concatenate its
         parameters' partitions. Stages 1 and 2 cut one flat buffer of the group's parameters (DeepSpeed's offsets into
-        it) into equal partitions, which cut across parameters: what of each expert tensor falls in this rank's."""
-        if self._expert_ids is None:
+        it) into equal partitions, which cut across parameters: what of each expert tensor falls in this rank's.
+        Computed once: the layout is fixed after DeepSpeed's set-up."""
+        if self._expert_parts is None:
             from dist_train.architectures import expert_modules
 
-            self._expert_ids = {id(p) for m in expert_modules(self.engine.module) for p in m.parameters()}
-        if not self._expert_ids:
-            return []
+            self._expert_params = [p for m in expert_modules(self.engine.module) for p in m.parameters()]
+            self._expert_ids = {id(p) for p in self._expert_params}
+            self._expert_parts = self._partition_elements() if self._expert_params else []
+        return self._expert_parts
+
+    def _partition_elements(self) -> list[int]:
+        """_expert_partitions' figures, from DeepSpeed's layout."""
         opt = self.engine.optimizer
         if self.cfg.stage == 3:
             return [sum(p.ds_tensor.numel() for p in group if id(p) in self._expert_ids) for group in opt.fp16_groups]
@@ -326,7 +335,7 @@ class ZeroStrategy:
         for n, master in zip(parts, self._master_partitions()):
             grad = getattr(master, "grad", None)
             total += n * grad.element_size() if grad is not None else 0
-        return total + tensor_bytes(p.grad for p in self._params() if id(p) in self._expert_ids and p.grad is not None)
+        return total + tensor_bytes(p.grad for p in self._expert_params if p.grad is not None)
 
     def _expert_optimizer_bytes(self, *, counted_master: set[int]) -> int:
         """The experts' part of the optimizer category: in each group (stage 3: sub-group), their elements of every
