@@ -16,7 +16,9 @@ expert indices and weights. Here:
   keeps its (empty) share in the graph: its experts' gradients are zeros, and every collective still runs;
 - under tensor parallelism (tp, fsdp_tp with strategy.ep) every rank of a tp group holds the same tokens: each
   dispatches its contiguous share of them (`_Share`) and the results are all-gathered over tp (`_Gather`); in
-  backward the shares' gradients are all-gathered, so the router's and the residual stream's stay whole.
+  backward the shares' gradients are all-gathered, so the router's and the residual stream's stay whole;
+- under train.compile `dispatch` runs eager (`torch.compiler.disable`), one graph break in each compiled block: its
+  counts change every micro-batch, and dynamo traced into it recompiled at each new one.
 
 Gradients: a rank's expert gradient already sums the contributions of every rank whose tokens it computed, so the
 right division is by the number of distinct batches (the data-parallel degree), not by the expert group's size:
@@ -209,6 +211,7 @@ def route(module: nn.Module, top_k_index: torch.Tensor) -> Route:
                  [torch.nonzero(local_expert == e, as_tuple=True)[0] for e in range(local)])
 
 
+@torch.compiler.disable  # train.compile: runs eager, the block's one graph break (see the docstring)
 def dispatch(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
              top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts module's forward under expert parallelism: (tokens, h) in, (tokens, h) out, as transformers'

@@ -20,7 +20,7 @@ The estimator models both (parallel/catalog.py's ep, expert_fsdp and expert_repl
 runs them (routing balanced), the advisor searches their ep. Built on meta, split and sharded, then each rank fills
 its part, from the seeded init or a directory's files (weights.StackedExperts reads its experts stacked). Expert
 parallelism beside tensor parallelism is tp's and fsdp_tp's `strategy.ep`; with a pipeline it is not built.
-train.compile compiles each block, the dispatch a graph break.
+train.compile compiles each block; the dispatch runs eager between its graphs (parallel/experts.py).
 """
 
 from __future__ import annotations

@@ -293,7 +293,7 @@ def test_other_moe_architectures_train_under_expert_parallelism_as_one_process_a
 @pytest.mark.beside
 def test_compiled_expert_parallel_blocks_train_as_one_process(single_moe, tmp_path):
     """train.compile=true under fsdp_ep: each block compiled before the experts are split and FSDP2 shards it. The
-    dispatch reads its counts on the host, so dynamo breaks the block's graph around it; the losses are one
+    dispatch runs eager (torch.compiler.disable), so dynamo breaks the block's graph around it; the losses are one
     process's, the all-to-alls counted as an eager run's (5 a layer and micro-batch), and the router-load meter off,
     said in the log (its hook would break the graphs too)."""
     _, single = single_moe
