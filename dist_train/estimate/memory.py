@@ -105,14 +105,14 @@ def optimizer_state_count(optimizer: str, *, momentum: float = 0.0) -> int | Non
 def shaped_optimizer_bytes(shape: ModelShape, optimizer: str) -> float:
     """Optimizer state bytes of a whole replica, tensor by tensor (fp32 state; step counters left out).
 
-    adafactor (torch): a matrix (m x n) keeps a row and a column vector, m + n floats; a vector its full
-    second moment. adam8bit (bitsandbytes): two 1-byte moments plus a 4-byte scale per block of 256 for
+    adafactor (torch): a matrix (m x n) keeps a row and a column vector, m + n floats; a stack of them (an MoE
+    layer's experts, E x m x n) one pair per matrix, E·(m + n); a vector its full second moment. adam8bit (bitsandbytes): two 1-byte moments plus a 4-byte scale per block of 256 for
     tensors of at least 4096 elements, two fp32 moments below that, and the shared code books once."""
     total = 0.0
     for dims in shape.param_shapes():
         n = math.prod(dims)
         if optimizer == "adafactor":
-            total += 4 * (sum(dims) if len(dims) >= 2 else n)
+            total += 4 * (math.prod(dims[:-2]) * (dims[-2] + dims[-1]) if len(dims) >= 2 else n)
         elif n >= BNB_MIN_8BIT_SIZE:
             total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
         else:
