@@ -78,7 +78,7 @@ def main() -> None:
             "every expert. fsdp_tp: attention split over tp 4 (the model's 4 KV heads), the experts over ep 8 (two TP "
             "groups), FSDP2 of them over N/8; on the same global batch of N sequences its N/4 TP groups run 4 "
             "micro-batches a step, each TP rank dispatching a quarter of each.\n\n"
-            "What it showed (2026-11-27):\n"
+            "What it showed (2026-11-27, rerun 2026-11-28):\n"
             "- **Every byte of state and every collective of fsdp_ep equals the estimator's**, at 64 and 1,024 ranks.\n"
             "- **A real bug, fixed before this table.** At 1,024 ranks fsdp_ep's experts took 6.7 times their even "
             "share:\n  FSDP2 split each rank's 16 experts by expert over 128 efsdp ranks, one padded expert a rank. "
@@ -92,9 +92,14 @@ def main() -> None:
             "counted as transformers'\n  experts keep them (estimate/memory.py moe_routing_bytes). The rest, 4.49 GB "
             "at 64 ranks, is the same under\n  both, in the activations at the peak, and not found.\n"
             "- **Plain fsdp of this model at 1,024 ranks**: 7.65 times params/N per rank, and 869 GiB of all-gathers a "
-            "step\n  against fsdp_ep's 18.8 GiB plus 24 GiB of all-to-all. Its peak is predicted 64% low: the "
-            "estimator's fsdp peak\n  counts a gathered block at its real size, not FSDP2's padded all-gather "
-            "buffers.\n"
+            "step\n  against fsdp_ep's 18.8 GiB plus 24 GiB of all-to-all. Its peak was 64% above the prediction on "
+            "2026-11-27,\n  which counted a gathered block at its real size: FSDP2 all-gathers each 128-expert stack "
+            "1,024 rows long\n  (one padded row a rank), 8 times its size. The estimator counts the padded gathers "
+            "since 2026-11-28\n  (estimate/memory.py fsdp_gathered), and the table above is that day's. What is left "
+            "(about 27 GiB) is in\n  backward, past the start the estimator models: at the dry run's peak 70% of the "
+            "sharded gradients exist\n  (0.60 of 0.85 GiB), beside 44.8 GiB of activations, 11.1 GiB of parameters "
+            "and 29.8 GiB of temporaries\n  (memory/peak_live/*). A block's padded reduce-scatter input in fp32 is "
+            "18 GiB of them by arithmetic,\n  a prefetched padded gather 9 GiB. Not modelled.\n"
             "- **Expert parallelism beside tensor parallelism (fsdp_tp tp=4 ep=8)**: at 64 ranks every byte "
             "of state, every\n  gather, reduction and all-to-all equals the estimator's; tp's all-reduces are "
             "7.6e-6 (24 KiB a micro-batch) below\n  it, as if the loss's 3 per-token reductions were 16-bit "
@@ -102,7 +107,7 @@ def main() -> None:
             "over 256 ranks is not in the estimator (its fsdp_tp shards are params/N): +0.5%\n  state, +0.9% "
             "gathers and reductions. Its peak is 13% and 15% above the prediction, the activations at the peak\n "
             " again.\n"
-            "- The dry run cost 26–96 s and under 0.6 GiB a rank here.")
+            "- The dry run cost 35–141 s (a slower day than the 26–96 s of 2026-11-27) and under 0.6 GiB a rank here.")
     write_section("dryrun-moe", "The dry run of an MoE model at scale", md_table(headers, rows),
                   command=f"python bench/dryrun_moe.py --world-sizes {args.world_sizes} --seq-len {args.seq_len} "
                           f"--timeout {args.timeout:g}", note=note)

@@ -323,7 +323,9 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     fsdp (FSDP2), and fsdp_tp, whose FSDP shards each rank's tensor-parallel slice (ddp_tp: FSDP2's replicate, which
     holds it whole and never reshards after forward): at the start of backward it also
     holds gathered parameters, in the compute dtype: the root's (embeddings, final norm, head), kept from forward
-    to backward, and the last block's (with reshard_after_forward=false, every parameter). While it accumulates
+    to backward, and the last block's (with reshard_after_forward=false, every parameter); under fsdp and hsdp at
+    FSDP2's padded sizes (`fsdp_gathered`), which at 1,024 ranks make an MoE block's 128-row tensors 8 times their
+    size. While it accumulates
     gradients (more than one micro-batch a step, gradient sync off until the last), every parameter's unsharded
     gradient is kept in fp32 (the reduce dtype) until the last micro-batch's reduce-scatter, 4 B per parameter (of
     the tensor-parallel slice) on every rank whatever the world size, in place of the sharded gradients, which do
@@ -360,6 +362,8 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     reshards = setup.reshard_after_forward and setup.shard_with == "fsdp"
     if setup.ep > 1 and shape.num_experts:
         gathered = _expert_parallel_gathered(shape, setup, reshards=reshards)
+    elif setup.tensor_parallel_size == 1 and setup.shard_with == "fsdp":  # as FSDP2 all-gathers, padding included
+        gathered = fsdp_gathered(shape, setup.dims.dp_shard, reshards=reshards)
     else:
         block = shape.layer_params_tp(setup.tensor_parallel_size)
         gathered = slice_params - (shape.num_layers - 1) * block if reshards else slice_params
@@ -391,6 +395,19 @@ def fsdp_padded(dims: tuple[int, ...], n: int) -> int:
     ceil(d0 / n) rows per rank (torch.chunk's), the last ranks' padded (a parameter with fewer rows than ranks
     takes a padded row on every rank). What it allocates n-ways and all-gathers."""
     return -(-dims[0] // n) * n * math.prod(dims[1:]) if dims else n
+
+
+def fsdp_gathered(shape: ModelShape, n: int, *, reshards: bool) -> int:
+    """Elements FSDP2 holds all-gathered over n ranks at the start of backward: the root's parameters and the last
+    block's (every block's without resharding), each at its padded size (`fsdp_padded`), since the unsharded
+    parameters are views into the padded all-gather output. A parameter with fewer rows than ranks (an MoE layer's
+    E experts, its router, at 1,024 ranks) is gathered n rows long: the dry run of a 128-expert model under plain
+    fsdp at 1,024 ranks held 64% more than its real size predicted."""
+    every = sum(fsdp_padded(dims, n) for dims in shape.param_shapes())
+    if not reshards:
+        return every
+    block = sum(fsdp_padded(dims, n) for module in shape.layer_modules() for dims in module)
+    return every - (shape.num_layers - 1) * block
 
 
 def expert_padded(dims: tuple[int, ...], ep: int, efsdp: int) -> int:

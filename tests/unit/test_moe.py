@@ -348,6 +348,35 @@ def test_fsdp_state_per_rank_counts_the_padding_at_scale():
     assert fsdp_rank_elements(small, Setup(strategy="fsdp_ep", family="fsdp", world_size=4, ep=2)) == small.num_params
 
 
+def test_fsdps_gathered_block_at_the_peak_is_padded_as_fsdp2_gathers_it(monkeypatch):
+    """estimate/memory.fsdp_gathered, the same 1,024-rank shape: the root (embedding, final norm, head) and the last
+    block gathered, each tensor at its padded size: the 128-row routers and expert stacks 1,024 rows long (8 times
+    their size), every other tensor with fewer rows than ranks, or rows that do not divide, padded too. The peak of
+    live tensors counts that, in bf16. Every block without resharding."""
+    from dist_train.estimate import memory
+    from dist_train.estimate.memory import fsdp_gathered, predict_memory, predict_peak_live
+    from dist_train.estimate.setup import Setup
+
+    big = ModelShape.from_config({**model_config("tiny_moe"), "hidden_size": 2048, "num_layers": 48, "num_heads": 32,
+                                  "num_kv_heads": 4, "head_dim": 128, "moe_ffn_hidden_size": 768, "num_experts": 128,
+                                  "experts_per_token": 8, "vocab_size": 151936})
+    n, block = 1024, big.layer_params()
+    routed = big.expert_params + 128 * 2048  # one block's experts and router
+    root = big.num_params - 48 * block
+    # the block's other short tensors: k and v projections (512 rows), q and k norms (128); the root's vocabulary
+    # (151,936 rows: 149 a rank) in the embedding and the head
+    block_pad, root_pad = 7 * routed + 2 * 512 * 2048 + 2 * 896, 2 * 640 * 2048
+    assert fsdp_gathered(big, n, reshards=True) == root + root_pad + block + block_pad
+    assert fsdp_gathered(big, n, reshards=False) == big.num_params + root_pad + 48 * block_pad
+    small = ModelShape.from_config(model_config("tiny_moe"))  # nothing pads at 4 ranks: real sizes
+    assert fsdp_gathered(small, 4, reshards=True) == small.num_params - 3 * small.layer_params()
+    setup = Setup(strategy="fsdp", family="fsdp", world_size=n, precision="bf16", micro_batch_size=1, seq_len=4096)
+    rank = predict_memory(big, setup)[0]
+    padded = predict_peak_live(big, setup, rank)
+    monkeypatch.setattr(memory, "fsdp_gathered", lambda shape, n, *, reshards: root + block)  # real sizes
+    assert padded - predict_peak_live(big, setup, rank) == 2 * (root_pad + block_pad)  # bf16
+
+
 def test_expert_parallelism_borrows_from_the_replicas_where_nothing_shards():
     """strategy=ep's degrees: whole replicas over every rank (dp_replicate), ep borrowed from them, the experts' mesh
     (edp, ep); fsdp_ep's borrows from dp_shard, (efsdp, ep). An ep that does not divide the ranks it borrows from is
