@@ -107,7 +107,8 @@ def main() -> None:
             "over 256 ranks is not in the estimator (its fsdp_tp shards are params/N): +0.5%\n  state, +0.9% "
             "gathers and reductions. Its peak is 13% and 15% above the prediction, the activations at the peak\n "
             " again.\n"
-            "- The dry run cost 35–141 s (a slower day than the 26–96 s of 2026-11-27) and under 0.6 GiB a rank here.")
+            "- The dry run cost 35–141 s (a slower day than the 26–96 s of 2026-11-27) and under 0.6 GiB a rank "
+            "here.")
     write_section("dryrun-moe", "The dry run of an MoE model at scale", md_table(headers, rows),
                   command=f"python bench/dryrun_moe.py --world-sizes {args.world_sizes} --seq-len {args.seq_len} "
                           f"--timeout {args.timeout:g}", note=note)

@@ -106,8 +106,9 @@ def shaped_optimizer_bytes(shape: ModelShape, optimizer: str) -> float:
     """Optimizer state bytes of a whole replica, tensor by tensor (fp32 state; step counters left out).
 
     adafactor (torch): a matrix (m x n) keeps a row and a column vector, m + n floats; a stack of them (an MoE
-    layer's experts, E x m x n) one pair per matrix, E·(m + n); a vector its full second moment. adam8bit (bitsandbytes): two 1-byte moments plus a 4-byte scale per block of 256 for
-    tensors of at least 4096 elements, two fp32 moments below that, and the shared code books once."""
+    layer's experts, E x m x n) one pair per matrix, E·(m + n); a vector its full second moment. adam8bit
+    (bitsandbytes): two 1-byte moments plus a 4-byte scale per block of 256 for tensors of at least 4096 elements,
+    two fp32 moments below that, and the shared code books once."""
     total = 0.0
     for dims in shape.param_shapes():
         n = math.prod(dims)
@@ -362,7 +363,7 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     reshards = setup.reshard_after_forward and setup.shard_with == "fsdp"
     if setup.ep > 1 and shape.num_experts:
         gathered = _expert_parallel_gathered(shape, setup, reshards=reshards)
-    elif setup.tensor_parallel_size == 1 and setup.shard_with == "fsdp":  # as FSDP2 all-gathers, padding included
+    elif setup.family == "fsdp" and setup.shard_with == "fsdp":  # fsdp, hsdp: as FSDP2 gathers, padding included
         gathered = fsdp_gathered(shape, setup.dims.dp_shard, reshards=reshards)
     else:
         block = shape.layer_params_tp(setup.tensor_parallel_size)
@@ -402,7 +403,7 @@ def fsdp_gathered(shape: ModelShape, n: int, *, reshards: bool) -> int:
     block's (every block's without resharding), each at its padded size (`fsdp_padded`), since the unsharded
     parameters are views into the padded all-gather output. A parameter with fewer rows than ranks (an MoE layer's
     E experts, its router, at 1,024 ranks) is gathered n rows long: the dry run of a 128-expert model under plain
-    fsdp at 1,024 ranks held 64% more than its real size predicted."""
+    fsdp at 1,024 ranks peaked 64% above the prediction that counted real sizes (43% above this one)."""
     every = sum(fsdp_padded(dims, n) for dims in shape.param_shapes())
     if not reshards:
         return every

@@ -375,6 +375,21 @@ def test_fsdps_gathered_block_at_the_peak_is_padded_as_fsdp2_gathers_it(monkeypa
     padded = predict_peak_live(big, setup, rank)
     monkeypatch.setattr(memory, "fsdp_gathered", lambda shape, n, *, reshards: root + block)  # real sizes
     assert padded - predict_peak_live(big, setup, rank) == 2 * (root_pad + block_pad)  # bf16
+    monkeypatch.undo()  # hsdp over 2 x 512: FSDP2 shards over dp_shard, 512 ranks (a 128-row tensor 4 times its size)
+    hsdp = Setup(strategy="hsdp", family="fsdp", world_size=n, replicate=2, precision="bf16", micro_batch_size=1,
+                 seq_len=4096)
+    assert hsdp.dims.dp_shard == 512
+    assert predict_peak_live(big, hsdp, rank) - predict_peak_live(big, setup, rank) == 2 * (
+        fsdp_gathered(big, 512, reshards=True) - fsdp_gathered(big, n, reshards=True))
+    assert fsdp_gathered(big, 512, reshards=True) - (root + block) == pytest.approx(3 * routed, rel=1e-3)
+
+
+def test_the_expert_dispatch_stays_out_of_compiled_graphs():
+    """parallel/experts.py dispatch is torch.compiler.disable'd: traced, its host-read row counts recompiled every
+    micro-batch (docs/moe.md)."""
+    from dist_train.parallel import experts
+
+    assert getattr(experts.dispatch, "_torchdynamo_disable", False)
 
 
 def test_expert_parallelism_borrows_from_the_replicas_where_nothing_shards():
