@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import PYTHON, md_table, run, write_section  # noqa: E402
 
+from dist_train.plan.cli import PlanOptions  # noqa: E402
 from dist_train.plan.verify import spearman  # noqa: E402
 
 TRAINING = ["model=tiny", "model.hidden_size=256", "model.num_layers=4", "train.seq_len=128",
@@ -50,8 +51,6 @@ def command(profiles: Path, out: Path) -> list[str]:
 
 def again(overrides: list[str], run_dir: Path) -> float:
     """A verified configuration launched once more as plan.verify launched it: its measured step, in seconds."""
-    from dist_train.plan.cli import PlanOptions
-
     steps = PlanOptions().steps  # command() leaves plan.steps at its default
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/train.py", *TRAINING,
            f"train.steps={steps}", *overrides, f"hydra.run.dir={run_dir}"]
