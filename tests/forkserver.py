@@ -26,6 +26,7 @@ and a module); the server answers `{"pid": agent}` at once and `{"rc": code}` wh
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -160,6 +161,10 @@ def main() -> None:
     started = time.perf_counter()
     for name in PRELOAD:
         importlib.import_module(name)
+    # The imports' objects out of the collector's reach. Otherwise each launch's collections, and the interpreter's
+    # teardown at its end, touch every one of them and copy the pages they sit on (copy-on-write): a forked
+    # single-process run of model=tiny_moe ended 2.3 s after its last file was written, 0.5 s with this.
+    gc.freeze()
     ready = {"ready": round(time.perf_counter() - started, 2), "threads": threads()}
     os.write(answers, (json.dumps(ready) + "\n").encode())
     if ready["threads"] != 1:  # forking a process with threads is unsafe: the client falls back to torchrun

@@ -53,7 +53,6 @@ def test_gpu_check_reports_predicted_beside_measured(single_run, monkeypatch, co
         assert abs(float(rows["activations"][2].rstrip("%"))) < 10, rows["activations"]
 
 
-@pytest.mark.beside  # a minute of launches that balances the two sessions (tests/suite.sh)
 def test_peers_train_the_same_samples_as_dist_train(tmp_path):
     """bench/peers.py: Accelerate's loop and transformers' Trainer, each under torchrun with DDP on 2 processes,
     give dist_train's losses step by step (fp32, 1e-5), so the step-time ratios compare the same work. (Fabric is
