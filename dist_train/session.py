@@ -202,13 +202,20 @@ def attach_neftune(run: RunConfig, model: Any) -> Any:
 def attach_router_load(run: RunConfig, model: Any) -> Any:
     """An MoE model's router-load meter (telemetry/moe.py) on the wrapped model, or None: a dense model,
     telemetry.moe_load=false, nn.DataParallel (its replica threads would count on other devices) or train.compile
-    (the hook would break the compiled blocks' graphs), the last two said in the log."""
+    where the experts run inside the compiled blocks (the meter's hook, which runs eager, would break their graphs),
+    the last two said in the log. Under expert parallelism the experts' dispatch runs eager already
+    (parallel/experts.py), so the compiled graphs break there anyway and the meter stays."""
+    from dist_train.architectures import expert_modules
     from dist_train.telemetry.moe import RouterLoad
 
     if not run.model.num_experts or not run.telemetry.moe_load:
         return None
-    if run.strategy.name == "dp" or run.train.compile:
-        log.info("no moe/* load metrics under %s", "strategy=dp" if run.strategy.name == "dp" else "train.compile")
+    if run.strategy.name == "dp":
+        log.info("no moe/* load metrics under strategy=dp")
+        return None
+    if run.train.compile and not all(getattr(m, "ep_group", None) is not None for m in expert_modules(model)):
+        log.info("no moe/* load metrics under train.compile without expert parallelism (strategy.ep): the meter "
+                 "would break each compiled block's graph where the experts run")
         return None
     return RouterLoad(model) or None
 

@@ -78,6 +78,7 @@ class RouterLoad:
                          for layer, m in self.modules.items()]
 
     def _hook(self, layer: int) -> Any:
+        @torch.compiler.disable  # train.compile: eager, where expert parallelism's dispatch breaks the graph anyway
         def count(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if torch._C._current_graph_task_id() != -1:  # a checkpointed block recomputed in backward
                 return

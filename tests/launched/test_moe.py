@@ -294,8 +294,8 @@ def test_other_moe_architectures_train_under_expert_parallelism_as_one_process_a
 def test_compiled_expert_parallel_blocks_train_as_one_process(single_moe, tmp_path):
     """train.compile=true under fsdp_ep: each block compiled before the experts are split and FSDP2 shards it. The
     dispatch runs eager (torch.compiler.disable), so dynamo breaks the block's graph around it; the losses are one
-    process's, the all-to-alls counted as an eager run's (5 a layer and micro-batch), and the router-load meter off,
-    said in the log (its hook would break the graphs too)."""
+    process's, the all-to-alls counted as an eager run's (5 a layer and micro-batch), and the router-load meter, whose
+    hook runs eager there too, counts every pair each rank routed, its overload the rows its experts received."""
     single_dir, single = single_moe
     # 2 of the 5 steps: compiling took most of the 5 (31 s of the suite, up to 74 on a busy machine)
     s = train_ok(["strategy=fsdp_ep", "train.compile=true", *MOE, "train.steps=2"], run_dir=tmp_path, nproc=2)
@@ -304,9 +304,18 @@ def test_compiled_expert_parallel_blocks_train_as_one_process(single_moe, tmp_pa
     # before AdamW's per-element division lifts the compiled kernels' float noise (step 2: 3.3e-6 apart, measured)
     got, want = _grad_norms(tmp_path)[0], _grad_norms(single_dir)[0]
     assert abs(got - want) < 1e-6 * want, (_grad_norms(tmp_path), _grad_norms(single_dir))
-    for rec in last_step(tmp_path):
-        assert rec["comm/ep/all_to_all/count"] == 5 * 4 * 2 and not [k for k in rec if k.startswith("moe/")]
-    assert "no moe/* load metrics under train.compile" in (tmp_path / "logs" / "rank0.log").read_text()
+    ranks = last_step(tmp_path)
+    for rec in ranks:
+        assert rec["comm/ep/all_to_all/count"] == 5 * 4 * 2
+    # each rank routes its 2 micro-batches of 2 x 64 tokens to 2 experts each, in each of the 4 layers; ranks 0 and 1
+    # hold experts 0-3 and 4-7, so what each received is the pairs both routed to its four
+    for layer in range(4):
+        counts = [rec[f"moe/layer{layer}/tokens_per_expert"] for rec in ranks]
+        assert [sum(c) for c in counts] == [2 * 2 * 64 * 2] * 2, counts
+        for pos, rec in enumerate(ranks):
+            received = sum(sum(c[4 * pos:4 * pos + 4]) for c in counts)
+            assert rec[f"moe/layer{layer}/ep_overload"] == pytest.approx(received / (2 * 2 * 64 * 2))
+    assert "no moe/* load metrics" not in (tmp_path / "logs" / "rank0.log").read_text()
 
 
 @pytest.mark.beside

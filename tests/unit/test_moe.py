@@ -392,6 +392,26 @@ def test_the_expert_dispatch_stays_out_of_compiled_graphs():
     assert getattr(experts.dispatch, "_torchdynamo_disable", False)
 
 
+def test_the_router_load_meter_stays_under_compile_only_where_the_experts_dispatch_runs_eager(caplog):
+    """session.attach_router_load under train.compile: off where the experts run inside the compiled blocks (its
+    hook would add a graph break to each), said in the log; on where every experts module's forward is expert
+    parallelism's eager dispatch (parallel/experts.py sets its ep_group), whose hook runs eager there too."""
+    from dist_train.session import attach_router_load
+    from dist_train.telemetry.moe import RouterLoad
+    from tests.helpers import run_config
+
+    _, run = run_config("model=tiny_moe", "train.compile=true")
+    model = build_model(ModelConfig(**model_config("tiny_moe")), seed=0)
+    with caplog.at_level("INFO", logger="dist_train"):
+        assert attach_router_load(run, model) is None
+    assert "no moe/* load metrics under train.compile without expert parallelism" in caplog.text
+    for module in model.modules():
+        if hasattr(module, "gate_up_proj"):
+            module.ep_group = object()
+    assert isinstance(attach_router_load(run, model), RouterLoad)
+    assert getattr(RouterLoad(model)._hook(0), "_torchdynamo_disable", False)
+
+
 def test_expert_parallelism_borrows_from_the_replicas_where_nothing_shards():
     """strategy=ep's degrees: whole replicas over every rank (dp_replicate), ep borrowed from them, the experts' mesh
     (edp, ep); fsdp_ep's borrows from dp_shard, (efsdp, ep). An ep that does not divide the ranks it borrows from is
