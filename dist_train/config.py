@@ -350,7 +350,8 @@ class TelemetryConfig:
     # runs several times slower and is added to the warm-up steps. On CUDA it is the allocator's peak, at no cost.
     peak_live: bool = True
     # An MoE model's load: tokens per expert, MaxVio, dead experts per layer, EP overload (telemetry/moe.py); one
-    # bincount per MoE layer and micro-batch on the device. Not under strategy=dp or train.compile.
+    # bincount per MoE layer and micro-batch on the device. Not under strategy=dp, nor under train.compile without
+    # expert parallelism (its hook would break the compiled blocks' graphs where the experts run).
     moe_load: bool = True
 
 

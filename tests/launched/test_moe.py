@@ -311,7 +311,7 @@ def test_compiled_expert_parallel_blocks_train_as_one_process(single_moe, tmp_pa
     # hold experts 0-3 and 4-7, so what each received is the pairs both routed to its four
     for layer in range(4):
         counts = [rec[f"moe/layer{layer}/tokens_per_expert"] for rec in ranks]
-        assert [sum(c) for c in counts] == [2 * 2 * 64 * 2] * 2, counts
+        assert [len(c) for c in counts] == [8, 8] and [sum(c) for c in counts] == [2 * 2 * 64 * 2] * 2, counts
         for pos, rec in enumerate(ranks):
             received = sum(sum(c[4 * pos:4 * pos + 4]) for c in counts)
             assert rec[f"moe/layer{layer}/ep_overload"] == pytest.approx(received / (2 * 2 * 64 * 2))

@@ -39,3 +39,31 @@ def test_a_forked_rank_past_its_time_is_killed(monkeypatch):
     with pytest.raises(subprocess.TimeoutExpired):
         rows._forked_rank([], world_size=2, rank=0, timeout_s=0.5)
     assert time.monotonic() - start < 30  # killed and reaped, not waited for
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_estimators_objects_are_frozen_while_its_ranks_fork_and_collected_again_after(monkeypatch, fails):
+    """run_ranks freezes this process's objects out of the collector while it forks the ranks (a rank's collections
+    would copy their pages) and unfreezes them after, a failing rank included: the estimator's own garbage is
+    collected again."""
+    import gc
+
+    frozen = []
+
+    def forked(overrides, *, world_size, rank, timeout_s):
+        frozen.append(gc.get_freeze_count())
+        if fails:
+            raise RuntimeError(f"dry run of rank {rank} of {world_size} failed: boom")
+        return {"rank": rank}
+
+    monkeypatch.setattr(rows, "_preload", lambda: None)
+    monkeypatch.setattr(rows, "_single_threaded", lambda: True)
+    monkeypatch.setattr(rows, "_forked_rank", forked)
+    before = gc.get_freeze_count()
+    if fails:
+        with pytest.raises(RuntimeError, match="boom"):
+            rows.run_ranks([], world_size=2, ranks=[0, 1], timeout_s=60)
+    else:
+        assert rows.run_ranks([], world_size=2, ranks=[0, 1], timeout_s=60) == [{"rank": 0}, {"rank": 1}]
+    assert frozen and all(count > before for count in frozen)
+    assert gc.get_freeze_count() == before

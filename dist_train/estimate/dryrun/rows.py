@@ -21,22 +21,27 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 def run_ranks(overrides: list[str], *, world_size: int, ranks: list[int], timeout_s: float) -> list[dict[str, Any]]:
     """Each rank in a process of its own (a process joins one process group), one after the other.
 
-    Forked from this process once it has imported the training stack, where it can be forked safely (Linux, no
-    thread but this one: torch starts an OpenMP thread at import unless OMP_NUM_THREADS=1): each rank then skips
-    the interpreter's start and the imports, about 1.5 s a rank here. Otherwise, or with DIST_TRAIN_DRYRUN_FORK=0,
-    a fresh interpreter per rank."""
+    Forked from this process once it has imported the training stack (`_preload`), where it can be forked safely
+    (Linux, no thread but this one: torch starts an OpenMP thread at import unless OMP_NUM_THREADS=1): each rank then
+    skips the interpreter's start and the imports. What this process holds is frozen out of the collector while the
+    ranks run: a collection in a rank would otherwise touch every object and copy the page it sits on
+    (copy-on-write). Otherwise, or with DIST_TRAIN_DRYRUN_FORK=0, a fresh interpreter per rank."""
     fork = os.environ.get("DIST_TRAIN_DRYRUN_FORK", "1") != "0" and hasattr(os, "fork")
     if fork:
         _preload()
-        # The imports' objects moved out of the collector's reach: a collection in a rank would otherwise touch
-        # every one of them and copy the pages they sit on (copy-on-write)
-        gc.freeze()
+        fork = _single_threaded()
     out = []
-    for rank in ranks:
-        if fork and _single_threaded():
-            out.append(_forked_rank(overrides, world_size=world_size, rank=rank, timeout_s=timeout_s))
-        else:
-            out.append(_process_rank(overrides, world_size=world_size, rank=rank, timeout_s=timeout_s))
+    if fork:
+        gc.freeze()
+    try:
+        for rank in ranks:
+            if fork:
+                out.append(_forked_rank(overrides, world_size=world_size, rank=rank, timeout_s=timeout_s))
+            else:
+                out.append(_process_rank(overrides, world_size=world_size, rank=rank, timeout_s=timeout_s))
+    finally:
+        if fork:
+            gc.unfreeze()  # this process's own garbage is collected again
     return out
 
 
