@@ -396,6 +396,7 @@ def test_the_router_load_meter_stays_under_compile_only_where_the_experts_dispat
     """session.attach_router_load under train.compile: off where the experts run inside the compiled blocks (its
     hook would add a graph break to each), said in the log; on where every experts module's forward is expert
     parallelism's eager dispatch (parallel/experts.py sets its ep_group), whose hook runs eager there too."""
+    from dist_train.architectures import expert_modules
     from dist_train.session import attach_router_load
     from dist_train.telemetry.moe import RouterLoad
     from tests.helpers import run_config
@@ -405,9 +406,8 @@ def test_the_router_load_meter_stays_under_compile_only_where_the_experts_dispat
     with caplog.at_level("INFO", logger="dist_train"):
         assert attach_router_load(run, model) is None
     assert "no moe/* load metrics under train.compile without expert parallelism" in caplog.text
-    for module in model.modules():
-        if hasattr(module, "gate_up_proj"):
-            module.ep_group = object()
+    for module in expert_modules(model):
+        module.ep_group = object()
     assert isinstance(attach_router_load(run, model), RouterLoad)
     assert getattr(RouterLoad(model)._hook(0), "_torchdynamo_disable", False)
 

@@ -30,19 +30,14 @@ def run_ranks(overrides: list[str], *, world_size: int, ranks: list[int], timeou
     if fork:
         _preload()
         fork = _single_threaded()
-    out = []
+    one = _forked_rank if fork else _process_rank
     if fork:
         gc.freeze()
     try:
-        for rank in ranks:
-            if fork:
-                out.append(_forked_rank(overrides, world_size=world_size, rank=rank, timeout_s=timeout_s))
-            else:
-                out.append(_process_rank(overrides, world_size=world_size, rank=rank, timeout_s=timeout_s))
+        return [one(overrides, world_size=world_size, rank=rank, timeout_s=timeout_s) for rank in ranks]
     finally:
         if fork:
             gc.unfreeze()  # this process's own garbage is collected again
-    return out
 
 
 def _process_rank(overrides: list[str], *, world_size: int, rank: int, timeout_s: float) -> dict[str, Any]:
