@@ -3,6 +3,7 @@
     python bench/published.py             # writes the 'published' section of docs/BENCHMARKS.md
     python bench/published.py --no-write  # prints it
     python bench/published.py --fit       # the per-operation constants fitted to MosaicML's rows (FITTED)
+    python bench/published.py --loo       # each of those rows under the constants fitted without it
     python bench/published.py --bound     # the smallest worst error any constants of this form reach on them
 
 Each published row goes through the advisor's own search (dist_train.plan.search, what `launch/plan.py` runs),
@@ -41,6 +42,7 @@ nothing is fitted per row, and Megatron's rows are not fitted.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,13 +216,15 @@ def predict(row: Row) -> dict[str, object]:
         out["composition"] = f"{out['composition']}, TP communication overlapped as Megatron's"
         out["tokens_exposed"] = tokens  # dist_train's own tp: its all-reduces on the critical path
         tokens = predict_step(shape, c.setup, hw, overlapped_activations=hidden).tokens_per_s / c.setup.world_size
-    out.update(tokens=tokens, peak_gib=c.peak_bytes / GIB,
+    out.update(tokens=tokens, peak_gib=c.peak_bytes / GIB, comm_bound=c.time.comm_s > c.time.compute_s,
                offered=c.peak_bytes <= usable, usable_gib=usable / GIB, num_params=shape.num_params)
     return out
 
 
 # What --fit searches, per GPU, holding the profile's other constants: the A100's that hardware.OPS says were fitted
-# here, and the H100 rows' STACKS.
+# here, and the H100 rows' STACKS. Attention stops at 0.8 of the peak, above the best any FlashAttention-2 pass
+# reached on an A100 (forward, 73%: Dao 2023): a fit that ends there wants more than the kernel can give, and says so
+# (on_edge) rather than taking it.
 FITTED = {
     "h100": {"attention_efficiency": (0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7),
              "attention_seq_half": (0.0, 1000.0, 2000.0, 3000.0, 4000.0, 6000.0, 8000.0)},
@@ -230,36 +234,103 @@ FITTED = {
 }
 
 
-def fit(rows: list[Row]) -> dict[str, dict[str, float]]:
-    """For each GPU in FITTED: the grid point with the least sum of squared log errors of tokens/s over its MosaicML
-    rows. Each row's candidates (FSDP accumulating either way) are searched once and re-timed at each point; the row
-    takes the fastest that fits, as predict() does."""
+@functools.lru_cache(maxsize=None)
+def _grid_errors(gpu: str, mine: tuple[Row, ...]) -> tuple[list[dict[str, float]], list[list[float]]]:
+    """Every point of FITTED[gpu]'s grid, and at each the tokens/s error of each of `mine` (that GPU's MosaicML
+    rows). Each row's candidates (FSDP accumulating either way) are searched once and re-timed at each point; the
+    row takes the fastest that fits, as predict() does."""
     import itertools
-    import math
     from dataclasses import replace
 
     from dist_train.estimate.step_time import predict_step
 
+    grid = FITTED[gpu]
+    base = _profile(mine[0], stack=False)
+    pinned = [(r, *_pinned(r, base)[:2]) for r in mine]
+    points, errors = [], []
+    for values in itertools.product(*grid.values()):
+        hw = replace(base, **dict(zip(grid, values)))
+        usable, row_errors = hw.memory_bytes * 0.9, []
+        for r, shape, cands in pinned:
+            c, step = offered([(c, predict_step(shape, c.setup, hw).step_s) for c in cands], usable)
+            row_errors.append(c.setup.micro_batch_size * c.setup.seq_len * c.setup.microbatches_per_step / step
+                              / r.published - 1)
+        points.append(dict(zip(grid, values)))
+        errors.append(row_errors)
+    return points, errors
+
+
+def _best(errors: list[list[float]], *, leave_out: Optional[int] = None) -> int:
+    """The grid point with the least sum of squared log errors of tokens/s over the rows (but `leave_out`)."""
+    import math
+
+    def loss(row_errors: list[float]) -> float:
+        return sum(math.log1p(e) ** 2 for i, e in enumerate(row_errors) if i != leave_out)
+
+    return min(range(len(errors)), key=lambda k: loss(errors[k]))
+
+
+def on_edge(gpu: str, point: dict[str, float]) -> list[str]:
+    """The constants of a fitted point at the end of their grid where the grid could go further (a fit that stops
+    there wants a value the grid does not hold): not a half-point of 0, which is the end of its range."""
+    return [k for k, v in point.items() if len(FITTED[gpu][k]) > 1 and v in (min(FITTED[gpu][k]), max(FITTED[gpu][k]))
+            and not (k.endswith("_seq_half") and v == 0)]
+
+
+def fit(rows: list[Row], *, quiet: bool = False) -> dict[str, dict[str, float]]:
+    """For each GPU in FITTED: the grid point with the least sum of squared log errors of tokens/s over its MosaicML
+    rows (_grid_errors, _best); printed unless `quiet`."""
     out = {}
-    for gpu, grid in FITTED.items():
+    for gpu in FITTED:
         mine = [r for r in rows if r.source == "mosaicml" and r.gpu == gpu]
-        base = _profile(mine[0], stack=False)
-        pinned = [(r, *_pinned(r, base)[:2]) for r in mine]
-        best = None
-        for values in itertools.product(*grid.values()):
-            hw = replace(base, **dict(zip(grid, values)))
-            usable, loss, errors = hw.memory_bytes * 0.9, 0.0, []
-            for r, shape, cands in pinned:
-                c, step = offered([(c, predict_step(shape, c.setup, hw).step_s) for c in cands], usable)
-                err = c.setup.micro_batch_size * c.setup.seq_len * c.setup.microbatches_per_step / step / r.published
-                loss += math.log(err) ** 2
-                errors.append(err - 1)
-            if best is None or loss < best[0]:
-                best = (loss, dict(zip(grid, values)), errors)
-        assert best is not None
-        out[gpu] = best[1]
-        print(f"{gpu}: {best[1]}; errors " + ", ".join(f"{r.name} {r.seq}: {e:+.1%}" for r, e in zip(mine, best[2])))
+        points, errors = _grid_errors(gpu, tuple(mine))
+        k = _best(errors)
+        out[gpu] = points[k]
+        edge = on_edge(gpu, points[k])
+        if not quiet:
+            each = ", ".join(f"{r.name} {r.seq}: {e:+.1%}" for r, e in zip(mine, errors[k]))
+            ends = f"; at the end of its grid: {', '.join(edge)}" if edge else ""
+            print(f"{gpu}: {points[k]}; errors {each}{ends}")
     return out
+
+
+def fit_text(rows: list[Row]) -> str:
+    """Whether the constants in use (hardware.OPS for the A100, STACKS for MosaicML's H100 rows) are what --fit gives
+    on these rows, and which of them the fit left at the end of its grid."""
+    parts = []
+    for gpu, point in fit(rows, quiet=True).items():
+        hw = _profile(next(r for r in rows if r.source == "mosaicml" and r.gpu == gpu))
+        used = {k: getattr(hw, k) for k in point}
+        same = "the constants in use" if used == point else f"not the constants in use ({used})"
+        edge = on_edge(gpu, point)
+        parts.append(f"{gpu.upper()} {', '.join(f'{k} {v:g}' for k, v in point.items())}, {same}"
+                     + (f"; at the end of its grid: {', '.join(f'{k} {point[k]:g}' for k in edge)}" if edge else ""))
+    return "--fit on these rows: " + "; ".join(parts) + "."
+
+
+def leave_one_out(rows: list[Row]) -> list[tuple[Row, float, bool]]:
+    """How the fit predicts a row it has not seen: for each MosaicML row of a GPU in FITTED, its tokens/s error under
+    the constants fitted to that GPU's other rows, and whether those differ from the constants fitted to all of them.
+    (row, error, constants moved) per row."""
+    out = []
+    for gpu in FITTED:
+        mine = [r for r in rows if r.source == "mosaicml" and r.gpu == gpu]
+        _, errors = _grid_errors(gpu, tuple(mine))
+        everything = _best(errors)
+        for i, r in enumerate(mine):
+            k = _best(errors, leave_out=i)
+            out.append((r, errors[k][i], k != everything))
+    return out
+
+
+def loo_text(loo: list[tuple[Row, float, bool]]) -> str:
+    """The leave-one-out errors in a sentence: how many within 10%, the median and each row's."""
+    within = sum(abs(e) <= 0.10 for _, e, _ in loo)
+    median = sorted(abs(e) for _, e, _ in loo)[len(loo) // 2]
+    return (f"Each fitted row predicted by the constants fitted without it (--loo, leave one out): {within} of "
+            f"{len(loo)} within 10%, median |error| {median:.0%}; leaving a row out changed the fitted constants "
+            f"{sum(m for _, _, m in loo)} times; "
+            + ", ".join(f"{r.gpu.upper()} {r.name} {r.seq:,} {e:+.0%}" for r, e, _ in loo) + ".")
 
 
 TERMS = ("matrix products", "attention", "memory-bound work", "the rest")
@@ -321,7 +392,9 @@ def bound_text(bounds: dict[str, tuple[list[float], float, list[tuple[Row, float
             + "; ".join(parts) + ".")
 
 
-def table(rows: list[Row]) -> tuple[str, dict[str, tuple[int, int]], list[float], list[str]]:
+def table(rows: list[Row]) -> tuple[str, dict[str, tuple[int, int]], list[tuple[float, bool]], list[str]]:
+    """The markdown table; per target source (rows within, rows predicted); each held-out row's (error,
+    communication-bound in the model); Megatron's rows with their TP all-reduces exposed."""
     body, within, held_out, exposed = [], {"mosaicml": [0, 0], "megatron": [0, 0]}, [], []
     for row in rows:
         p = predict(row)
@@ -334,7 +407,7 @@ def table(rows: list[Row]) -> tuple[str, dict[str, tuple[int, int]], list[float]
             within[row.source][1] += 1
             within[row.source][0] += abs(err) <= target
         elif err is not None:
-            held_out.append(err)
+            held_out.append((err, p["comm_bound"]))
         offered = "-" if err is None else (
             "yes" if p["offered"] else f"no: {p['peak_gib']:.0f} GiB > {p['usable_gib']:.0f}")
         body.append([
@@ -353,6 +426,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true", help="print the table, leave docs/BENCHMARKS.md alone")
     parser.add_argument("--fit", action="store_true", help="print the constants fitted to MosaicML's rows, and stop")
+    parser.add_argument("--loo", action="store_true",
+                        help="print each MosaicML row's error under constants fitted to the other rows, and stop")
     parser.add_argument("--bound", action="store_true",
                         help="print each MosaicML row's error under the best free rescaling of the model's terms")
     args = parser.parse_args()
@@ -362,13 +437,18 @@ def main() -> None:
     if args.bound:
         print(bound_text(bound(ROWS)))
         return
+    if args.loo:
+        print(loo_text(leave_one_out(ROWS)))
+        return
     text, within, held_out, exposed = table(ROWS)
     m, g = within["mosaicml"], within["megatron"]
+    errors, bound_by_comm = [e for e, _ in held_out], sum(b for _, b in held_out)
     held = (f"Held out (torchtitan, no target, nothing fitted to it): {len(held_out)} rows, errors "
-            f"{min(held_out):+.0%} to {max(held_out):+.0%}, median |error| "
-            f"{sorted(abs(e) for e in held_out)[len(held_out) // 2]:.0%}; every one communication-bound in the model "
-            "(its step is what its gathers and reductions take over the a100 profile's assumed links, its compute "
-            "shorter), so these rows test that assumption more than the compute. " if held_out else "")
+            f"{min(errors):+.0%} to {max(errors):+.0%}, median |error| "
+            f"{sorted(abs(e) for e in errors)[len(errors) // 2]:.0%}; {bound_by_comm} of {len(held_out)} "
+            "communication-bound in the model (their gathers and reductions over the a100 profile's assumed links "
+            "take longer than their compute), so these rows test that assumption more than the compute. "
+            if held_out else "")
     tp = (f"Megatron's H100 rows with their tensor-parallel all-reduces on the critical path, as dist_train's tp "
           f"runs them (not overlapped): {', '.join(exposed)}. " if exposed else "")
     summary = (f"Within target: MosaicML {m[0]} of {m[1]} rows within 10%; Megatron {g[0]} of {g[1]} predicted rows "
@@ -377,7 +457,7 @@ def main() -> None:
                f"memory), "
                f"the A100's products and attention fitted to these MosaicML rows (--fit); MosaicML's H100 rows take "
                f"their own attention, fitted to them (STACKS: MPT's ALiBi kernel, not torch's SDPA).")
-    summary += " " + bound_text(bound(ROWS))
+    summary += " " + fit_text(ROWS) + " " + loo_text(leave_one_out(ROWS)) + " " + bound_text(bound(ROWS))
     print(text)
     print(summary)
     if not args.no_write:
