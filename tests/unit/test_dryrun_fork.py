@@ -60,6 +60,7 @@ def test_the_estimators_objects_are_frozen_while_its_ranks_fork_and_collected_ag
     monkeypatch.setattr(rows, "_single_threaded", lambda: True)
     monkeypatch.setattr(rows, "_forked_rank", forked)
     before = gc.get_freeze_count()
+    assert before == 0  # nothing frozen by the test's process (a caller's freeze: the test below)
     if fails:
         with pytest.raises(RuntimeError, match="boom"):
             rows.run_ranks([], world_size=2, ranks=[0, 1], timeout_s=60)
@@ -67,3 +68,27 @@ def test_the_estimators_objects_are_frozen_while_its_ranks_fork_and_collected_ag
         assert rows.run_ranks([], world_size=2, ranks=[0, 1], timeout_s=60) == [{"rank": 0}, {"rank": 1}]
     assert frozen and all(count > before for count in frozen)
     assert gc.get_freeze_count() == before
+
+
+def test_a_callers_own_freeze_is_left_as_it_was(monkeypatch):
+    """run_ranks from a process that froze its objects itself neither freezes more nor thaws the caller's after
+    (gc.unfreeze would thaw everything)."""
+    import gc
+
+    counts = []
+
+    def forked(overrides, *, world_size, rank, timeout_s):
+        counts.append(gc.get_freeze_count())
+        return {"rank": rank}
+
+    monkeypatch.setattr(rows, "_preload", lambda: None)
+    monkeypatch.setattr(rows, "_single_threaded", lambda: True)
+    monkeypatch.setattr(rows, "_forked_rank", forked)
+    gc.freeze()
+    try:
+        caller = gc.get_freeze_count()
+        assert caller > 0
+        assert rows.run_ranks([], world_size=2, ranks=[0, 1], timeout_s=60) == [{"rank": 0}, {"rank": 1}]
+        assert counts == [caller, caller] and gc.get_freeze_count() == caller
+    finally:
+        gc.unfreeze()

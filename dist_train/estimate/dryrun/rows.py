@@ -31,12 +31,14 @@ def run_ranks(overrides: list[str], *, world_size: int, ranks: list[int], timeou
         _preload()
         fork = _single_threaded()
     one = _forked_rank if fork else _process_rank
-    if fork:
+    # A caller that froze its own objects keeps them frozen: unfreeze() would thaw them too, so nothing is done then.
+    freeze = fork and gc.get_freeze_count() == 0
+    if freeze:
         gc.freeze()
     try:
         return [one(overrides, world_size=world_size, rank=rank, timeout_s=timeout_s) for rank in ranks]
     finally:
-        if fork:
+        if freeze:
             gc.unfreeze()  # this process's own garbage is collected again
 
 
