@@ -8,6 +8,8 @@ memory, gloo's collectives, then short runs of the model under ddp and each stra
 plan/probe.py), answers, and verifies its best four (plan.verify=4). What is judged is that answer, before
 plan.verify's refit: each verified configuration's step time against its measured one, and the rank correlation
 (Spearman) of predicted and measured. Targets (issue 41): every step within 25%, Spearman >= 0.8, in every run.
+Beside them, what a user acts on: where the advisor's first pick measured among the four, and how far its step is
+above the fastest one's.
 
 The same four configurations are then launched once more, the same command (`--no-again` leaves this out): how far
 the machine's own second measurement is from its first, and its rank correlation with it, is what no prediction of
@@ -58,6 +60,17 @@ def again(overrides: list[str], run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["mean_step_s"]
 
 
+def first_pick(runs: list[dict]) -> str:
+    """Where the advisor's first pick (runs[0], best predicted) measured among the verified runs that finished, and
+    how much slower its step is than the fastest's: '1 of 4' when it was the fastest."""
+    ok = [r["measured"]["step_s"] for r in runs if r["status"] == "ok" and r["measured"]["step_s"]]
+    if not runs or runs[0]["status"] != "ok" or not runs[0]["measured"]["step_s"]:
+        return f"did not run ({runs[0]['status'] if runs else 'none verified'})"
+    mine = runs[0]["measured"]["step_s"]
+    place, over = 1 + sum(t < mine for t in ok), mine / min(ok) - 1
+    return f"{place} of {len(ok)}" + (f", +{100 * over:.0f}%" if over > 0 else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="fresh-profile runs, one after another")
@@ -76,11 +89,12 @@ def main() -> None:
         first = [r["measured"]["step_s"] for r in runs]
         second = [] if args.no_again else [again(r["overrides"], root / "again" / str(n)) for n, r in enumerate(runs)]
         moved = [(b - a) / a for a, b in zip(first, second)]
+        picked = first_pick(verify["runs"])
         rho_again = spearman(first, second) if second else None
         second_of = {id(r): t for r, t in zip(runs, second)}
         per_run.append([i + 1, f"{len(runs)}/{len(verify['runs'])}", ", ".join(f"{100 * e:+.0f}%" for e in errors),
                         f"{100 * max(abs(e) for e in errors):.0f}%", f"{rho:.2f}" if rho is not None else "n/a",
-                        "yes" if ok else "**no**", ", ".join(f"{100 * m:+.0f}%" for m in moved) or "-",
+                        "yes" if ok else "**no**", picked, ", ".join(f"{100 * m:+.0f}%" for m in moved) or "-",
                         f"{rho_again:.2f}" if rho_again is not None else "-", f"{seconds:.0f}"])
         for r in verify["runs"]:
             m, pr = r["measured"], r["predicted"]
@@ -90,8 +104,8 @@ def main() -> None:
                            f"{1e3 * second_of[id(r)]:.0f}" if id(r) in second_of else "-"])
         print(per_run[-1], flush=True)
     summary = md_table(["run", "runs ok", "step error of each (best predicted first)", "worst", "Spearman",
-                        "targets met", "measured again: change of each", "Spearman, again against first",
-                        "wall s (plan)"], per_run)
+                        "targets met", "first pick: measured place, over the fastest",
+                        "measured again: change of each", "Spearman, again against first", "wall s (plan)"], per_run)
     table = md_table(["run", "configuration", "step predicted ms", "measured ms", "error", "measured again ms"],
                      detail)
     print(summary + "\n\n" + table)

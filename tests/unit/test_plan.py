@@ -442,6 +442,19 @@ def test_the_fit_leaves_one_row_out_and_says_when_it_stops_at_the_end_of_its_gri
             assert moved or e == whole, r
 
 
+def test_the_first_answer_benchmark_says_where_the_first_pick_measured():
+    """bench/plan_first.py's first-pick column: the best predicted run's place among the verified runs that
+    finished, and its step over the fastest's; a first pick that did not run is said so."""
+    first_pick = bench_module("plan_first").first_pick
+
+    def run(step_s, status="ok"):
+        return {"status": status, "measured": {"step_s": step_s}}
+
+    assert first_pick([run(0.40), run(0.45), run(0.50), run(0.42)]) == "1 of 4"
+    assert first_pick([run(0.44), run(0.40), run(0.50), run(None, "failed")]) == "2 of 3, +10%"
+    assert first_pick([run(None, "oom"), run(0.40)]) == "did not run (oom)"
+
+
 def test_calibration_probes_fit_the_efficiency_and_eager_cost_per_block_from_two_ddp_runs():
     """plan/probe.py: ddp at micro-batches 1 and 8, measured as the model says at efficiency 0.5 and 2 ms a block and
     micro-batch, gives those two back; each family has one probe, ddp always."""
