@@ -406,7 +406,11 @@ def test_the_router_load_meter_stays_under_compile_only_where_the_experts_dispat
     with caplog.at_level("INFO", logger="dist_train"):
         assert attach_router_load(run, model) is None
     assert "no moe/* load metrics under train.compile without expert parallelism" in caplog.text
-    for module in expert_modules(model):
+    modules = expert_modules(model)
+    assert len(modules) > 1
+    modules[0].ep_group = object()  # one dispatched, the rest compiled in their blocks: still off
+    assert attach_router_load(run, model) is None
+    for module in modules:
         module.ep_group = object()
     assert isinstance(attach_router_load(run, model), RouterLoad)
     assert getattr(RouterLoad(model)._hook(0), "_torchdynamo_disable", False)
