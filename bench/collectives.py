@@ -7,7 +7,8 @@ blocking), timed from issue to completion as dist_train times a collective. On a
 the buffers on it) a call returns once queued: the device is synchronised before the clock is read at either end,
 so the clock reads finished work. Bus bandwidth follows nccl-tests:
 size / time x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather and reduce_scatter (size = the full buffer).
-Prints one JSON line on rank 0: {op: {"bytes", "median_s", "busbw_gbps"}}.
+Prints one JSON line on rank 0: {op: {"bytes", "median_s", "busbw_gbps"}}; with `--by-case`, keyed by each
+`op:bytes` as given, so that one launch can time an op at several sizes (plan.calibrate's latency and bandwidth fit).
 
 `--beside-compute`: each rank keeps a thread multiplying matrices while the calls are timed, as training
 does when a collective overlaps the computation (FSDP's prefetched all-gathers and its reduce-scatters in
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("cases", nargs="+", help="op:bytes")
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--beside-compute", action="store_true", help="time the calls while a thread computes")
+    parser.add_argument("--by-case", action="store_true", help="key the results by op:bytes, not by op")
     args = parser.parse_args()
     device = local_device()
     init_group(device)
@@ -106,7 +108,8 @@ def main() -> None:
         with Compute(device) if args.beside_compute else contextlib.nullcontext():
             times = timed(fn, device=device, iterations=args.iterations)
         median = statistics.median(times)
-        out[op] = {"bytes": int(float(nbytes)), "median_s": median, "busbw_gbps": busbw_gbps(op, int(float(nbytes)), median, world)}
+        out[case if args.by_case else op] = {"bytes": int(float(nbytes)), "median_s": median,
+                                             "busbw_gbps": busbw_gbps(op, int(float(nbytes)), median, world)}
     if dist.get_rank() == 0:
         print(json.dumps(out), flush=True)
     dist.destroy_process_group()

@@ -109,22 +109,24 @@ def memory_bandwidth(*, megabytes: int = 256, repeats: int = 7) -> float:
 
 
 def collective_link(procs: int, *, timeout_s: float = 300) -> tuple[Link, list[dict[str, float]]]:
-    """Latency and bus bandwidth among `procs` local processes: all_reduce and all_gather at SIZES, then the
-    least-squares line time = latency + ring bytes / busbw through the medians."""
+    """Latency and bus bandwidth among `procs` local processes: all_reduce and all_gather at SIZES, timed in one
+    launch (each launch starts a process group: NCCL's on 8 GPUs takes seconds), then the least-squares line
+    time = latency + ring bytes / busbw through the medians."""
     from dist_train.estimate.comm import bus_factor
 
+    cases = [f"{op}:{size}" for size in SIZES for op in ("all_reduce", "all_gather")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
+           str(COLLECTIVES), *cases, "--iterations=20", "--by-case"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
+        raise RuntimeError(f"calibration: bench/collectives.py failed ({' '.join(tail)})")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
     points = []
-    for size in SIZES:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
-               str(COLLECTIVES), f"all_reduce:{size}", f"all_gather:{size}", "--iterations=20"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
-            raise RuntimeError(f"calibration: bench/collectives.py failed ({' '.join(tail)})")
-        got = json.loads(proc.stdout.strip().splitlines()[-1])
-        for op, r in got.items():
-            points.append({"op": op, "bytes": r["bytes"], "ring_bytes": r["bytes"] * bus_factor(op, procs),
-                           "median_s": r["median_s"]})
+    for case, r in got.items():
+        op = case.split(":")[0]
+        points.append({"op": op, "bytes": r["bytes"], "ring_bytes": r["bytes"] * bus_factor(op, procs),
+                       "median_s": r["median_s"]})
     return fit_link(points), points
 
 

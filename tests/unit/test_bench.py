@@ -105,6 +105,14 @@ def test_collectives_and_reference_on_the_cpu(monkeypatch, capsys):
     got = json.loads(capsys.readouterr().out)
     assert set(got) == {"all_reduce", "all_gather"} and all(g["median_s"] > 0 for g in got.values())
 
+    # --by-case: one op at two sizes in one process group, each kept (plan.calibrate's one launch)
+    _one_process_group(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["collectives.py", "all_reduce:4096", "all_reduce:65536", "--iterations=3",
+                                      "--by-case"])
+    bench_module("collectives").main()
+    got = json.loads(capsys.readouterr().out)
+    assert {k: g["bytes"] for k, g in got.items()} == {"all_reduce:4096": 4096, "all_reduce:65536": 65536}
+
     _one_process_group(monkeypatch)
     monkeypatch.setattr(sys, "argv", ["reference.py", "--strategy=fsdp", "--steps=4", "--warmup=2", "--layers=1",
                                       "--hidden=32", "--heads=2", "--seq=16"])
