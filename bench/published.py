@@ -223,8 +223,8 @@ def predict(row: Row) -> dict[str, object]:
 
 # What --fit searches, per GPU, holding the profile's other constants: the A100's that hardware.OPS says were fitted
 # here, and the H100 rows' STACKS. Attention stops at 0.8 of the peak, above the best any FlashAttention-2 pass
-# reached on an A100 (forward, 73%: Dao 2023): a fit that ends there wants more than the kernel can give, and says so
-# (on_edge) rather than taking it.
+# reached on an A100 (forward, 73%: Dao 2023): a fit that ends there wants more than the kernel can give. The grid is
+# not widened past it; the fit's report says which constants stopped at an end (on_edge).
 FITTED = {
     "h100": {"attention_efficiency": (0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7),
              "attention_seq_half": (0.0, 1000.0, 2000.0, 3000.0, 4000.0, 6000.0, 8000.0)},
@@ -234,17 +234,22 @@ FITTED = {
 }
 
 
-@functools.lru_cache(maxsize=None)
 def _grid_errors(gpu: str, mine: tuple[Row, ...]) -> tuple[list[dict[str, float]], list[list[float]]]:
     """Every point of FITTED[gpu]'s grid, and at each the tokens/s error of each of `mine` (that GPU's MosaicML
     rows). Each row's candidates (FSDP accumulating either way) are searched once and re-timed at each point; the
-    row takes the fastest that fits, as predict() does."""
+    row takes the fastest that fits, as predict() does. Computed once per grid and rows (fit, --loo and the table's
+    summary all read it)."""
+    return _errors_on(gpu, mine, tuple((k, tuple(v)) for k, v in FITTED[gpu].items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _errors_on(gpu: str, mine: tuple[Row, ...], grid_items: tuple) -> tuple[list[dict[str, float]], list[list[float]]]:
     import itertools
     from dataclasses import replace
 
     from dist_train.estimate.step_time import predict_step
 
-    grid = FITTED[gpu]
+    grid = dict(grid_items)
     base = _profile(mine[0], stack=False)
     pinned = [(r, *_pinned(r, base)[:2]) for r in mine]
     points, errors = [], []
@@ -256,7 +261,7 @@ def _grid_errors(gpu: str, mine: tuple[Row, ...]) -> tuple[list[dict[str, float]
             row_errors.append(c.setup.micro_batch_size * c.setup.seq_len * c.setup.microbatches_per_step / step
                               / r.published - 1)
         points.append(dict(zip(grid, values)))
-        errors.append(row_errors)
+        errors.append(tuple(row_errors))
     return points, errors
 
 
@@ -308,29 +313,32 @@ def fit_text(rows: list[Row]) -> str:
     return "--fit on these rows: " + "; ".join(parts) + "."
 
 
-def leave_one_out(rows: list[Row]) -> list[tuple[Row, float, bool]]:
+def leave_one_out(rows: list[Row]) -> list[tuple[Row, float, bool, list[str]]]:
     """How the fit predicts a row it has not seen: for each MosaicML row of a GPU in FITTED, its tokens/s error under
-    the constants fitted to that GPU's other rows, and whether those differ from the constants fitted to all of them.
-    (row, error, constants moved) per row."""
+    the constants fitted to that GPU's other rows, whether those differ from the constants fitted to all of them, and
+    which of them stopped at the end of their grid (on_edge). (row, error, constants moved, ends) per row."""
     out = []
     for gpu in FITTED:
         mine = [r for r in rows if r.source == "mosaicml" and r.gpu == gpu]
-        _, errors = _grid_errors(gpu, tuple(mine))
+        points, errors = _grid_errors(gpu, tuple(mine))
         everything = _best(errors)
         for i, r in enumerate(mine):
             k = _best(errors, leave_out=i)
-            out.append((r, errors[k][i], k != everything))
+            out.append((r, errors[k][i], k != everything, on_edge(gpu, points[k])))
     return out
 
 
-def loo_text(loo: list[tuple[Row, float, bool]]) -> str:
-    """The leave-one-out errors in a sentence: how many within 10%, the median and each row's."""
-    within = sum(abs(e) <= 0.10 for _, e, _ in loo)
-    median = sorted(abs(e) for _, e, _ in loo)[len(loo) // 2]
-    return (f"Each fitted row predicted by the constants fitted without it (--loo, leave one out): {within} of "
-            f"{len(loo)} within 10%, median |error| {median:.0%}; leaving a row out changed the fitted constants "
-            f"{sum(m for _, _, m in loo)} times; "
-            + ", ".join(f"{r.gpu.upper()} {r.name} {r.seq:,} {e:+.0%}" for r, e, _ in loo) + ".")
+def loo_text(loo: list[tuple[Row, float, bool, list[str]]]) -> str:
+    """The leave-one-out errors in a sentence: how many within 10%, the median and each row's (marked where the
+    constants fitted without it stopped at the end of their grid)."""
+    errors = sorted(abs(e) for _, e, _, _ in loo)
+    median = (errors[(len(errors) - 1) // 2] + errors[len(errors) // 2]) / 2
+    return (f"Each fitted row predicted by the constants fitted without it (--loo, leave one out): "
+            f"{sum(e <= 0.10 for e in errors)} of {len(loo)} within 10%, median |error| {median:.1%}; leaving a row "
+            f"out changed the fitted constants {sum(m for _, _, m, _ in loo)} times; "
+            + ", ".join(f"{r.gpu.upper()} {r.name} {r.seq:,} {e:+.0%}"
+                        + (f" (fitted without it: {', '.join(ends)} at the end of the grid)" if ends else "")
+                        for r, e, _, ends in loo) + ".")
 
 
 TERMS = ("matrix products", "attention", "memory-bound work", "the rest")
@@ -447,8 +455,9 @@ def main() -> None:
             f"{min(errors):+.0%} to {max(errors):+.0%}, median |error| "
             f"{sorted(abs(e) for e in errors)[len(errors) // 2]:.0%}; {bound_by_comm} of {len(held_out)} "
             "communication-bound in the model (their gathers and reductions over the a100 profile's assumed links "
-            "take longer than their compute), so these rows test that assumption more than the compute. "
-            if held_out else "")
+            "take longer than their compute)"
+            + (", so these rows test that assumption more than the compute. " if 2 * bound_by_comm > len(held_out)
+               else ". ") if held_out else "")
     tp = (f"Megatron's H100 rows with their tensor-parallel all-reduces on the critical path, as dist_train's tp "
           f"runs them (not overlapped): {', '.join(exposed)}. " if exposed else "")
     summary = (f"Within target: MosaicML {m[0]} of {m[1]} rows within 10%; Megatron {g[0]} of {g[1]} predicted rows "

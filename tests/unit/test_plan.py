@@ -417,12 +417,12 @@ def test_the_bound_is_the_chebyshev_fit_of_the_terms():
     assert w == pytest.approx([2 / 3, 2 / 3], abs=1e-4) and worst == pytest.approx(1 / 3, abs=1e-4)
 
 
-def test_the_fit_leaves_one_row_out_and_says_when_it_stops_at_the_end_of_its_grid():
+def test_the_fit_leaves_one_row_out_and_says_when_it_stops_at_the_end_of_its_grid(monkeypatch):
     """bench/published.py --fit and --loo. Two grid points over three rows: the first misses row 3 by +100%
     (loss ln(2)^2 = 0.48), the second misses rows 1 and 2 by +20% (2 ln(1.2)^2 = 0.066), so it is the fit; without
-    row 3 the first fits exactly. A constant at the top of its grid is at its end; a half-point of 0 is the end of its
-    range, not of the grid. On the real rows, leaving one out gives one error per MosaicML row of a fitted GPU, the same
-    as --fit's where the constants do not move."""
+    row 3 the first fits exactly, and row 3 is then predicted at +100%. A constant at the top of its grid is at its
+    end; a half-point of 0 is the end of its range, not of the grid. On the real rows: one entry per MosaicML row of
+    a fitted GPU, in order."""
     published = bench_module("published")
     errors = [[0.0, 0.0, 1.0], [0.2, 0.2, 0.0]]
     assert published._best(errors) == 1 and published._best(errors, leave_out=2) == 0
@@ -431,15 +431,21 @@ def test_the_fit_leaves_one_row_out_and_says_when_it_stops_at_the_end_of_its_gri
     assert published.on_edge("a100", {"attention_efficiency": top, "attention_seq_half": 0.0}) == [
         "attention_efficiency"]
     assert published.on_edge("a100", {"gemm_efficiency": 0.8, "attention_seq_half": 0.0}) == []
-    loo = published.leave_one_out(published.ROWS)
     fitted = [r for r in published.ROWS if r.source == "mosaicml" and r.gpu in published.FITTED]
-    assert [r for r, _, _ in loo] == fitted
-    for gpu, point in published.fit(published.ROWS, quiet=True).items():
-        mine = tuple(r for r in fitted if r.gpu == gpu)
-        points, grid = published._grid_errors(gpu, mine)
-        everything = grid[points.index(point)]
-        for (r, e, moved), whole in zip([x for x in loo if x[0].gpu == gpu], everything):
-            assert moved or e == whole, r
+    loo = published.leave_one_out(published.ROWS)
+    assert [x[0] for x in loo] == fitted and all(-1 < x[1] < 1 for x in loo)
+    # each row is scored by the point fitted without it, at its own index
+    rows = {gpu: [r for r in fitted if r.gpu == gpu] for gpu in published.FITTED}
+    points = [{"attention_efficiency": 0.5}, {"attention_efficiency": top}]
+
+    def grid(gpu, mine):
+        return points, [list(e) + [0.0] * (len(mine) - 3) for e in errors]
+
+    monkeypatch.setattr(published, "_grid_errors", grid)
+    h100 = [x for x in published.leave_one_out(published.ROWS) if x[0].gpu == "h100"]
+    assert [(e, moved) for _, e, moved, _ in h100[:3]] == [(0.2, False), (0.2, False), (1.0, True)]
+    assert [ends for *_, ends in h100[:3]] == [[], [], []]  # h100's grid has no attention_efficiency of `top`
+    assert [r for r, *_ in h100] == rows["h100"]
 
 
 def test_the_first_answer_benchmark_says_where_the_first_pick_measured():
