@@ -71,9 +71,12 @@ def _assert_dry_run_equals(strategy: str, overrides: list[str], real: dict, *, n
             assert measured[f"{prefix}/count"] == want[f"{prefix}/count"], (strategy, prefix)
             assert measured[f"{prefix}/bytes"] == want[f"{prefix}/bytes"], (strategy, prefix)
         assert {k.removesuffix("/count") for k in measured if k.startswith("comm/") and k.endswith("/count")} == counted
-        # Every live tensor at the peak: the fake CPU attention kernel saves a little more than the real one.
+        # Every live tensor at the peak: within 1%, 2% under tensor parallelism (0.03% for ddp, fsdp and ZeRO,
+        # 1.3% for tp, measured). 1.6% to 4.2% above before the dry run took the sequences as unpacked, as a real
+        # run reads them (fake.py _sequences_unpacked): attention ran masked, with k and v repeated.
         live, want_live = measured["memory/peak_live_bytes"], want["memory/peak_live_bytes"]
-        assert abs(live - want_live) <= 0.05 * want_live, (strategy, live, want_live)
+        within = 0.02 if strategy in ("tp", "fsdp_tp", "ddp_tp") else 0.01
+        assert abs(live - want_live) <= within * want_live, (strategy, live, want_live)
         if not predicted:  # LoRA: measured only, nothing predicted beside it
             assert got["predicted"] == {} and got["diff"] == {}
             continue
