@@ -46,9 +46,12 @@ def note_text(seq_len: int) -> str:
         "group. Fixed: TP splits them by vocabulary now (with loss_parallel), and the estimator follows. (2) pp_dp's "
         "first stage holds the embedding beside its 10 layers (the last the head and final norm): +2.3% over the "
         "even 4Ψ/8, exactly as the estimator's stage split predicts; no split of 80 layers into 8 stages does "
-        "better for both ends. (3) The peak of live tensors of fsdp is 10-14% above the prediction at this size "
-        "(within 5% on the tiny model), fsdp_tp's 3-4% above: the prediction leaves out backward's temporaries (8 GB "
-        "here) and the fake CPU attention kernel keeps a little more than the real one. (4) zero3's all-gather bytes "
+        "better for both ends. (3) The peak of live tensors of fsdp is 2.9% and 6.2% above the prediction at 64 and "
+        "1,024 ranks, fsdp_tp's 2.4% and 2.8%, ddp's 0.05%: the prediction leaves out backward's temporaries. Until "
+        "2026-11-28 they were 10-14%, 3-4% and 0.9%: transformers reads the position ids' values to tell packed "
+        "sequences apart, could not read fake ones, and the dry run ran attention masked (k and v repeated to all 64 "
+        "heads, the mask kept in every layer), which no real run does; it now takes the sequences as unpacked, as a "
+        "real run reads them (dist_train/estimate/dryrun/fake.py). (4) zero3's all-gather bytes "
         "are 0.7% under the estimator's at both sizes: DeepSpeed keeps the modules at the forward/backward turn "
         "gathered into backward (here 966,803,456 parameters: the head, the final norm, the last block's MLP and its "
         "norm), so they are gathered once, not twice. The estimator's two gathers per micro-batch stay as the upper "
@@ -65,8 +68,9 @@ def note_text(seq_len: int) -> str:
         "(6) pp_dp's replicated stages held an unsharded copy of every parameter beside it at the peak (torch's "
         "FSDP-based replicate, kept gathered across the schedule's micro-batches): +32.85 GiB of parameters on rank "
         "0. Fixed in the code: each stage is under DDP now, its gradients zeroed in place so that the micro-batches "
-        "accumulate into DDP's buckets; rank 0's peak of live tensors went from 271.5 to 253.7 GiB, the losses are "
-        "the same. (The same in-place zeroing takes a second copy of the gradients off ddp's peak when it "
+        "accumulate into DDP's buckets; rank 0's peak of live tensors went from 271.5 to 253.7 GiB (244.4 with the "
+        "unpacked sequences), the losses are the same. (The same in-place zeroing takes a second copy of the "
+        "gradients off ddp's peak when it "
         "accumulates.)")
 
 

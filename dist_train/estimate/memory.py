@@ -403,7 +403,7 @@ def fsdp_gathered(shape: ModelShape, n: int, *, reshards: bool) -> int:
     block's (every block's without resharding), each at its padded size (`fsdp_padded`), since the unsharded
     parameters are views into the padded all-gather output. A parameter with fewer rows than ranks (an MoE layer's
     E experts, its router, at 1,024 ranks) is gathered n rows long: the dry run of a 128-expert model under plain
-    fsdp at 1,024 ranks peaked 64% above the prediction that counted real sizes (43% above this one)."""
+    fsdp at 1,024 ranks peaked 64% above the prediction that counted real sizes (37% above this one)."""
     every = sum(fsdp_padded(dims, n) for dims in shape.param_shapes())
     if not reshards:
         return every
