@@ -331,8 +331,8 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     gradient is kept in fp32 (the reduce dtype) until the last micro-batch's reduce-scatter, 4 B per parameter (of
     the tensor-parallel slice) on every rank whatever the world size, in place of the sharded gradients, which do
     not exist yet at that point; reduce_every_microbatch holds the sharded ones instead. Collective buffers and
-    backward's temporaries are not counted (measured: within 5% on 2 ranks for fsdp, -4% on 4 ranks for fsdp_tp
-    with tp=2; tests/launched/test_peak_live.py, tests/launched/test_dryrun.py).
+    backward's temporaries are not counted (measured 2026-11-28: -2.9% to +1.7% on 2 ranks for fsdp, -0.5% on 4
+    ranks for fsdp_tp with tp=2; bench/peak_live.py, tests/launched/test_peak_live.py, tests/launched/test_dryrun.py).
     Under expert parallelism (fsdp_ep, ep: `_expert_parallel_gathered`) the dense weights are FSDP2's (fsdp_ep) or its
     replicate's (ep) as above, and the experts gather apart, over their own group. The dispatch's buffers are gone
     by the start of backward; what the all-to-alls keep for it is in the activations (`ep_dispatch_bytes`)."""
