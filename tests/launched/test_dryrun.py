@@ -150,6 +150,32 @@ def test_fsdp_chunks_made_on_demand_are_torch_chunks(shape, num_chunks, dim):
     assert got[-1].shape == want[-1].shape
 
 
+def test_the_dry_run_reads_fake_sequences_as_one_a_row_as_a_real_run_reads_real_ones():
+    """transformers' packed-sequence check reads the position ids' values: on a real tensor it finds one sequence a
+    row (None) or the packing; on a fake one it cannot and takes them as packed (then attention runs masked). The dry
+    run answers 'one a row' for a fake tensor (fake.py _sequences_unpacked) and leaves real ones to transformers. That
+    holds while a batch carries token ids and labels only: no position ids, so no packing."""
+    import dataclasses
+
+    import torch
+    import transformers.masking_utils as masking
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dist_train.contracts import Batch
+    from dist_train.estimate.dryrun.fake import _sequences_unpacked
+
+    (owner, name, unpacked), = _sequences_unpacked()
+    assert owner is masking and name == "find_packed_sequence_indices"
+    one_a_row, packed = torch.arange(8).unsqueeze(0), torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    assert masking.find_packed_sequence_indices(one_a_row) is None and unpacked(one_a_row) is None
+    assert unpacked(packed).tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]]
+    with FakeTensorMode():
+        fake = torch.arange(8).unsqueeze(0)
+        assert masking.find_packed_sequence_indices(fake) is not None  # transformers cannot tell
+        assert unpacked(fake) is None
+    assert [f.name for f in dataclasses.fields(Batch)] == ["input_ids", "labels"]
+
+
 GATHER_VIEWS = """
 import json
 from dist_train.quiet import quiet_deepspeed_on_cpu
