@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -234,7 +235,12 @@ FITTED = {
 }
 
 
-def _grid_errors(gpu: str, mine: tuple[Row, ...]) -> tuple[list[dict[str, float]], list[list[float]]]:
+def fitted_rows(rows: list[Row], gpu: str) -> list[Row]:
+    """The rows --fit, --loo and --bound read for `gpu`: MosaicML's on that GPU."""
+    return [r for r in rows if r.source == "mosaicml" and r.gpu == gpu]
+
+
+def _grid_errors(gpu: str, mine: tuple[Row, ...]) -> tuple[list[dict[str, float]], list[tuple[float, ...]]]:
     """Every point of FITTED[gpu]'s grid, and at each the tokens/s error of each of `mine` (that GPU's MosaicML
     rows). Each row's candidates (FSDP accumulating either way) are searched once and re-timed at each point; the
     row takes the fastest that fits, as predict() does. Computed once per grid and rows (fit, --loo and the table's
@@ -243,7 +249,9 @@ def _grid_errors(gpu: str, mine: tuple[Row, ...]) -> tuple[list[dict[str, float]
 
 
 @functools.lru_cache(maxsize=None)
-def _errors_on(gpu: str, mine: tuple[Row, ...], grid_items: tuple) -> tuple[list[dict[str, float]], list[list[float]]]:
+def _errors_on(gpu: str, mine: tuple[Row, ...], grid_items: tuple) -> tuple[list[dict[str, float]],
+                                                                           list[tuple[float, ...]]]:
+    """_grid_errors, cached by the grid as well as the rows (FITTED may be changed between calls)."""
     import itertools
     from dataclasses import replace
 
@@ -265,11 +273,11 @@ def _errors_on(gpu: str, mine: tuple[Row, ...], grid_items: tuple) -> tuple[list
     return points, errors
 
 
-def _best(errors: list[list[float]], *, leave_out: Optional[int] = None) -> int:
+def _best(errors: Sequence[Sequence[float]], *, leave_out: Optional[int] = None) -> int:
     """The grid point with the least sum of squared log errors of tokens/s over the rows (but `leave_out`)."""
     import math
 
-    def loss(row_errors: list[float]) -> float:
+    def loss(row_errors: Sequence[float]) -> float:
         return sum(math.log1p(e) ** 2 for i, e in enumerate(row_errors) if i != leave_out)
 
     return min(range(len(errors)), key=lambda k: loss(errors[k]))
@@ -287,7 +295,7 @@ def fit(rows: list[Row], *, quiet: bool = False) -> dict[str, dict[str, float]]:
     rows (_grid_errors, _best); printed unless `quiet`."""
     out = {}
     for gpu in FITTED:
-        mine = [r for r in rows if r.source == "mosaicml" and r.gpu == gpu]
+        mine = fitted_rows(rows, gpu)
         points, errors = _grid_errors(gpu, tuple(mine))
         k = _best(errors)
         out[gpu] = points[k]
@@ -304,7 +312,7 @@ def fit_text(rows: list[Row]) -> str:
     on these rows, and which of them the fit left at the end of its grid."""
     parts = []
     for gpu, point in fit(rows, quiet=True).items():
-        hw = _profile(next(r for r in rows if r.source == "mosaicml" and r.gpu == gpu))
+        hw = _profile(fitted_rows(rows, gpu)[0])
         used = {k: getattr(hw, k) for k in point}
         same = "the constants in use" if used == point else f"not the constants in use ({used})"
         edge = on_edge(gpu, point)
@@ -319,7 +327,7 @@ def leave_one_out(rows: list[Row]) -> list[tuple[Row, float, bool, list[str]]]:
     which of them stopped at the end of their grid (on_edge). (row, error, constants moved, ends) per row."""
     out = []
     for gpu in FITTED:
-        mine = [r for r in rows if r.source == "mosaicml" and r.gpu == gpu]
+        mine = fitted_rows(rows, gpu)
         points, errors = _grid_errors(gpu, tuple(mine))
         everything = _best(errors)
         for i, r in enumerate(mine):
@@ -356,7 +364,7 @@ def bound(rows: list[Row]) -> dict[str, tuple[list[float], float, list[tuple[Row
 
     out = {}
     for gpu in FITTED:
-        mine, terms, published = [r for r in rows if r.source == "mosaicml" and r.gpu == gpu], [], []
+        mine, terms, published = fitted_rows(rows, gpu), [], []
         for r in mine:
             hw = _profile(r)
             _, cands, _ = _pinned(r, hw)
@@ -450,14 +458,16 @@ def main() -> None:
         return
     text, within, held_out, exposed = table(ROWS)
     m, g = within["mosaicml"], within["megatron"]
-    errors, bound_by_comm = [e for e, _ in held_out], sum(b for _, b in held_out)
-    held = (f"Held out (torchtitan, no target, nothing fitted to it): {len(held_out)} rows, errors "
-            f"{min(errors):+.0%} to {max(errors):+.0%}, median |error| "
-            f"{sorted(abs(e) for e in errors)[len(errors) // 2]:.0%}; {bound_by_comm} of {len(held_out)} "
-            "communication-bound in the model (their gathers and reductions over the a100 profile's assumed links "
-            "take longer than their compute)"
-            + (", so these rows test that assumption more than the compute. " if 2 * bound_by_comm > len(held_out)
-               else ". ") if held_out else "")
+    held = ""
+    if held_out:
+        errors, bound_by_comm = [e for e, _ in held_out], sum(b for _, b in held_out)
+        held = (f"Held out (torchtitan, no target, nothing fitted to it): {len(held_out)} rows, errors "
+                f"{min(errors):+.0%} to {max(errors):+.0%}, median |error| "
+                f"{sorted(abs(e) for e in errors)[len(errors) // 2]:.0%}; {bound_by_comm} of {len(held_out)} "
+                "communication-bound in the model (their gathers and reductions over the a100 profile's assumed "
+                "links take longer than their compute)"
+                + (", so these rows test that assumption more than the compute. " if 2 * bound_by_comm > len(held_out)
+                   else ". "))
     tp = (f"Megatron's H100 rows with their tensor-parallel all-reduces on the critical path, as dist_train's tp "
           f"runs them (not overlapped): {', '.join(exposed)}. " if exposed else "")
     summary = (f"Within target: MosaicML {m[0]} of {m[1]} rows within 10%; Megatron {g[0]} of {g[1]} predicted rows "
