@@ -330,9 +330,11 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     gradients (more than one micro-batch a step, gradient sync off until the last), every parameter's unsharded
     gradient is kept in fp32 (the reduce dtype) until the last micro-batch's reduce-scatter, 4 B per parameter (of
     the tensor-parallel slice) on every rank whatever the world size, in place of the sharded gradients, which do
-    not exist yet at that point; reduce_every_microbatch holds the sharded ones instead. Collective buffers and
-    backward's temporaries are not counted (measured 2026-11-28: -2.9% to +1.7% on 2 ranks for fsdp, -0.5% on 4
-    ranks for fsdp_tp with tp=2; bench/peak_live.py, tests/launched/test_peak_live.py, tests/launched/test_dryrun.py).
+    not exist yet at that point; reduce_every_microbatch holds the sharded ones instead. Resharding after forward,
+    the peak is the larger of that moment and one later in backward, where the collectives' buffers are alive
+    (`fsdp_backward_moment`: it decides where a block is large beside one layer's activations). Backward's other
+    temporaries are not counted (measured 2026-11-28: -2.9% to +1.7% on 2 ranks for fsdp, -0.5% on 4 ranks for
+    fsdp_tp with tp=2; bench/peak_live.py, tests/launched/test_peak_live.py, tests/launched/test_dryrun.py).
     Under expert parallelism (fsdp_ep, ep: `_expert_parallel_gathered`) the dense weights are FSDP2's (fsdp_ep) or its
     replicate's (ep) as above, and the experts gather apart, over their own group. The dispatch's buffers are gone
     by the start of backward; what the all-to-alls keep for it is in the activations (`ep_dispatch_bytes`)."""
@@ -370,8 +372,49 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
         gathered = slice_params - (shape.num_layers - 1) * block if reshards else slice_params
     accumulates_unsharded = setup.microbatches_per_step > 1 and not setup.reduce_every_microbatch
     grads = 4.0 * slice_params if accumulates_unsharded else rank.grads
-    return with_loss(rank.params + grads + rank.master + rank.optimizer + rank.working_set
-                     + gathered * element_bytes(setup.precision), grads)
+    start = with_loss(rank.params + grads + rank.master + rank.optimizer + rank.working_set
+                      + gathered * element_bytes(setup.precision), grads)
+    if not reshards or (setup.ep > 1 and shape.num_experts):
+        return start
+    return max(start, fsdp_backward_moment(shape, setup, rank, gathered=gathered, grads=grads,
+                                           accumulates_unsharded=accumulates_unsharded))
+
+
+def fsdp_backward_moment(shape: ModelShape, setup: Setup, rank: RankMemory, *, gathered: float, grads: float,
+                         accumulates_unsharded: bool) -> float:
+    """Bytes FSDP2 (resharding after forward) holds at the end of the second-to-last block's backward: the peak of
+    a model whose blocks are large beside one layer's activations (a 70B model's, or an MoE model's padded at
+    1,024 ranks). Beside the activations of the blocks before it, the root's gathered parameters and the block's
+    own, three block-sized buffers are alive there:
+    - the previous block's all-gather output, prefetched at this block's pre-backward (compute dtype, padded);
+    - the last block's reduce-scatter input, which FSDP2 keeps until the next reduce-scatter (fp32, the reduce
+      dtype, padded); accumulating unsharded gradients, it takes the place of that block's fp32 accumulation;
+    - the block's unsharded gradients (compute dtype), beside the head's, which the root keeps to the end.
+    `gathered` is what the start of backward holds gathered (the root's and the last block's), `grads` the
+    gradients the step holds (sharded, or every unsharded fp32 accumulation). Measured by the dry run (torch 2.13's
+    FSDP2, Llama-2-70B's shape with 8 layers, seq 1,024, micro-batch 1, fp32 and bf16, 64 and 1,024 ranks): the
+    peak is inside that block's attention backward, 1-2.5% above this (its attention's temporaries)."""
+    layers = shape.num_layers
+    if layers < 2:
+        return 0.0
+    elem = element_bytes(setup.precision)
+    tp = setup.tensor_parallel_size
+    block = shape.layer_params_tp(tp)
+    if setup.family == "fsdp":  # fsdp, hsdp: as FSDP2 gathers and reduce-scatters, padding included
+        padded = sum(fsdp_padded(dims, setup.dims.dp_shard) for module in shape.layer_modules() for dims in module)
+    else:  # fsdp_tp: its TP slices over dp_shard, unpadded, as its `gathered`
+        padded = block
+    if accumulates_unsharded:
+        held, reduce_input = grads, 0.0
+    else:
+        # one micro-batch a step: the last block's sharded gradients only; more: every block's, from the one before
+        fresh = setup.microbatches_per_step == 1
+        held = grads * min(1.0, block / tp_rank_params(shape, setup)) if fresh else grads
+        reduce_input = 4.0 * padded
+    head = shape.head_matmul_weights() / tp + shape.features.norm_params_per_unit * shape.hidden_size
+    acts = activation_bytes(shape, setup=setup, num_layers=layers - 2, with_head=False, in_flight=1)
+    return (rank.params + held + rank.master + rank.optimizer + acts + reduce_input
+            + (gathered + padded + block + head) * elem)
 
 
 def _expert_parallel_gathered(shape: ModelShape, setup: Setup, *, reshards: bool) -> float:

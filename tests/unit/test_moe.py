@@ -5,6 +5,7 @@ tests/launched/test_moe.py."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -352,7 +353,8 @@ def test_fsdps_gathered_block_at_the_peak_is_padded_as_fsdp2_gathers_it(monkeypa
     """estimate/memory.fsdp_gathered, the same 1,024-rank shape: the root (embedding, final norm, head) and the last
     block gathered, each tensor at its padded size: the 128-row routers and expert stacks 1,024 rows long (8 times
     their size), every other tensor with fewer rows than ranks, or rows that do not divide, padded too. The peak of
-    live tensors counts that, in bf16. Every block without resharding."""
+    live tensors counts that, in bf16, and a block's padded size twice more in backward (fsdp_backward_moment): the
+    prefetched all-gather (bf16) and the reduce-scatter input (fp32). Every block without resharding."""
     from dist_train.estimate import memory
     from dist_train.estimate.memory import fsdp_gathered, predict_memory, predict_peak_live
     from dist_train.estimate.setup import Setup
@@ -372,15 +374,27 @@ def test_fsdps_gathered_block_at_the_peak_is_padded_as_fsdp2_gathers_it(monkeypa
     assert fsdp_gathered(small, 4, reshards=True) == small.num_params - 3 * small.layer_params()
     setup = Setup(strategy="fsdp", family="fsdp", world_size=n, precision="bf16", micro_batch_size=1, seq_len=4096)
     rank = predict_memory(big, setup)[0]
+
+    def backward(ranks: int) -> float:
+        return memory.fsdp_backward_moment(big, setup, rank, gathered=fsdp_gathered(big, ranks, reshards=True),
+                                           grads=rank.grads, accumulates_unsharded=False)
+
     padded = predict_peak_live(big, setup, rank)
-    monkeypatch.setattr(memory, "fsdp_gathered", lambda shape, n, *, reshards: root + block)  # real sizes
-    assert padded - predict_peak_live(big, setup, rank) == 2 * (root_pad + block_pad)  # bf16
+    assert padded == backward(n)  # the backward's moment decides here
+    monkeypatch.setattr(memory, "fsdp_padded", lambda dims, n: math.prod(dims))  # real sizes
+    # gathered (root and block) in bf16, and in backward the prefetched block in bf16, the reduce-scatter in fp32
+    assert padded - backward(n) == pytest.approx(2 * (root_pad + block_pad) + (2 + 4) * block_pad, rel=1e-12)
     monkeypatch.undo()  # hsdp over 2 x 512: FSDP2 shards over dp_shard, 512 ranks (a 128-row tensor 4 times its size)
     hsdp = Setup(strategy="hsdp", family="fsdp", world_size=n, replicate=2, precision="bf16", micro_batch_size=1,
                  seq_len=4096)
     assert hsdp.dims.dp_shard == 512
-    assert predict_peak_live(big, hsdp, rank) - predict_peak_live(big, setup, rank) == 2 * (
-        fsdp_gathered(big, 512, reshards=True) - fsdp_gathered(big, n, reshards=True))
+
+    def block_padded(ranks: int) -> int:
+        return sum(memory.fsdp_padded(dims, ranks) for module in big.layer_modules() for dims in module)
+
+    assert predict_peak_live(big, hsdp, rank) - predict_peak_live(big, setup, rank) == pytest.approx(2 * (
+        fsdp_gathered(big, 512, reshards=True) - fsdp_gathered(big, n, reshards=True)) + (2 + 4) * (
+        block_padded(512) - block_padded(n)), rel=1e-12)
     assert fsdp_gathered(big, 512, reshards=True) - (root + block) == pytest.approx(3 * routed, rel=1e-3)
 
 
