@@ -20,6 +20,7 @@ def under_fake_group(*, zero: bool) -> Iterator[None]:
 
     patches = [*_meshes_outside_fake_mode(), *_pipeline_shapes_given(), *_moves_in_place(), *_ddp_replicas_agree(),
                *_fsdp_chunks_on_demand(), *_expert_parallel_routes_balanced(), *_sequences_unpacked(),
+               *_dtensor_shapes_apart(),
                *(_deepspeed_checks_pass() if zero else [])]
     with contextlib.ExitStack() as stack:
         for owner, name, replacement in patches:
@@ -64,6 +65,25 @@ def _sequences_unpacked() -> list[Patch]:
         return None if is_fake(position_ids) else find(position_ids)
 
     return [(masking, "find_packed_sequence_indices", unpacked)]
+
+
+def _dtensor_shapes_apart() -> list[Patch]:
+    """DTensor works out an op's output shape by running the op on empty tensors of the global shapes, under the
+    active fake mode, or a fresh one where none is active (a real run: nothing allocated, nothing tracked). In the dry
+    run the active mode is the dry run's own, so MemTracker counted those global-shape tensors as the rank's: under
+    loss_parallel the log-softmax and the loss over the whole vocabulary in fp32, where a rank holds its slice
+    (Qwen3-30B-A3B's 151,936 at seq 4,096: two of 2.3 GiB alive at fsdp_tp's peak). Here DTensor works them out under a
+    mode of its own, as in a real run."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def apart(self: Any, op_schema: Any) -> Any:
+        with unset_fake_temporarily():
+            return propagate(self, op_schema)
+
+    return [(ShardingPropagator, "_propagate_tensor_meta_non_cached", apart)]
 
 
 def _pipeline_shapes_given() -> list[Patch]:
