@@ -100,19 +100,20 @@ def main() -> None:
             "2026-11-27,\n  which counted a gathered block at its real size: FSDP2 all-gathers each 128-expert stack "
             "1,024 rows long\n  (one padded row a rank), 8 times its size. The estimator counts the padded gathers "
             "since 2026-11-28\n  (estimate/memory.py fsdp_gathered), which left it 43% above, and 37% since the "
-            "unpacked sequences. What is\n  left (22.5 GiB) is in backward, past the start the estimator models: on "
-            "2026-11-28, before the unpacked\n  sequences, 70% of the sharded gradients existed at the dry run's peak "
-            "(0.60 of 0.85 GiB), beside 29.8 GiB\n  of temporaries (memory/peak_live/*). A block's padded "
-            "reduce-scatter input in fp32 is 18 GiB by arithmetic,\n  a prefetched padded gather 9 GiB. Not "
-            "modelled.\n"
+            "unpacked sequences. The rest\n  was in backward, past the start the estimator modelled: at the "
+            "second-to-last block's backward FSDP2 holds\n  that block's padded reduce-scatter input in fp32 "
+            "(18 GiB) and the next block's prefetched padded gather\n  (9 GiB). The estimator models that moment "
+            "since 2026-11-28 (estimate/memory.py fsdp_backward_moment).\n"
             "- **Expert parallelism beside tensor parallelism (fsdp_tp tp=4 ep=8)**: at 64 ranks every byte "
             "of state, every\n  gather, reduction and all-to-all equals the estimator's; tp's all-reduces are "
             "7.6e-6 (24 KiB a micro-batch) below\n  it, as if the loss's 3 per-token reductions were 16-bit "
             "there (fp32 in real runs on 4 ranks; not found). At 1,024\n  the dense TP slices' FSDP2 padding "
             "over 256 ranks is not in the estimator (its fsdp_tp shards are params/N): +0.5%\n  state, +0.9% "
-            "gathers and reductions. Its peak is 9.3% and 10.7% above the prediction (13% and 15% before the\n  "
-            "unpacked sequences), in the activations at the peak.\n"
-            "- The dry run cost 29–101 s and under 0.6 GiB a rank here.")
+            "gathers and reductions. Its peak is 1.1% and 1.3% above the prediction. It was 9.3% and 10.7% above\n  "
+            "while the dry run counted DTensor's global-shape propagation tensors as the rank's (two fp32 tensors "
+            "over\n  the whole vocabulary, 2.3 GiB each; estimate/dryrun/fake.py since 2026-11-28), and 13% and "
+            "15% before the\n  unpacked sequences.\n"
+            "- The dry run cost 38–136 s and at most 0.6 GiB a rank here.")
     write_section("dryrun-moe", "The dry run of an MoE model at scale", md_table(headers, rows),
                   command=f"python bench/dryrun_moe.py --world-sizes {args.world_sizes} --seq-len {args.seq_len} "
                           f"--timeout {args.timeout:g}", note=note)

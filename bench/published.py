@@ -425,7 +425,7 @@ def table(rows: list[Row]) -> tuple[str, dict[str, tuple[int, int]], list[tuple[
         elif err is not None:
             held_out.append((err, p["comm_bound"]))
         offered = "-" if err is None else (
-            "yes" if p["offered"] else f"no: {p['peak_gib']:.0f} GiB > {p['usable_gib']:.0f}")
+            "yes" if p["offered"] else f"no: {p['peak_gib']:.2f} GiB > {p['usable_gib']:.2f}")
         body.append([
             row.source, row.gpu.upper(), row.name, f"{row.seq:,}", row.gpus, f"{row.micro} x {row.global_batch:,}",
             row.checkpointing + (f", every {row.checkpoint_every}" if row.checkpoint_every > 1 else ""),
