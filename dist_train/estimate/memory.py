@@ -330,9 +330,10 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     gradients (more than one micro-batch a step, gradient sync off until the last), every parameter's unsharded
     gradient is kept in fp32 (the reduce dtype) until the last micro-batch's reduce-scatter, 4 B per parameter (of
     the tensor-parallel slice) on every rank whatever the world size, in place of the sharded gradients, which do
-    not exist yet at that point; reduce_every_microbatch holds the sharded ones instead. Resharding after forward,
-    the peak is the larger of that moment and one later in backward, where the collectives' buffers are alive
-    (`fsdp_backward_moment`: it decides where a block is large beside one layer's activations). Backward's other
+    not exist yet at that point; reduce_every_microbatch holds the sharded ones instead. The peak is the larger of
+    that moment and one later in backward, where the collectives' buffers are alive (`fsdp_backward_moment`: it
+    decides where a block is large beside one layer's activations), and without resharding after forward one in
+    the last block's forward, beside two all-gather outputs. Backward's other
     temporaries are not counted (measured 2026-11-28: -2.9% to +1.7% on 2 ranks for fsdp, -0.5% on 4 ranks for
     fsdp_tp with tp=2; bench/peak_live.py, tests/launched/test_peak_live.py, tests/launched/test_dryrun.py).
     Under expert parallelism (fsdp_ep, ep: `_expert_parallel_gathered`) the dense weights are FSDP2's (fsdp_ep) or its
@@ -374,14 +375,33 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     grads = 4.0 * slice_params if accumulates_unsharded else rank.grads
     start = with_loss(rank.params + grads + rank.master + rank.optimizer + rank.working_set
                       + gathered * element_bytes(setup.precision), grads)
-    if not reshards or (setup.ep > 1 and shape.num_experts):
+    if setup.shard_with != "fsdp" or (setup.ep > 1 and shape.num_experts):
         return start
-    return max(start, fsdp_backward_moment(shape, setup, rank, gathered=gathered, grads=grads,
-                                           accumulates_unsharded=accumulates_unsharded))
+    backward = fsdp_backward_moment(shape, setup, rank, gathered=gathered, grads=grads, reshards=reshards,
+                                    accumulates_unsharded=accumulates_unsharded)
+    if reshards:
+        return max(start, backward)
+    # without resharding, the last block's forward: every block gathered, and beside them two all-gather outputs,
+    # the last block's and the one before, which FSDP2 frees at the next copy-out (the dry run holds both at its
+    # peak, inside that block); the activations of the blocks before it; no gradient yet with one micro-batch a step
+    forward = (rank.params + (0.0 if fresh else grads) + rank.master + rank.optimizer
+               + activation_bytes(shape, setup=setup, num_layers=shape.num_layers - 1, with_head=False, in_flight=1)
+               + (gathered + 2 * _fsdp_block(shape, setup)[1]) * element_bytes(setup.precision))
+    return max(start, backward, forward)
+
+
+def _fsdp_block(shape: ModelShape, setup: Setup) -> tuple[float, float]:
+    """One block's parameters on a rank before FSDP2 (its tensor-parallel slice), and as FSDP2 gathers and
+    reduce-scatters them: padded under fsdp and hsdp, the TP slices over dp_shard unpadded under fsdp_tp (as its
+    gathered parameters are counted)."""
+    block = shape.layer_params_tp(setup.tensor_parallel_size)
+    if setup.family != "fsdp":
+        return block, block
+    return block, sum(fsdp_padded(dims, setup.dims.dp_shard) for module in shape.layer_modules() for dims in module)
 
 
 def fsdp_backward_moment(shape: ModelShape, setup: Setup, rank: RankMemory, *, gathered: float, grads: float,
-                         accumulates_unsharded: bool) -> float:
+                         reshards: bool = True, accumulates_unsharded: bool) -> float:
     """Bytes FSDP2 (resharding after forward) holds at the end of the second-to-last block's backward: the peak of
     a model whose blocks are large beside one layer's activations (a 70B model's, or an MoE model's padded at
     1,024 ranks). Beside the activations of the blocks before it, the root's gathered parameters and the block's
@@ -391,7 +411,9 @@ def fsdp_backward_moment(shape: ModelShape, setup: Setup, rank: RankMemory, *, g
       dtype, padded); accumulating unsharded gradients, it takes the place of that block's fp32 accumulation;
     - the block's unsharded gradients (compute dtype), beside the head's, which the root keeps to the end.
     `gathered` is what the start of backward holds gathered (the root's and the last block's), `grads` the
-    gradients the step holds (sharded, or every unsharded fp32 accumulation). Measured by the dry run (torch 2.13's
+    gradients the step holds (sharded, or every unsharded fp32 accumulation). Without resharding after forward
+    (`reshards` false) every block is gathered already, so nothing is prefetched, and the last block was resharded
+    after its backward. Measured by the dry run (torch 2.13's
     FSDP2, Llama-2-70B's shape with 8 layers, seq 1,024, micro-batch 1, fp32 and bf16, 64 and 1,024 ranks): the
     peak is inside that block's attention backward, 1-2.5% above this (its attention's temporaries)."""
     layers = shape.num_layers
@@ -399,11 +421,7 @@ def fsdp_backward_moment(shape: ModelShape, setup: Setup, rank: RankMemory, *, g
         return 0.0
     elem = element_bytes(setup.precision)
     tp = setup.tensor_parallel_size
-    block = shape.layer_params_tp(tp)
-    if setup.family == "fsdp":  # fsdp, hsdp: as FSDP2 gathers and reduce-scatters, padding included
-        padded = sum(fsdp_padded(dims, setup.dims.dp_shard) for module in shape.layer_modules() for dims in module)
-    else:  # fsdp_tp: its TP slices over dp_shard, unpadded, as its `gathered`
-        padded = block
+    block, padded = _fsdp_block(shape, setup)
     if accumulates_unsharded:
         held, reduce_input = grads, 0.0
     else:
@@ -413,8 +431,9 @@ def fsdp_backward_moment(shape: ModelShape, setup: Setup, rank: RankMemory, *, g
         reduce_input = 4.0 * padded
     head = shape.head_matmul_weights() / tp + shape.features.norm_params_per_unit * shape.hidden_size
     acts = activation_bytes(shape, setup=setup, num_layers=layers - 2, with_head=False, in_flight=1)
+    prefetched = padded if reshards else -padded  # the next block's all-gather, or the last block resharded
     return (rank.params + held + rank.master + rank.optimizer + acts + reduce_input
-            + (gathered + padded + block + head) * elem)
+            + (gathered + prefetched + block + head) * elem)
 
 
 def _expert_parallel_gathered(shape: ModelShape, setup: Setup, *, reshards: bool) -> float:
