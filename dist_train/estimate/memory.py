@@ -430,7 +430,9 @@ def fsdp_backward_moment(shape: ModelShape, setup: Setup, rank: RankMemory, *, g
         held = grads * min(1.0, block / tp_rank_params(shape, setup)) if fresh else grads
         reduce_input = 4.0 * padded
     head = shape.head_matmul_weights() / tp + shape.features.norm_params_per_unit * shape.hidden_size
-    acts = activation_bytes(shape, setup=setup, num_layers=layers - 2, with_head=False, in_flight=1)
+    # the blocks before it, none of them recomputed yet (under checkpointing, their inputs and kept outputs)
+    acts = activation_bytes(shape, setup=setup, num_layers=layers - 2, with_head=False, in_flight=1,
+                            recomputing=False)
     prefetched = padded if reshards else -padded  # the next block's all-gather, or the last block resharded
     return (rank.params + held + rank.master + rank.optimizer + acts + reduce_input
             + (gathered + prefetched + block + head) * elem)
@@ -851,9 +853,10 @@ def _kept_bytes(shape: ModelShape, setup: Setup) -> float:
 
 
 def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int,
-                     first_layer: int = 0) -> float:
+                     first_layer: int = 0, recomputing: bool = True) -> float:
     """Activations a rank holds at its peak: `in_flight` micro-batches through `num_layers` layers from block
-    `first_layer` (a pipeline stage's)."""
+    `first_layer` (a pipeline stage's). Under checkpointing the peak holds one recomputed layer in full;
+    `recomputing` false leaves it out (a moment between two layers' backward)."""
     norm_elem = 4 if setup.autocast_16bit else element_bytes(setup.precision)
     s, b = setup.seq_len, setup.micro_batch_size
     tp, sp = setup.tensor_parallel_size, setup.sequence_parallel and setup.tensor_parallel_size > 1
@@ -875,7 +878,7 @@ def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_h
         inputs = in_flight * kept_layers * s * b * shape.hidden_size * norm_elem
         kept = _kept_bytes(shape, setup)
         return (plain + inputs + in_flight * num_layers * kept + (in_flight - 1) * head
-                + max(head, layer - kept - freed))
+                + (max(head, layer - kept - freed) if recomputing else head))
     return in_flight * (num_layers * layer + head)
 
 
