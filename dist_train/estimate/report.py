@@ -215,7 +215,7 @@ def fit_section(shape: ModelShape, setup: Setup, *, args: EstimateArgs,
         f"fits in {args.gpu_gib:g} GiB per GPU? worst rank's GiB: model state + activations of one micro-batch of "
         f"{base.micro_batch_size} x {setup.seq_len} tokens ({mb} x train.seq_len, every model), plus what the peak "
         "of live tensors adds where it is predicted (gathered parameters, DeepSpeed's reduction bucket, "
-        "the loss's backward), "
+        "the loss's backward, FSDP2's gathers and reductions in backward), "
         f"{'no' if setup.activation_checkpointing == 'none' else setup.activation_checkpointing} activation "
         "checkpointing; "
         "pipeline: one stage per GPU, M = K micro-batches; * = model state only",
