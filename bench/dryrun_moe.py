@@ -101,7 +101,7 @@ def main() -> None:
             "1,024 rows long\n  (one padded row a rank), 8 times its size. The estimator counts the padded gathers "
             "since 2026-11-28\n  (estimate/memory.py fsdp_gathered), which left it 43% above, and 37% since the "
             "unpacked sequences. The rest\n  was in backward, past the start the estimator modelled: at the "
-            "second-to-last block's backward FSDP2 holds\n  that block's padded reduce-scatter input in fp32 "
+            "second-to-last block's backward FSDP2 holds\n  the last block's padded reduce-scatter input in fp32 "
             "(18 GiB) and the next block's prefetched padded gather\n  (9 GiB). The estimator models that moment "
             "since 2026-11-28 (estimate/memory.py fsdp_backward_moment).\n"
             "- **Expert parallelism beside tensor parallelism (fsdp_tp tp=4 ep=8)**: at 64 ranks every byte "

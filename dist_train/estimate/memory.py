@@ -333,9 +333,9 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     not exist yet at that point; reduce_every_microbatch holds the sharded ones instead. The peak is the larger of
     that moment and one later in backward, where the collectives' buffers are alive (`fsdp_backward_moment`: it
     decides where a block is large beside one layer's activations), and without resharding after forward one in
-    the last block's forward, beside two all-gather outputs. Backward's other
-    temporaries are not counted (measured 2026-11-28: -2.9% to +1.7% on 2 ranks for fsdp, -0.5% on 4 ranks for
-    fsdp_tp with tp=2; bench/peak_live.py, tests/launched/test_peak_live.py, tests/launched/test_dryrun.py).
+    the last block's forward, beside two all-gather outputs. Backward's other temporaries are not counted
+    (measured 2026-11-28: -2.9% to +1.7% on 2 ranks for fsdp, -0.5% on 4 ranks for fsdp_tp with tp=2;
+    bench/peak_live.py, tests/launched/test_peak_live.py, tests/launched/test_dryrun.py).
     Under expert parallelism (fsdp_ep, ep: `_expert_parallel_gathered`) the dense weights are FSDP2's (fsdp_ep) or its
     replicate's (ep) as above, and the experts gather apart, over their own group. The dispatch's buffers are gone
     by the start of backward; what the all-to-alls keep for it is in the activations (`ep_dispatch_bytes`)."""
@@ -379,11 +379,10 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
         return start
     backward = fsdp_backward_moment(shape, setup, rank, gathered=gathered, grads=grads, reshards=reshards,
                                     accumulates_unsharded=accumulates_unsharded)
-    if reshards:
-        return max(start, backward)
-    # without resharding, the last block's forward: every block gathered, and beside them two all-gather outputs,
-    # the last block's and the one before, which FSDP2 frees at the next copy-out (the dry run holds both at its
-    # peak, inside that block); the activations of the blocks before it; no gradient yet with one micro-batch a step
+    # the last block's forward: its gathered parameters (every block's without resharding) and beside them two
+    # all-gather outputs, the last block's and the one before (the dry run holds both at its peak, inside that block:
+    # it decides accumulating in fp32 and without resharding); the activations of the blocks before it (under
+    # checkpointing, with the one running held in full); no gradient yet with one micro-batch a step
     forward = (rank.params + (0.0 if fresh else grads) + rank.master + rank.optimizer
                + activation_bytes(shape, setup=setup, num_layers=shape.num_layers - 1, with_head=False, in_flight=1)
                + (gathered + 2 * _fsdp_block(shape, setup)[1]) * element_bytes(setup.precision))
@@ -401,41 +400,49 @@ def _fsdp_block(shape: ModelShape, setup: Setup) -> tuple[float, float]:
 
 
 def fsdp_backward_moment(shape: ModelShape, setup: Setup, rank: RankMemory, *, gathered: float, grads: float,
-                         reshards: bool = True, accumulates_unsharded: bool) -> float:
-    """Bytes FSDP2 (resharding after forward) holds at the end of the second-to-last block's backward: the peak of
-    a model whose blocks are large beside one layer's activations (a 70B model's, or an MoE model's padded at
-    1,024 ranks). Beside the activations of the blocks before it, the root's gathered parameters and the block's
-    own, three block-sized buffers are alive there:
-    - the previous block's all-gather output, prefetched at this block's pre-backward (compute dtype, padded);
+                         reshards: bool, accumulates_unsharded: bool) -> float:
+    """Bytes FSDP2 holds at the end of the second-to-last block's backward: the peak of a model whose blocks are
+    large beside one layer's activations (a 70B model's, or an MoE model's padded at 1,024 ranks). Beside the
+    activations of the blocks before it, the root's gathered parameters and the block's own, three block-sized
+    buffers are alive there:
+    - the previous block's all-gather output, prefetched at this block's pre-backward (compute dtype, padded; the
+      first block prefetches nothing);
     - the last block's reduce-scatter input, which FSDP2 keeps until the next reduce-scatter (fp32, the reduce
       dtype, padded); accumulating unsharded gradients, it takes the place of that block's fp32 accumulation;
-    - the block's unsharded gradients (compute dtype), beside the head's, which the root keeps to the end.
+    - the block's unsharded gradients (compute dtype), beside the head's, which the root keeps to the end. Where
+      FSDP2 accumulates in the compute dtype (fp32) they are the accumulation itself, in `grads` already.
     `gathered` is what the start of backward holds gathered (the root's and the last block's), `grads` the
     gradients the step holds (sharded, or every unsharded fp32 accumulation). Without resharding after forward
     (`reshards` false) every block is gathered already, so nothing is prefetched, and the last block was resharded
-    after its backward. Measured by the dry run (torch 2.13's
-    FSDP2, Llama-2-70B's shape with 8 layers, seq 1,024, micro-batch 1, fp32 and bf16, 64 and 1,024 ranks): the
-    peak is inside that block's attention backward, 1-2.5% above this (its attention's temporaries)."""
+    after its backward. Measured by the dry run (torch 2.13's FSDP2, Llama-2-70B's shape, seq 1,024, fp32 and bf16,
+    64 and 1,024 ranks): the peak is inside that block's attention backward, 1-3% above this (its temporaries)."""
     layers = shape.num_layers
     if layers < 2:
         return 0.0
     elem = element_bytes(setup.precision)
     tp = setup.tensor_parallel_size
     block, padded = _fsdp_block(shape, setup)
+    head = shape.head_matmul_weights() / tp + shape.features.norm_params_per_unit * shape.hidden_size
     if accumulates_unsharded:
-        held, reduce_input = grads, 0.0
+        # the last block's padded fp32 reduce-scatter input in place of its unpadded fp32 accumulation
+        held, reduce_input = grads, 4.0 * (padded - block)
+        unsharded_grads = 0.0 if elem == 4 else (block + head) * elem
     else:
         # one micro-batch a step: the last block's sharded gradients only; more: every block's, from the one before
-        fresh = setup.microbatches_per_step == 1
-        held = grads * min(1.0, block / tp_rank_params(shape, setup)) if fresh else grads
+        one_microbatch = setup.microbatches_per_step == 1
+        held = grads * min(1.0, block / tp_rank_params(shape, setup)) if one_microbatch else grads
         reduce_input = 4.0 * padded
-    head = shape.head_matmul_weights() / tp + shape.features.norm_params_per_unit * shape.hidden_size
-    # the blocks before it, none of them recomputed yet (under checkpointing, their inputs and kept outputs)
-    acts = activation_bytes(shape, setup=setup, num_layers=layers - 2, with_head=False, in_flight=1,
-                            recomputing=False)
-    prefetched = padded if reshards else -padded  # the next block's all-gather, or the last block resharded
-    return (rank.params + held + rank.master + rank.optimizer + acts + reduce_input
-            + (gathered + prefetched + block + head) * elem)
+        unsharded_grads = (block + head) * elem
+    # the blocks before it, and under checkpointing the block's own layer, recomputed for its backward, in full
+    # (measured: the dry run's peak inside that backward, -3.7% to +6.2% of this; +32% without the layer at
+    # micro-batch 4 x 4,096 tokens, where one layer's activations and their gradients outweigh the block)
+    acts = activation_bytes(shape, setup=setup, num_layers=layers - 2, with_head=False, in_flight=1)
+    if reshards:  # the previous block's all-gather, which the first block does not prefetch
+        prefetched = padded if layers > 2 else 0.0
+    else:  # every block gathered since forward, but the last, resharded after its backward
+        prefetched = -padded
+    return (rank.params + held + rank.master + rank.optimizer + acts + reduce_input + unsharded_grads
+            + (gathered + prefetched) * elem)
 
 
 def _expert_parallel_gathered(shape: ModelShape, setup: Setup, *, reshards: bool) -> float:
@@ -853,10 +860,9 @@ def _kept_bytes(shape: ModelShape, setup: Setup) -> float:
 
 
 def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_head: bool, in_flight: int,
-                     first_layer: int = 0, recomputing: bool = True) -> float:
+                     first_layer: int = 0) -> float:
     """Activations a rank holds at its peak: `in_flight` micro-batches through `num_layers` layers from block
-    `first_layer` (a pipeline stage's). Under checkpointing the peak holds one recomputed layer in full;
-    `recomputing` false leaves it out (a moment between two layers' backward)."""
+    `first_layer` (a pipeline stage's)."""
     norm_elem = 4 if setup.autocast_16bit else element_bytes(setup.precision)
     s, b = setup.seq_len, setup.micro_batch_size
     tp, sp = setup.tensor_parallel_size, setup.sequence_parallel and setup.tensor_parallel_size > 1
@@ -878,7 +884,7 @@ def activation_bytes(shape: ModelShape, *, setup: Setup, num_layers: int, with_h
         inputs = in_flight * kept_layers * s * b * shape.hidden_size * norm_elem
         kept = _kept_bytes(shape, setup)
         return (plain + inputs + in_flight * num_layers * kept + (in_flight - 1) * head
-                + (max(head, layer - kept - freed) if recomputing else head))
+                + max(head, layer - kept - freed))
     return in_flight * (num_layers * layer + head)
 
 

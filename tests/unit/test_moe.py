@@ -377,7 +377,7 @@ def test_fsdps_gathered_block_at_the_peak_is_padded_as_fsdp2_gathers_it(monkeypa
 
     def backward(ranks: int) -> float:
         return memory.fsdp_backward_moment(big, setup, rank, gathered=fsdp_gathered(big, ranks, reshards=True),
-                                           grads=rank.grads, accumulates_unsharded=False)
+                                           grads=rank.grads, reshards=True, accumulates_unsharded=False)
 
     padded = predict_peak_live(big, setup, rank)
     assert padded == backward(n)  # the backward's moment decides here

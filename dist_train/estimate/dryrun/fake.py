@@ -1,6 +1,7 @@
 """The dry run's stand-ins: the few places where the real strategy code needs a real tensor, or a value a collective
 carried, or would spend its time cutting fake tensors into views. Each is one function, swapped in while a rank runs
-(`under_fake_group`) and put back after; none changes a figure (tests/launched/test_dryrun.py compares with real runs)."""
+(`under_fake_group`) and put back after; each makes the dry run do what a real run does (tests/launched/test_dryrun.py
+compares its figures with real runs)."""
 
 from __future__ import annotations
 
