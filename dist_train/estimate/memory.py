@@ -332,9 +332,9 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     the tensor-parallel slice) on every rank whatever the world size, in place of the sharded gradients, which do
     not exist yet at that point; reduce_every_microbatch holds the sharded ones instead. The peak is the larger of
     that moment and one later in backward, where the collectives' buffers are alive (`fsdp_backward_moment`: it
-    decides where a block is large beside one layer's activations), and without resharding after forward one in
-    the last block's forward, beside two all-gather outputs. Backward's other temporaries are not counted
-    (measured 2026-11-28: -2.9% to +1.7% on 2 ranks for fsdp, -0.5% on 4 ranks for fsdp_tp with tp=2;
+    decides where a block is large beside one layer's activations), and one in the last block's forward, beside two
+    all-gather outputs (it decides accumulating in fp32, and without resharding). Backward's other temporaries are
+    not counted (measured 2026-11-28: -2.9% to +1.7% on 2 ranks for fsdp, -0.5% on 4 ranks for fsdp_tp with tp=2;
     bench/peak_live.py, tests/launched/test_peak_live.py, tests/launched/test_dryrun.py).
     Under expert parallelism (fsdp_ep, ep: `_expert_parallel_gathered`) the dense weights are FSDP2's (fsdp_ep) or its
     replicate's (ep) as above, and the experts gather apart, over their own group. The dispatch's buffers are gone
@@ -396,7 +396,7 @@ def _fsdp_block(shape: ModelShape, setup: Setup) -> tuple[float, float]:
     block = shape.layer_params_tp(setup.tensor_parallel_size)
     if setup.family != "fsdp":
         return block, block
-    return block, sum(fsdp_padded(dims, setup.dims.dp_shard) for module in shape.layer_modules() for dims in module)
+    return block, fsdp_block_padded(shape, setup.dims.dp_shard)
 
 
 def fsdp_backward_moment(shape: ModelShape, setup: Setup, rank: RankMemory, *, gathered: float, grads: float,
@@ -474,12 +474,16 @@ def fsdp_gathered(shape: ModelShape, n: int, *, reshards: bool) -> int:
     block's (every block's without resharding), each at its padded size (`fsdp_padded`), since the unsharded
     parameters are views into the padded all-gather output. A parameter with fewer rows than ranks (an MoE layer's
     E experts, its router, at 1,024 ranks) is gathered n rows long: the dry run of a 128-expert model under plain
-    fsdp at 1,024 ranks peaked 64% above the prediction that counted real sizes (37% above this one)."""
+    fsdp at 1,024 ranks peaked 64% above the prediction that counted real sizes (37% above this count alone)."""
     every = sum(fsdp_padded(dims, n) for dims in shape.param_shapes())
     if not reshards:
         return every
-    block = sum(fsdp_padded(dims, n) for module in shape.layer_modules() for dims in module)
-    return every - (shape.num_layers - 1) * block
+    return every - (shape.num_layers - 1) * fsdp_block_padded(shape, n)
+
+
+def fsdp_block_padded(shape: ModelShape, n: int) -> int:
+    """Elements of one block as FSDP2 all-gathers and reduce-scatters it over n ranks, padding included."""
+    return sum(fsdp_padded(dims, n) for module in shape.layer_modules() for dims in module)
 
 
 def expert_padded(dims: tuple[int, ...], ep: int, efsdp: int) -> int:
