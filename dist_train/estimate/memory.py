@@ -34,11 +34,15 @@ Llama differs from GPT-2 in two ways that matter here (measured with the activat
 Transient buffers, beside the model state that stays between steps:
 - ZeRO-3 gathers parameters to full size to use them. DeepSpeed keeps a gathered parameter while it will be
   reused within `stage3_max_reuse_distance` parameters (in backward, every parameter is reused: if the
-  distance covers the model, nothing is released before backward), holds at most `stage3_max_live_parameters`
-  (but always the module in use), and prefetches `stage3_prefetch_bucket_size` ahead (0.9 x hidden^2 as training
-  sizes it, parallel/buckets.py); parameters under `stage3_param_persistence_threshold` stay gathered for good.
-  Measured here, a tiny model with the defaults holds every parameter gathered at its peak, and with no reuse and
-  no prefetch exactly its largest module.
+  distance covers the model, nothing is released before backward), and prefetches: every module's entry (one
+  without parameters too) gathers up to `stage3_prefetch_bucket_size` elements ahead, at least one parameter,
+  while fewer than `stage3_max_live_parameters` are gathered. Prefetching outruns use, so with a prefetch bucket
+  the gathered set fills to the live limit, plus at most one module (the last prefetch, or the module in use);
+  parameters under `stage3_param_persistence_threshold` stay gathered for good.
+  Measured here, a tiny model with the defaults holds every parameter gathered at its peak, with no reuse and no
+  prefetch exactly its largest module, and with no reuse and a live limit of 50,000 or 120,000 elements 66,368 and
+  133,248 (this model: 66,640 and 136,640); the dry run of 8 of Llama-2-70B's layers on 64 ranks, with a live limit
+  of 0.5, 1 and 2 billion, 0.70, 1.09 and 2.15 billion (this model: 0.76, 1.26 and 2.26).
   Backward also holds the largest module's full-size gradients before they are reduce-scattered.
 - ZeRO flattens the rank's gradient partition into a new fp32 buffer for the optimizer step, every stage and
   precision (measured here: 4 B x Psi / N for zero1-3 in fp32 and bf16).
@@ -297,8 +301,10 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
 # Where the peak of all live tensors is predicted: the strategies whose peak was measured against torch's
 # MemTracker here, or against a real run by the dry run (tests/launched/test_peak_live.py,
 # tests/launched/test_dryrun.py, docs/BENCHMARKS.md); expert parallelism's layouts (fsdp_ep, ep) against real runs on 2
-# and 4 ranks (docs/moe.md). Not yet: ZeRO-3 (measured 10-12% above rank.total plus the bucket: gathered parameters
-# and backward's temporaries beyond the model) and the pipelines (send/receive buffers, micro-batches in flight).
+# and 4 ranks (docs/moe.md). Not yet: ZeRO-3, whose moment (inside the last block's backward: gathered parameters,
+# gradients in reduction) is not modelled; its categories plus the bucket (plan/search.py planning_peak) measured
+# 3.2% under the peak on model=tiny (2 ranks) and 0.3-5.5% over the dry run's of Llama-2-70B's shape (2026-11-28).
+# And the pipelines (send/receive buffers, micro-batches in flight).
 PEAK_LIVE_FAMILIES = ("single", "dp", "ddp", "tp", "fsdp", "fsdp_tp", "zero")
 
 
@@ -625,8 +631,14 @@ def zero3_gathered(shape: ModelShape, setup: Setup) -> tuple[float, float]:
     persistent = shape.num_params - partitioned
     largest = max(sum(n for n in m if n >= threshold) for m in shape.module_params())
     kept = partitioned if zero3_keeps_for_backward(setup, partitioned) else largest
-    live = min(partitioned, max(largest, min(setup.zero3_max_live_parameters, kept + setup.zero3_prefetch_bucket_size)))
-    return float(live * _param_elem(setup)), float(persistent)
+    if setup.zero3_prefetch_bucket_size:
+        # every module's entry prefetches at least one parameter while fewer than max_live are gathered (modules
+        # without parameters too), faster than modules use them up: the gathered set fills to the live limit, and
+        # the last prefetch or the module in use goes over it by at most one module
+        live = max(kept, setup.zero3_max_live_parameters) + largest
+    else:
+        live = kept
+    return float(min(partitioned, live) * _param_elem(setup)), float(persistent)
 
 
 def zero3_gathered_grads(shape: ModelShape, setup: Setup) -> float:

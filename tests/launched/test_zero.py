@@ -194,3 +194,20 @@ def test_zero3_setup_fixes_keep_one_partition_gather_nothing_and_train_the_same(
         assert fixed["losses"] == plain["losses"] and out[precision]["max_param_diff"] == 0.0, out[precision]
     assert all(out["fp32"]["fixed"]["master_shares_params"])
     assert not any(out["bf16"]["fixed"]["master_shares_params"])  # bf16 parameters: the fp32 master stays a copy
+
+
+def test_zero3_prefetch_fills_the_live_limit_as_predicted(fast_run):
+    """With no reuse and a live limit of 50,000 elements (a fifth of model=tiny), DeepSpeed's prefetch keeps the
+    gathered set at the limit and goes over it by at most one module (each module's entry prefetches at least one
+    parameter while fewer than the limit are gathered): the estimator's gathered_params is that bound, and the
+    run's peak of gathered parameters (its coordinator's count, memory/gathered_params_bytes) lies within one
+    module of it, on every rank. The estimator used to take the prefetch bucket for the limit: 81,304 B here."""
+    limit = "+strategy.extra.zero_optimization.stage3_max_live_parameters=50000"
+    no_reuse = "+strategy.extra.zero_optimization.stage3_max_reuse_distance=0"
+    run_dir, out = fast_run("strategy=zero3", limit, no_reuse, nproc=N_RANKS)
+    predicted = out["predicted_memory_bytes"]["gathered_params"]
+    largest_module = 4 * 16_640  # c_fc with its bias, fp32 (tests/unit/test_estimate.py)
+    assert predicted == 4 * 50_000 + largest_module
+    for rec in last_step(run_dir):
+        gathered = rec["memory/gathered_params_bytes"]
+        assert predicted - largest_module <= gathered <= predicted, (gathered, predicted)
