@@ -8,8 +8,9 @@ What it adds to torchrun (everything else is torchrun's own `run`, unchanged):
   exactly as every worker would validate it. Bad input is then one `config error:` line and exit code 2, and no
   worker starts (plain torchrun shows the same line among its own 40-line failure report, and exits 1). An elastic
   `--nnodes=MIN:MAX` has no world size yet: there the workers check, as under torchrun.
-- **A config error found by the workers** (one the check cannot see, e.g. another node's GPUs): the line they printed
-  once, and exit code 2, without torchrun's report.
+- **A config error found by the workers** (one the check cannot see, e.g. another node's GPUs, or a checkpoint file
+  that cannot be read): the line they printed once, and exit code 2, without torchrun's report, also where torchrun
+  stopped the other workers with a signal.
 - **Ctrl-C or SIGTERM**: torchrun forwards the signal, waits for the workers (which stop after a step they agree on,
   save it, and say how to resume), then dies with its own `SignalException` traceback. Here that is one line and
   the shell's exit code for the signal (130 for SIGINT, 143 for SIGTERM). Ctrl-C during the check: exit 130, silent.
@@ -106,9 +107,15 @@ def world_size(args: Any) -> int | None:
 
 
 def failed_on_config(exc: Any) -> bool:
-    """Whether every failed worker ended with the config-error exit code (and so printed its one line)."""
-    failures = getattr(exc, "failures", {}) or {}
-    return bool(failures) and all(f.exitcode == CONFIG_ERROR_EXIT for f in failures.values())
+    """Whether the launch failed on bad input, whose line the workers printed once: the first worker to fail ended
+    with the config-error exit code, and every other failed worker did too or was stopped by a signal, which is
+    torchrun stopping the rest (a checkpoint only one rank's file of which is unreadable)."""
+    failures = list((getattr(exc, "failures", {}) or {}).values())
+    if not failures:
+        return False
+    first = min(failures, key=lambda f: getattr(f, "timestamp", 0))
+    return first.exitcode == CONFIG_ERROR_EXIT and all(f.exitcode == CONFIG_ERROR_EXIT or f.exitcode < 0
+                                                       for f in failures)
 
 
 if __name__ == "__main__":

@@ -67,8 +67,12 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
         return 0
     from dist_train.interrupt import Interrupted
 
+    from dist_train.checkpoint.manager import UnreadableCheckpoint
+
     try:
         train(run, cfg, resume=resume, fault=fault)
+    except UnreadableCheckpoint as exc:  # each rank that read it; shown once
+        return report_config_error(str(exc))
     except NonFiniteLoss:
         return DIVERGED_EXIT  # rank 0 has said which step, and every rank stopped there
     except Interrupted as exc:
@@ -150,6 +154,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
 
 def train(run: RunConfig, cfg: DictConfig, *, resume: Path | None = None, fault: Any = None) -> dict[str, Any] | None:
     """Train; return the summary on rank 0 (None elsewhere)."""
+    from dist_train.checkpoint.manager import UnreadableCheckpoint
     from dist_train.interrupt import Interrupted
     from dist_train.runtime import init_runtime, shutdown
     from dist_train.telemetry.recorder import NonFiniteLoss
@@ -165,7 +170,8 @@ def train(run: RunConfig, cfg: DictConfig, *, resume: Path | None = None, fault:
     except Exception as exc:
         if isinstance(exc, Interrupted):  # a clean stop, reported by rank 0 with the command that resumes
             raise
-        if not isinstance(exc, NonFiniteLoss):  # that one was reported by rank 0, once, with its step
+        # NonFiniteLoss was reported by rank 0, once, with its step; UnreadableCheckpoint is main()'s one line
+        if not isinstance(exc, (NonFiniteLoss, UnreadableCheckpoint)):
             where = f"at step {progress.step}" if progress.step else "before the first step"
             exc.add_note(f"[dist_train] rank {runtime.rank} failed {where}")
             log.error("rank %d failed %s: %s: %s", runtime.rank, where, type(exc).__name__, exc)

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dist_train.checkpoint.layout import (
     MARKER,
@@ -198,18 +199,39 @@ class Checkpointer:
     # ---------------------------------------------------------------- resuming
     def load(self, path: Path) -> dict[str, Any]:
         """Load the strategy's state and this rank's RNG states from a complete checkpoint; return trainer.json."""
+        rng = _rng_path(path, self.runtime.rank)
         with self._quiet():
+            # damage the pre-flight check cannot see (a tensor's bytes, an RNG file's): name the checkpoint. DCP's
+            # CheckpointException is a BaseException, not an Exception.
             try:
                 self.io.load(path)
-            except Exception as exc:  # damage the pre-flight check cannot see (a tensor's bytes): name the checkpoint
-                raise RuntimeError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); if its files "
-                                   f"are damaged, resume from an older one with checkpoint.resume=PATH") from exc
-        rng = _rng_path(path, self.runtime.rank)
-        if rng.is_file():
-            set_rng_state(torch.load(rng, weights_only=True), self.runtime.device)
+                state = torch.load(rng, weights_only=True) if rng.is_file() else None
+            except (Exception, CheckpointException) as exc:
+                raise UnreadableCheckpoint(f"checkpoint {path} could not be loaded ({_first_failure(exc)}); if its files "
+                                   f"are damaged, resume from an older one with checkpoint.resume=PATH") from None
+        if state is not None:
+            set_rng_state(state, self.runtime.device)
         else:  # resumed on more ranks than saved: the new ranks keep their seeded generators
             log.warning("checkpoint %s has no RNG state for rank %d; it keeps its own", path, self.runtime.rank)
         return read_trainer_state(path)
+
+
+class UnreadableCheckpoint(RuntimeError):
+    """A checkpoint that passed the pre-flight check (verify.py) but whose files could not be read: bad input, not a
+    fault of the training, so launch/train.py makes it one `config error:` line (exit 2), as it does a checkpoint
+    the pre-flight check finds damaged."""
+
+
+def _first_failure(exc: BaseException) -> str:
+    """`Type: first line` of what failed: for DCP's CheckpointException, the first rank's own exception (its message
+    holds every rank's traceback). Never torch.load's advice to retry with weights_only=False (unsafe)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        exc = inner[0] if isinstance(inner, tuple) else inner
+    lines = str(exc).strip().splitlines()
+    first = lines[0].split(". ")[0] if lines else ""  # its first sentence
+    return f"{type(exc).__name__}: {first[:200]}" if first else type(exc).__name__
 
 
 def _set_aside_or_remove(final: Path) -> None:

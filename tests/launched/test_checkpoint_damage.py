@@ -160,3 +160,23 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_bit_exact(st
     assert problem(run_dir / "checkpoints" / STEP8) is None
     aside = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(f"{STEP8}.damaged-")]
     assert len(aside) == 1 and (aside[0] / bad.relative_to(run_dir / "checkpoints" / STEP8)).exists()
+
+
+def test_damage_only_reading_shows_is_one_line_naming_the_checkpoint(straight_run, tmp_path):
+    """An RNG file overwritten with bytes of its own size passes the pre-flight check (its size and the marker's
+    record agree); torch.load then fails on rank 0 alone, while rank 1 goes on. One `config error:` line naming
+    the checkpoint (not torch.load's advice to retry with weights_only=False), exit 2, no traceback, and no
+    launcher failure report for the rank torchrun stopped."""
+    straight_dir, _ = straight_run("ddp")
+    root = _copy_checkpoints(straight_dir, tmp_path)
+    _damage(root / STEP8, "rng/rank0.pt", _same_size_garbage)
+    assert problem(root / STEP8) is None  # what the pre-flight check cannot see
+    proc = subprocess.run([sys.executable, "-m", "dist_train.torchrun", "--standalone", "--nproc_per_node=2",
+                           str(TRAIN), "strategy=ddp", *CHECKPOINTED, f"checkpoint.resume={root / STEP8}",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("config error: ")]
+    assert len(lines) == 1 and f"checkpoint {root / STEP8} could not be loaded" in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "weights_only" not in proc.stderr and "FAILED" not in proc.stderr
+    assert sorted(p.name for p in root.iterdir()) == [STEP4, STEP8]  # nothing deleted

@@ -84,3 +84,25 @@ def test_workers_that_all_failed_on_their_config_end_the_launch_with_2():
     assert torchrun.failed_on_config(SimpleNamespace(failures={0: failure, 1: failure}))
     assert not torchrun.failed_on_config(SimpleNamespace(failures={0: failure, 1: SimpleNamespace(exitcode=1)}))
     assert not torchrun.failed_on_config(SimpleNamespace(failures={}))
+    # one rank found it (a checkpoint file only it reads); torchrun then stopped the other with a signal
+    first, stopped = SimpleNamespace(exitcode=2, timestamp=10), SimpleNamespace(exitcode=-9, timestamp=40)
+    assert torchrun.failed_on_config(SimpleNamespace(failures={0: first, 1: stopped}))
+    # a worker killed first (out of memory, say) is not bad input, whatever the others said after it
+    killed = SimpleNamespace(exitcode=-9, timestamp=5)
+    assert not torchrun.failed_on_config(SimpleNamespace(failures={0: first, 1: killed}))
+
+
+def test_an_unreadable_checkpoint_names_its_first_failure_in_one_sentence():
+    """dist_train/checkpoint/manager.py: DCP's CheckpointException (a BaseException) by the first rank's own
+    exception, and torch.load's unpickling error without its advice to load with weights_only=False."""
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dist_train.checkpoint.manager import _first_failure
+
+    unpickling = pickle.UnpicklingError("Weights only load failed. Re-running `torch.load` with `weights_only` set "
+                                        "to `False` will likely succeed.\nPlease file an issue")
+    assert _first_failure(unpickling) == "UnpicklingError: Weights only load failed"
+    wrapped = CheckpointException("CheckpointException ranks:{0: ...}", {0: (ValueError("bad offset\nmore"), None)})
+    assert _first_failure(wrapped) == "ValueError: bad offset"
