@@ -44,9 +44,22 @@ class Exported:
     base: Optional[str]  # a LoRA run: the base model's directory (model.path), None for a built-in model
 
 
-def export_pretrained(checkpoint: Path, out_dir: Path, *, merge: bool = False) -> Exported:
+def _check_out_dir(out_dir: Path, *, overwrite: bool) -> None:
+    """One line, before anything is read, where the export would replace what `out_dir` holds."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file: name a new or empty directory to export into")
+    held = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise ValueError(f"{out_dir} already holds {len(held)} file(s) ({shown}): export into a new or empty "
+                         "directory, or add --overwrite to write over what it holds")
+
+
+def export_pretrained(checkpoint: Path, out_dir: Path, *, merge: bool = False, overwrite: bool = False) -> Exported:
     """Write `out_dir` (config.json + safetensors weights; for a LoRA run the adapter, and with `merge` also the
-    merged model). Nothing is written until every weight is read and merged."""
+    merged model). Nothing is written until every weight is read and merged, and nothing is written over: a
+    directory that holds anything (another model, the run's own base model) is refused unless `overwrite`."""
+    _check_out_dir(out_dir, overwrite=overwrite)
     from dist_train.quiet import quiet_deepspeed_on_cpu
 
     quiet_deepspeed_on_cpu()  # transformers imports DeepSpeed (through Accelerate) whatever the checkpoint

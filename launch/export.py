@@ -1,9 +1,10 @@
 """Export a dist_train checkpoint (any strategy) as a `transformers` save_pretrained directory.
 
-    python launch/export.py CHECKPOINT OUT_DIR [--merge]
+    python launch/export.py CHECKPOINT OUT_DIR [--merge] [--overwrite]
 
 CHECKPOINT is one checkpoint (`.../checkpoints/step-00000100`) or a directory of them (its newest complete
-one). OUT_DIR then loads with `AutoModelForCausalLM.from_pretrained(OUT_DIR)`.
+one). OUT_DIR then loads with `AutoModelForCausalLM.from_pretrained(OUT_DIR)`. An OUT_DIR that already holds files
+(another model, the base model the run started from) is refused unless --overwrite is given.
 
 A LoRA run (peft=lora | qlora) is exported as its adapter in peft's format (adapter_config.json +
 adapter_model.safetensors: `PeftModel.from_pretrained(base_model, OUT_DIR)`). With --merge the adapters are
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from dist_train.entry import argument_parser, report_config_error  # noqa: E402
 
-USAGE = "python launch/export.py CHECKPOINT OUT_DIR [--merge]"
+USAGE = "python launch/export.py CHECKPOINT OUT_DIR [--merge] [--overwrite]"
 
 
 def main() -> int:
@@ -36,11 +37,14 @@ def main() -> int:
     parser.add_argument("--merge", action="store_true",
                         help="a LoRA/QLoRA run: also merge the adapters into the base weights and write that full "
                              "model to OUT_DIR (the adapter then to OUT_DIR/adapter); default: off, the adapter only")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into OUT_DIR even if it holds files (they are replaced where the export writes "
+                             "the same names); default: off, such a directory is refused")
     args = parser.parse_args()
     from dist_train.export import export_pretrained
 
     try:
-        done = export_pretrained(args.checkpoint, args.out_dir, merge=args.merge)
+        done = export_pretrained(args.checkpoint, args.out_dir, merge=args.merge, overwrite=args.overwrite)
     except ValueError as exc:
         return report_config_error(str(exc))
     print(f"exported {done.checkpoint} -> {describe(done)}")
