@@ -60,6 +60,10 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
     alone = without_launcher(run, world_size)
     if alone and not check_only:
         print(alone, file=sys.stderr)
+    done = finished(run, resume)
+    if done and not check_only:
+        _warn_once(done)
+        return 0
     if check_only:
         _remove_if_empty(Path(hydra_run_dir()))  # Hydra made the run directory; a check writes nothing in it
         print(f"config ok: strategy={run.strategy.name} WORLD_SIZE={world_size} {describe_batch(run, world_size)}",
@@ -119,17 +123,39 @@ def fault_from_env() -> Any:
 def resume_point(run: RunConfig, *, world_size: int, run_dir: Path) -> Path | None:
     """The checkpoint this run resumes from (checkpoint.resume), checked against the run; None: start fresh."""
     from dist_train.checkpoint.compat import check_resumable
-    from dist_train.checkpoint.layout import resolve_resume
+    from dist_train.checkpoint.layout import complete_checkpoints, resolve_resume
     from dist_train.checkpoint.verify import problem
 
+    root = checkpoint_root(run, run_dir)
+    if run.checkpoint.resume == "none":
+        earlier = complete_checkpoints(root)
+        if earlier:  # a fresh start would save over them, and write its metrics and summary over the earlier run's
+            names = ", ".join(p.name for _, p in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+            raise ConfigError(f"checkpoint.resume=none: {root} holds {len(earlier)} checkpoint(s) of an earlier run "
+                              f"({names}), which this run would write over; start afresh in a new directory "
+                              "(hydra.run.dir=..., or checkpoint.dir=...), or resume from them "
+                              "(checkpoint.resume=auto)")
     try:
-        path = resolve_resume(run.checkpoint.resume, default_root=checkpoint_root(run, run_dir), verify=problem,
-                              warn=_warn_once)
+        path = resolve_resume(run.checkpoint.resume, default_root=root, verify=problem, warn=_warn_once)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if path is not None:
         check_resumable(path, run, world_size=world_size)
     return path
+
+
+def finished(run: RunConfig, resume: Path | None) -> str | None:
+    """The line for a resume whose checkpoint is at train.steps or past it (the run is done), or None. Such a launch
+    trains nothing and writes nothing: the earlier run's summary.json and metrics stay as they were."""
+    from dist_train.checkpoint.layout import read_marker
+
+    if resume is None:
+        return None
+    step = int(read_marker(resume).get("step", 0))
+    if step < run.train.steps:
+        return None
+    return (f"{resume} is at step {step} and train.steps={run.train.steps}: nothing left to train, and the run's "
+            f"files are left as they were (raise train.steps to train on)")
 
 
 def _warn_once(message: str) -> None:

@@ -44,7 +44,7 @@ def check_resumable(path: Path, run: RunConfig, *, world_size: int) -> dict[str,
     if differences:
         raise ConfigError(
             f"{key} was saved for a different training ({'; '.join(differences)}); resuming needs the same model, "
-            "data, seed, global batch and sequence length (or checkpoint.resume=none to start fresh)"
+            "data, seed, global batch and sequence length (or start afresh in a new hydra.run.dir)"
         )
     return state
 

@@ -115,7 +115,7 @@ def _newest_whole(root: Path, *, key: str, verify: Optional[Callable[[Path], Opt
             warn(f"{key}: skipping {path.name}, which is damaged: {why}; {then}")
     if damaged:
         raise ValueError(f"{key}: every checkpoint in {root} is damaged ({_names(found)}; the newest: {damaged[0]}); "
-                         "checkpoint.resume=none starts from step 1")
+                         "a new hydra.run.dir starts from step 1")
     return None
 
 

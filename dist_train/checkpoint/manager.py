@@ -200,6 +200,7 @@ class Checkpointer:
     def load(self, path: Path) -> dict[str, Any]:
         """Load the strategy's state and this rank's RNG states from a complete checkpoint; return trainer.json."""
         rng = _rng_path(path, self.runtime.rank)
+        failure, state = None, None
         with self._quiet():
             # damage the pre-flight check cannot see (a tensor's bytes, an RNG file's): name the checkpoint. DCP's
             # CheckpointException is a BaseException, not an Exception.
@@ -207,8 +208,14 @@ class Checkpointer:
                 self.io.load(path)
                 state = torch.load(rng, weights_only=True) if rng.is_file() else None
             except (Exception, CheckpointException) as exc:
-                raise UnreadableCheckpoint(f"checkpoint {path} could not be loaded ({_first_failure(exc)}); if its files "
-                                   f"are damaged, resume from an older one with checkpoint.resume=PATH") from None
+                failure = _first_failure(exc)
+        if self.runtime.has_group:  # one rank's file alone may fail: every rank stops here with its line
+            failures: list[Optional[str]] = [None] * self.runtime.world_size
+            dist.all_gather_object(failures, failure)
+            failure = next((f"rank {r}: {f}" for r, f in enumerate(failures) if f is not None), None)
+        if failure is not None:
+            raise UnreadableCheckpoint(f"checkpoint {path} could not be loaded ({failure}); if its files are damaged, "
+                                       "resume from an older one with checkpoint.resume=PATH")
         if state is not None:
             set_rng_state(state, self.runtime.device)
         else:  # resumed on more ranks than saved: the new ranks keep their seeded generators

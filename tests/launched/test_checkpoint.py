@@ -131,3 +131,26 @@ def test_interrupted_saves_are_never_resumed_and_are_cleaned_up(straight_run, tm
     assert resumed["losses"] == straight["losses"]
     assert not partial_checkpoints(root)
     assert [s for s, _ in complete_checkpoints(root)] == [4, 8]  # step 8 saved again, this time complete
+
+
+def test_a_finished_run_relaunched_or_restarted_afresh_in_its_directory_writes_nothing(straight_run, tmp_path):
+    """The run directory of a finished run (single's 8 straight steps, checkpoints at 4 and 8), copied: the same
+    command again says there is nothing left to train and leaves summary.json and metrics.jsonl byte for byte;
+    checkpoint.resume=none there is refused in one line, since it would save over the earlier run's checkpoints."""
+    straight_dir, _ = straight_run("single")
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight_dir, run_dir)
+    before = {name: (run_dir / name).read_bytes() for name in ("summary.json", "metrics.jsonl")}
+    again = launch(["strategy=single", *CHECKPOINTED], run_dir=run_dir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = [ln for ln in again.stderr.splitlines() if "nothing left to train" in ln]
+    assert len(said) == 1 and f"{run_dir / 'checkpoints' / step_dir_name(8)} is at step 8" in said[0], again.stderr
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+    fresh = launch(["strategy=single", *CHECKPOINTED, "checkpoint.resume=none"], run_dir=run_dir)
+    assert fresh.returncode == 2, fresh.stderr[-3000:]
+    assert fresh.stderr.strip().splitlines() == [
+        f"config error: checkpoint.resume=none: {run_dir / 'checkpoints'} holds 2 checkpoint(s) of an earlier run "
+        f"({STEP4}, {step_dir_name(8)}), which this run would write over; start afresh in a new directory "
+        "(hydra.run.dir=..., or checkpoint.dir=...), or resume from them (checkpoint.resume=auto)"]
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+    assert [s for s, _ in complete_checkpoints(run_dir / "checkpoints")] == [4, 8]
