@@ -26,6 +26,17 @@ BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 INITS = ("pretrained", "random")
 
 
+def _hub_name(path: str) -> str | None:
+    """`org/name` where a missing model.path reads as a hub name as the user typed it: the entry points make a
+    relative path absolute against the working directory (paths.user_path), so it is judged relative to it."""
+    if os.path.isabs(path):
+        try:
+            path = os.path.relpath(path, os.getcwd())
+        except ValueError:  # another drive
+            return None
+    return path if path.count("/") == 1 and not path.startswith((".", "~", "/")) else None
+
+
 @dataclass(frozen=True)
 class ModelDir(WeightSource):
     """A model directory; as a WeightSource its units are the weight files."""
@@ -39,11 +50,11 @@ class ModelDir(WeightSource):
                             "(save_pretrained's output)")
         p = Path(os.path.expanduser(str(path)))
         if not p.exists():
-            hub = "/" in str(path) and not str(path).startswith(("/", ".", "~")) and str(path).count("/") == 1
+            hub = _hub_name(str(path))
             raise ConfigError(
                 f"model.path={path!r} is not a local directory"
                 + ("; it looks like a hub name, and dist_train downloads nothing: fetch it first (e.g. "
-                   f"`huggingface-cli download {path} --local-dir DIR`) and pass model.path=DIR" if hub else "")
+                   f"`huggingface-cli download {hub} --local-dir DIR`) and pass model.path=DIR" if hub else "")
             )
         require(p.is_dir(), f"model.path={path!r} is a file, not a model directory")
         adapter = p / "adapter_config.json"

@@ -40,9 +40,14 @@ def test_a_directory_fills_the_model_group_from_its_config(tmp_path):
     ],
 )
 def test_what_is_not_a_local_model_directory_is_one_line(path, needle):
-    with pytest.raises(ConfigError) as err:
-        resolve_model(ModelConfig(name="hf", path=path))
-    assert needle in str(err.value) and "\n" not in str(err.value)
+    from dist_train.paths import user_path
+
+    for given in (path, user_path(path)):  # as typed, and as the entry points hand it on (made absolute)
+        with pytest.raises(ConfigError) as err:
+            resolve_model(ModelConfig(name="hf", path=given))
+        assert needle in str(err.value) and "\n" not in str(err.value)
+    if "hub" in needle:
+        assert f"huggingface-cli download {path} --local-dir DIR" in str(err.value)
 
 
 def test_a_directory_without_config_or_weights_is_one_line(tmp_path):
