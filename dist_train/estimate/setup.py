@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from dist_train.config import PrecisionConfig, checkpointing_mode
+from dist_train.config import PrecisionConfig, checkpointing_mode, require
 from dist_train.parallel.catalog import Parallelism, composition
 from dist_train.parallel_dims import ParallelDims, layout_dims, nodes_of_launch
 
@@ -138,6 +138,14 @@ class Setup:
             raise ValueError(f"ep_overload={self.ep_overload} must be >= 1 (1 = balanced routing)")
         # True and False (the bool it was) stay full and none
         object.__setattr__(self, "activation_checkpointing", checkpointing_mode(self.activation_checkpointing))
+        # each degree divides the world, in the words training uses (strategies' check()), before the product is
+        # judged (which would name degrees the user never set)
+        degree = {"fsdp_tp": ("strategy.tp", self.tp), "fsdp": ("strategy.replicate", self.replicate),
+                  "pipeline": ("strategy.pp", self.num_stages)}.get(self.family)
+        if degree is not None:
+            key, value = degree
+            require(value >= 1 and self.world_size % value == 0,
+                    f"{key}={value} must divide the number of processes ({self.world_size})")
         self.dims  # noqa: B018 - the degrees must multiply to the world (ConfigError, one line)
 
     @property

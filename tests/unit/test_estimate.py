@@ -582,6 +582,11 @@ def test_cli_fit_models_take_the_printed_names(capsys):
     (["fit.strategies=[banana]"], "fit.strategies: strategy 'banana': cannot tell its family"),
     (["fit.gpus=[0]"], "fit.gpus: 0 GPUs; each count must be >= 1"),
     (["fit.seq_len=4096"], "fit.seq_len is no longer an option; the breakdown and the fit table share one"),
+    # a degree that does not divide the world: training's words, not the product of degrees never set (dp_shard 2)
+    (["strategy=fsdp_tp", "strategy.tp=3", "world_size=8"], "strategy.tp=3 must divide the number of processes (8)"),
+    (["strategy=hsdp", "strategy.replicate=3", "world_size=8"],
+     "strategy.replicate=3 must divide the number of processes (8)"),
+    (["strategy=gpipe", "strategy.pp=3", "world_size=8"], "strategy.pp=3 must divide the number of processes (8)"),
 ])
 def test_cli_bad_names_are_one_line(capsys, args, says):
     assert estimate_main(args) == 2
