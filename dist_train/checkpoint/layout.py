@@ -77,7 +77,14 @@ def resolve_resume(
     if resume == "none":
         return None
     if resume == "auto":
-        return _newest_whole(default_root, key=f"{key}=auto", verify=verify, warn=warn) if default_root else None
+        if not default_root:
+            return None
+        newest = _newest_whole(default_root, key=f"{key}=auto", verify=verify, warn=warn)
+        unmarked = _unmarked(default_root)
+        if newest is None and unmarked and warn is not None:  # said now, not only when a save sets them aside
+            warn(f"{key}=auto: no complete checkpoint in {default_root}: {', '.join(unmarked)} lack their {MARKER} "
+                 "marker (a save that did not finish, or a marker removed); training starts from step 1")
+        return newest
     path = Path(resume).expanduser()
     key = f"{key}={resume}"
     if not path.exists():
@@ -95,8 +102,19 @@ def resolve_resume(
         )
     newest = _newest_whole(path, key=key, verify=verify, warn=warn)
     if newest is None:
-        raise ValueError(f"{key} holds no complete checkpoint (step-NNNNNNNN/{MARKER})")
+        inside = path / "checkpoints"  # a run directory named in place of its checkpoints
+        hint = (f"; did you mean {inside}?" if complete_checkpoints(inside) else
+                f" ({', '.join(_unmarked(path))} lack their {MARKER} marker)" if _unmarked(path) else "")
+        raise ValueError(f"{key} holds no complete checkpoint (step-NNNNNNNN/{MARKER}){hint}")
     return newest.resolve()
+
+
+def _unmarked(root: Path) -> list[str]:
+    """Names of the step directories under `root` without their marker: not checkpoints (a save that stopped
+    between its rename and the marker, or a marker removed)."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir() and not is_complete(p))
 
 
 def _newest_whole(root: Path, *, key: str, verify: Optional[Callable[[Path], Optional[str]]],

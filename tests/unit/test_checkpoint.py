@@ -45,6 +45,30 @@ def test_layout_counts_only_complete_checkpoints(tmp_path):
         resolve_resume(str(tmp_path / "step-abc"), default_root=None)
 
 
+def test_what_holds_no_checkpoint_says_where_they_are_or_why_none_counts(tmp_path):
+    """A run directory named in place of its checkpoints/ gets a 'did you mean'; step directories without their
+    marker are named, and resume=auto says at the start that it trains from step 1 (not only when a save later
+    sets them aside)."""
+    run_dir = tmp_path / "run"
+    _fake_checkpoint(run_dir / "checkpoints", 4)
+    with pytest.raises(ValueError) as err:
+        resolve_resume(str(run_dir), default_root=None)
+    assert str(err.value) == (f"checkpoint.resume={run_dir} holds no complete checkpoint (step-NNNNNNNN/COMPLETE); "
+                              f"did you mean {run_dir / 'checkpoints'}?")
+    unmarked = tmp_path / "unmarked"
+    for step in (2, 4):
+        _fake_checkpoint(unmarked, step, complete=False)
+    with pytest.raises(ValueError, match=r"\(step-00000002, step-00000004 lack their COMPLETE marker\)"):
+        resolve_resume(str(unmarked), default_root=None)
+    said: list[str] = []
+    assert resolve_resume("auto", default_root=unmarked, warn=said.append) is None
+    assert said == [f"checkpoint.resume=auto: no complete checkpoint in {unmarked}: step-00000002, step-00000004 "
+                    "lack their COMPLETE marker (a save that did not finish, or a marker removed); training starts "
+                    "from step 1"]
+    assert resolve_resume("auto", default_root=run_dir / "checkpoints", warn=said.append) is not None
+    assert len(said) == 1  # nothing said where a checkpoint is found
+
+
 def test_checkpoint_due_every_n_steps_and_at_the_end(tmp_path):
     from dist_train.checkpoint.manager import Checkpointer
 
