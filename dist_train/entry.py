@@ -45,6 +45,34 @@ def one_line(exc: BaseException) -> str:
     missing = _missing_option(exc)
     if missing:
         return missing
+    line = _joined(exc)
+    hint = _did_you_mean(line)
+    return f"{line}; {hint}" if hint else line
+
+
+def _did_you_mean(line: str) -> str:
+    """`did you mean train.lr?` for an override of a key its group does not have (`optimizer.lr=...`), when the
+    key's last name is another group's (or one close to it in the same group: `train.step`): RunConfig's groups."""
+    import dataclasses
+    import difflib
+    import re
+
+    from dist_train.config import RunConfig
+
+    match = re.search(r"Could not override '([\w.]+)'.*not in '", line)
+    if match is None or "." not in match.group(1):
+        return ""
+    group, _, leaf = match.group(1).partition(".")
+    keys = {f.name: {g.name for g in dataclasses.fields(f.default_factory())}
+            for f in dataclasses.fields(RunConfig) if f.default_factory is not dataclasses.MISSING}
+    elsewhere = sorted(f"{g}.{leaf}" for g, names in keys.items() if g != group and leaf in names)
+    close = difflib.get_close_matches(leaf, sorted(keys.get(group, ())), n=1, cutoff=0.75)
+    found = elsewhere or [f"{group}.{close[0]}" for _ in close[:1]]
+    return f"did you mean {' or '.join(found)}?" if found else ""
+
+
+def _joined(exc: BaseException) -> str:
+    """The lines of `exc` and its causes that say what is wrong, joined by '; '."""
     parts: list[str] = []
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:

@@ -56,7 +56,11 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
         resume = resume_point(run, world_size=world_size, run_dir=Path(hydra_run_dir()))
     except ConfigError as exc:
         _remove_if_empty(Path(hydra_run_dir()))
-        return report_config_error(str(exc))  # once per launch, whichever rank fails first
+        message = str(exc)
+        if "number of processes (1)" in message and "WORLD_SIZE" not in os.environ:  # `python launch/train.py`
+            message += ("; started without a launcher, this is one process: torchrun --standalone "
+                        "--nproc_per_node=N launch/train.py ...")
+        return report_config_error(message)  # once per launch, whichever rank fails first
     alone = without_launcher(run, world_size)
     if alone and not check_only:
         print(alone, file=sys.stderr)

@@ -43,6 +43,12 @@ def _hydra_error(*overrides: str) -> BaseException:
         (["train.lr=abc"],
          "Error merging override train.lr=abc; Value 'abc' of type 'str' could not be converted to Float"),
         (["strategy.stage=5"], "Could not override 'strategy.stage'; Key 'stage' not in 'DDPConfig'"),
+        # a key its group does not have: another group's of that name, or a close one in the same group
+        (["optimizer.lr=1e-4"],
+         "Could not override 'optimizer.lr'; Key 'lr' not in 'OptimizerConfig'; did you mean train.lr?"),
+        (["train.step=2"],
+         "Could not override 'train.step'; Key 'step' not in 'TrainConfig'; did you mean train.steps?"),
+        (["train.nokey=1"], "Could not override 'train.nokey'; Key 'nokey' not in 'TrainConfig'"),
     ],
 )
 def test_one_line_keeps_what_is_wrong_and_drops_hydra_noise(overrides, line):
