@@ -13,12 +13,13 @@ CASES = [
     (TRAIN, "strategy=banana", "strategy=banana is not an option (no conf/strategy/banana.yaml); available: 1f1b,"),
     (TRAIN, "train.lr=abc", "train.lr=abc; Value 'abc' of type 'str' could not be converted to Float"),
     (TRAIN, "train.nokey=1", "Could not override 'train.nokey'; Key 'nokey' not in 'TrainConfig'"),
-    (TRAIN, "train.step=2", "Could not override 'train.step'; Key 'step' not in 'TrainConfig'; did you mean train.steps?"),
+    (TRAIN, "train.step=2",
+     "Could not override 'train.step'; Key 'step' not in 'TrainConfig'; did you mean train.steps?"),
     (TRAIN, "nonsense", "Error parsing override 'nonsense'"),
     (TRAIN, "train.global_batch_size=7", "train.global_batch_size=7 must be divisible by train.micro_batch_size"),
     (TRAIN, "strategy=gpipe", "strategy=gpipe needs at least 2 processes"),
-    (TRAIN, "strategy=fsdp_tp", "strategy.tp=2 must divide the number of processes (1): the mesh is (data-parallel 1/2) x "
-                                "(tensor-parallel 2); started without a launcher, this is one process: torchrun"),
+    (TRAIN, "strategy=fsdp_tp", "strategy.tp=2 must divide the number of processes (1): the mesh is (data-parallel "
+                                "1/2) x (tensor-parallel 2); started without a launcher, this is one process: torchrun"),
     (TRAIN, "checkpoint.every_steps=-1", "checkpoint.every_steps=-1 must be >= 0"),
     (TRAIN, "checkpoint.resume=/nonexistent", "checkpoint.resume=/nonexistent: no such file or directory"),
     (TRAIN, "checkpoint.resume={partial}", "is incomplete (no COMPLETE marker: its save was interrupted)"),
