@@ -18,8 +18,9 @@ CASES = [
     (TRAIN, "nonsense", "Error parsing override 'nonsense'"),
     (TRAIN, "train.global_batch_size=7", "train.global_batch_size=7 must be divisible by train.micro_batch_size"),
     (TRAIN, "strategy=gpipe", "strategy=gpipe needs at least 2 processes"),
-    (TRAIN, "strategy=fsdp_tp", "strategy.tp=2 must divide the number of processes (1): the mesh is (data-parallel "
-                                "1/2) x (tensor-parallel 2); started without a launcher, this is one process: torchrun"),
+    (TRAIN, "strategy=fsdp_tp",
+     "strategy.tp=2 must divide the number of processes (1): the mesh is (data-parallel 1/2) x (tensor-parallel 2); "
+     "started without a launcher, this is one process: torchrun"),
     (TRAIN, "checkpoint.every_steps=-1", "checkpoint.every_steps=-1 must be >= 0"),
     (TRAIN, "checkpoint.resume=/nonexistent", "checkpoint.resume=/nonexistent: no such file or directory"),
     (TRAIN, "checkpoint.resume={partial}", "is incomplete (no COMPLETE marker: its save was interrupted)"),
