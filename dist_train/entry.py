@@ -46,6 +46,9 @@ def one_line(exc: BaseException) -> str:
     if missing:
         return missing
     line = _joined(exc)
+    flag = re.match(r"LexerNoViableAltException: (--?[\w.-]+)", line)
+    if flag:  # `--world_size 8`: Hydra's lexer cannot read a flag, and says so in its own terms
+        return f"{flag.group(1)}: options are key=value overrides, not --flags; --help lists them"
     hint = _did_you_mean(line)
     return f"{line}; {hint}" if hint else line
 
@@ -53,9 +56,7 @@ def one_line(exc: BaseException) -> str:
 def _did_you_mean(line: str) -> str:
     """`did you mean train.lr?` for an override of a key its group does not have (`optimizer.lr=...`), when the
     key's last name is another group's (or one close to it in the same group: `train.step`): RunConfig's groups."""
-    import dataclasses
     import difflib
-    import re
 
     from dist_train.config import RunConfig
 

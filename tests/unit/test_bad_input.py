@@ -49,6 +49,7 @@ def _hydra_error(*overrides: str) -> BaseException:
         (["train.step=2"],
          "Could not override 'train.step'; Key 'step' not in 'TrainConfig'; did you mean train.steps?"),
         (["train.nokey=1"], "Could not override 'train.nokey'; Key 'nokey' not in 'TrainConfig'"),
+        (["--world_size"], "--world_size: options are key=value overrides, not --flags; --help lists them"),
     ],
 )
 def test_one_line_keeps_what_is_wrong_and_drops_hydra_noise(overrides, line):
