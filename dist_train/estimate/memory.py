@@ -42,7 +42,8 @@ Transient buffers, beside the model state that stays between steps:
   Measured here, a tiny model with the defaults holds every parameter gathered at its peak, with no reuse and no
   prefetch exactly its largest module, and with no reuse and a live limit of 50,000 or 120,000 elements 66,368 and
   133,248 (this model: 66,640 and 136,640); the dry run of 8 of Llama-2-70B's layers on 64 ranks, with a live limit
-  of 0.5, 1 and 2 billion, 0.70, 1.09 and 2.15 billion (this model: 0.76, 1.26 and 2.26).
+  of 0.5, 1 and 2 billion, 0.73, 1.19 and 2.21 billion (this model: 0.76, 1.26 and 2.26; DeepSpeed's own count,
+  memory/gathered_params_bytes, as a real run reports it).
   Backward also holds the largest module's full-size gradients before they are reduce-scattered.
 - ZeRO flattens the rank's gradient partition into a new fp32 buffer for the optimizer step, every stage and
   precision (measured here: 4 B x Psi / N for zero1-3 in fp32 and bf16).

@@ -15,6 +15,8 @@ from tests.helpers import FAST, ROOT, env, forked_python
 
 # The figures a rank reports in summary.json's ranks[] that the dry run must reproduce exactly.
 EXACT = ("memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes")
+# ZeRO's step gradients are found by their storages' addresses, which fake tensors do not have: not in the dry run
+TRANSIENT = ("memory/gathered_params_bytes",)
 
 
 def dry_run(overrides: list[str], *, world_size: int, ranks: list[int]) -> subprocess.CompletedProcess[str]:
@@ -63,6 +65,8 @@ def _assert_dry_run_equals(strategy: str, overrides: list[str], real: dict, *, n
         measured = got["measured"]
         for key in EXACT:
             assert measured[key] == want[key], (strategy, got["rank"], key, measured[key], want[key])
+        for key in TRANSIENT:  # where the real run reports them (DeepSpeed): its own counts, the same
+            assert measured.get(key) == want.get(key), (strategy, got["rank"], key, measured.get(key), want.get(key))
         # Collectives per step, by op and, where there is a mesh, by its dimension: the same calls, the same bytes.
         counted = {k.removesuffix("/count") for k, v in want.items()
                    if k.startswith("comm/") and k.endswith("/count") and v}

@@ -73,11 +73,15 @@ def run_rank(overrides: list[str], *, world_size: int, rank: int) -> dict[str, A
         first = ids[:t.micro_batch_size] if isinstance(strategy, TorchStrategy) else ids
         strategy.train_step(Batch(first, first))
         tracker.drain()
+        strategy.extra_metrics()  # the first step's transient peaks, dropped as its collectives are
         meter = LiveMeter()
         with meter.measuring(strategy.model_state()):
             strategy.train_step(Batch(ids, ids))
         state = strategy.model_state()
-        out: dict[str, Any] = {"rank": rank, **state.bytes()}
+        # and the measured step's, as a real run reports them: ZeRO-3's gathered parameters (ZeRO's step gradients
+        # are found by their storages' addresses, which fake tensors do not have: not reported here)
+        transient = {k: v for k, v in strategy.extra_metrics().items() if k.startswith("memory/")}
+        out: dict[str, Any] = {"rank": rank, **state.bytes(), **transient}
     for op, totals in tracker.drain().items():
         if not totals.count:
             continue
