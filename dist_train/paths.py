@@ -40,10 +40,22 @@ def user_path(value: str, *, cwd: str | os.PathLike[str] | None = None) -> str:
     return os.path.normpath(path)
 
 
+# Each path normalize_paths made, by what it was given: a message can judge what the user typed (a hub name).
+_TYPED: dict[str, str] = {}
+
+
 def normalize_paths(run: Any) -> None:
     """Every path option of a RunConfig (or any object with these groups) made a `user_path`, in place."""
     for group, key in PATH_KEYS:
         section = getattr(run, group, None)
         value = getattr(section, key, None)
         if isinstance(value, str) and value and value not in _NOT_PATHS:
-            setattr(section, key, user_path(value))
+            made = user_path(value)
+            _TYPED.setdefault(made, value)
+            setattr(section, key, made)
+
+
+def as_typed(path: str) -> str:
+    """The value normalize_paths was given for `path` (a `~` the command line expanded is already absolute there),
+    or `path` itself."""
+    return _TYPED.get(path, path)

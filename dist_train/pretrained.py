@@ -28,13 +28,11 @@ INITS = ("pretrained", "random")
 
 def _hub_name(path: str) -> str | None:
     """`org/name` where a missing model.path reads as a hub name as the user typed it: the entry points make a
-    relative path absolute against the working directory (paths.user_path), so it is judged relative to it."""
-    if os.path.isabs(path):
-        try:
-            path = os.path.relpath(path, os.getcwd())
-        except ValueError:  # another drive
-            return None
-    return path if path.count("/") == 1 and not path.startswith((".", "~", "/")) else None
+    relative path absolute (paths.normalize_paths), so it is judged as it was given (`~/models/x` is not one)."""
+    from dist_train.paths import as_typed
+
+    typed = as_typed(path)
+    return typed if typed.count("/") == 1 and not typed.startswith((".", "~", "/", "$")) else None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ tests/launched/test_own_model.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import json
 
 import pytest
@@ -40,11 +42,15 @@ def test_a_directory_fills_the_model_group_from_its_config(tmp_path):
     ],
 )
 def test_what_is_not_a_local_model_directory_is_one_line(path, needle):
-    from dist_train.paths import user_path
+    from dist_train.paths import normalize_paths
 
-    for given in (path, user_path(path)):  # as typed, and as the entry points hand it on (made absolute)
+    for made_absolute in (False, True):  # as typed, and as the entry points hand it on (normalize_paths)
+        model = ModelConfig(name="hf", path=path)
+        if made_absolute:
+            normalize_paths(SimpleNamespace(model=model))
+            assert model.path.startswith("/")
         with pytest.raises(ConfigError) as err:
-            resolve_model(ModelConfig(name="hf", path=given))
+            resolve_model(model)
         assert needle in str(err.value) and "\n" not in str(err.value)
     if "hub" in needle:
         assert f"huggingface-cli download {path} --local-dir DIR" in str(err.value)
