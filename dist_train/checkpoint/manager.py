@@ -206,21 +206,34 @@ class Checkpointer:
             # CheckpointException is a BaseException, not an Exception.
             try:
                 self.io.load(path)
-                state = torch.load(rng, weights_only=True) if rng.is_file() else None
             except (Exception, CheckpointException) as exc:
                 failure = _first_failure(exc)
+                if self.io.format == "deepspeed":
+                    # DeepSpeed's load goes on into collectives of its own after each rank read its files (ZeRO-3's
+                    # persistent parameters): the others may be in one, which no agreement here would match. This
+                    # rank stops alone; the launcher stops the rest.
+                    raise UnreadableCheckpoint(_unreadable(path, f"rank {self.runtime.rank}: {failure}")) from None
+            if failure is None:
+                try:
+                    state = torch.load(rng, weights_only=True) if rng.is_file() else None
+                except Exception as exc:
+                    failure = _first_failure(exc)
         if self.runtime.has_group:  # one rank's file alone may fail: every rank stops here with its line
             failures: list[Optional[str]] = [None] * self.runtime.world_size
             dist.all_gather_object(failures, failure)
             failure = next((f"rank {r}: {f}" for r, f in enumerate(failures) if f is not None), None)
         if failure is not None:
-            raise UnreadableCheckpoint(f"checkpoint {path} could not be loaded ({failure}); if its files are damaged, "
-                                       "resume from an older one with checkpoint.resume=PATH")
+            raise UnreadableCheckpoint(_unreadable(path, failure))
         if state is not None:
             set_rng_state(state, self.runtime.device)
         else:  # resumed on more ranks than saved: the new ranks keep their seeded generators
             log.warning("checkpoint %s has no RNG state for rank %d; it keeps its own", path, self.runtime.rank)
         return read_trainer_state(path)
+
+
+def _unreadable(path: Path, failure: str) -> str:
+    return (f"checkpoint {path} could not be loaded ({failure}); if its files are damaged, resume from an older one "
+            "with checkpoint.resume=PATH")
 
 
 class UnreadableCheckpoint(RuntimeError):

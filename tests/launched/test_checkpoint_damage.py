@@ -162,22 +162,31 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_bit_exact(st
     assert len(aside) == 1 and (aside[0] / bad.relative_to(run_dir / "checkpoints" / STEP8)).exists()
 
 
-def test_damage_only_reading_shows_is_one_line_naming_the_checkpoint(straight_run, tmp_path):
-    """An RNG file overwritten with bytes of its own size passes the pre-flight check (its size and the marker's
-    record agree); torch.load then fails on rank 0 alone, and the ranks agree on it before any step (rank 1 does not
-    wait in one for torchrun to stop it). One `config error:` line naming the checkpoint, the rank and the failure
-    (not torch.load's advice to retry with weights_only=False), exit 2, no traceback, no launcher failure report."""
-    straight_dir, _ = straight_run("ddp")
+# (strategy, what is overwritten with bytes of its own size, the rank that fails reading it, its failure's type)
+READ_DAMAGE = [("ddp", "rng/rank0.pt", 0, "UnpicklingError"),
+               ("zero2", "deepspeed/state/*rank_1*optim_states.pt", 1, "")]
+
+
+@pytest.mark.parametrize(("strategy", "part", "rank", "kind"), READ_DAMAGE, ids=[s for s, *_ in READ_DAMAGE])
+def test_damage_only_reading_shows_is_one_line_naming_the_checkpoint(strategy, part, rank, kind, straight_run,
+                                                                     tmp_path):
+    """A file overwritten with bytes of its own size passes the pre-flight check (its size and the marker's record
+    agree); reading it then fails on one rank alone. One `config error:` line naming the checkpoint, the rank and the
+    failure (not torch.load's advice to retry with weights_only=False), exit 2, no traceback, no launcher failure
+    report. ddp (DCP): the RNG file; the ranks agree on the failure before any step (rank 1 does not wait in one for
+    torchrun to stop it). zero2: rank 1's optimizer partition, inside DeepSpeed's own load, which may go on into
+    collectives of its own (ZeRO-3's persistent parameters): that rank stops alone, and the launcher stops the other."""
+    straight_dir, _ = straight_run(strategy)
     root = _copy_checkpoints(straight_dir, tmp_path)
-    _damage(root / STEP4, "rng/rank0.pt", _same_size_garbage)
+    _damage(root / STEP4, part, _same_size_garbage)
     assert problem(root / STEP4) is None  # what the pre-flight check cannot see
     proc = subprocess.run([sys.executable, "-m", "dist_train.torchrun", "--standalone", "--nproc_per_node=2",
-                           str(TRAIN), "strategy=ddp", *CHECKPOINTED, f"checkpoint.resume={root / STEP4}",
+                           str(TRAIN), f"strategy={strategy}", *CHECKPOINTED, f"checkpoint.resume={root / STEP4}",
                            f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("config error: ")]
-    assert len(lines) == 1 and f"checkpoint {root / STEP4} could not be loaded (rank 0: UnpicklingError" in lines[0], \
+    assert len(lines) == 1 and f"checkpoint {root / STEP4} could not be loaded (rank {rank}: {kind}" in lines[0], \
         proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "weights_only" not in proc.stderr and "FAILED" not in proc.stderr
     assert sorted(p.name for p in root.iterdir()) == [STEP4, STEP8]  # nothing deleted
