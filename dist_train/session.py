@@ -64,8 +64,11 @@ def build_session(
     # Set-up's peak of anonymous memory (memory/setup_peak_anon_bytes), sampled until the first step.
     setup_anon = AnonPeak().start()
     run_dir = Path(agree_on_run_dir(str(run_dir) if run_dir is not None else hydra_run_dir()))
-    setup_logging(run_dir, runtime.rank)
     resume = agree(resume)  # rank 0's reading of the checkpoint directory decides for everyone
+    done = finished(run, resume)
+    if done:  # before anything is written
+        raise RunFinished(done)
+    setup_logging(run_dir, runtime.rank)
     t = run.train
     log.info(
         "strategy=%s world_size=%d backend=%s device=%s run_dir=%s",
@@ -356,3 +359,28 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     root.setLevel(logging.INFO)
     for handler in (file_handler, console):
         root.addHandler(handler)
+
+
+class RunFinished(Exception):
+    """build_session's finding that the agreed resume point is at train.steps or past it: launch/train.py's main ends
+    with the `finished` line and exit 0, nothing written."""
+
+
+def finished(run: RunConfig, resume: Path | None) -> str | None:
+    """The line for a resume whose checkpoint is at train.steps or past it (the run is done), or None. Such a launch
+    trains nothing and writes nothing: the earlier run's summary.json and metrics stay as they were."""
+    from dist_train.checkpoint.layout import read_marker
+
+    if resume is None:
+        return None
+    step = int(read_marker(resume).get("step", 0))
+    if step < run.train.steps:
+        return None
+    return (f"{resume} is at step {step} and train.steps={run.train.steps}: nothing left to train, and the run's "
+            f"files are left as they were (raise train.steps to train on)")
+
+
+def restarted(env: Any = os.environ) -> bool:
+    """This process is a restart of its launch (torchrun's --max-restarts, Slurm's requeue): the same run directory,
+    whose checkpoints this launch saved itself."""
+    return any(env.get(key, "0") not in ("", "0") for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))

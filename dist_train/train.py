@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from dist_train.checks import validate
 from dist_train.config import ConfigError, RunConfig, accumulation_steps, describe_batch, world_size_from_env
 from dist_train.paths import PATH_KEYS
-from dist_train.session import Session, build_session, checkpoint_root, hydra_run_dir
+from dist_train.session import Session, build_session, checkpoint_root, finished, hydra_run_dir, restarted
 
 log = logging.getLogger("dist_train")
 
@@ -64,9 +64,12 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
     alone = without_launcher(run, world_size)
     if alone and not check_only:
         print(alone, file=sys.stderr)
-    done = finished(run, resume)
+    # One process decides here, before anything is written; several decide in build_session, on the resume
+    # point every rank agreed on (their readings of the checkpoint directory may differ: a shared filesystem's cache)
+    done = finished(run, resume) if world_size == 1 else None
     if done and not check_only:
         _warn_once(done)
+        _remove_if_empty(Path(hydra_run_dir()))  # a fresh run directory, for a checkpoint elsewhere
         return 0
     if check_only:
         _remove_if_empty(Path(hydra_run_dir()))  # Hydra made the run directory; a check writes nothing in it
@@ -76,11 +79,16 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
     from dist_train.interrupt import Interrupted
 
     from dist_train.checkpoint.manager import UnreadableCheckpoint
+    from dist_train.session import RunFinished
 
     try:
         train(run, cfg, resume=resume, fault=fault)
     except UnreadableCheckpoint as exc:  # each rank that read it; shown once
         return report_config_error(str(exc))
+    except RunFinished as exc:  # every rank, on the agreed resume point; nothing written
+        _warn_once(str(exc))
+        _remove_if_empty(Path(hydra_run_dir()))
+        return 0
     except NonFiniteLoss:
         return DIVERGED_EXIT  # rank 0 has said which step, and every rank stopped there
     except Interrupted as exc:
@@ -131,7 +139,7 @@ def resume_point(run: RunConfig, *, world_size: int, run_dir: Path) -> Path | No
     from dist_train.checkpoint.verify import problem
 
     root = checkpoint_root(run, run_dir)
-    if run.checkpoint.resume == "none":
+    if run.checkpoint.resume == "none" and not restarted():  # a restart of this launch saves over its own
         earlier = complete_checkpoints(root)
         if earlier:  # a fresh start would save over them, and write its metrics and summary over the earlier run's
             names = ", ".join(p.name for _, p in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
@@ -146,20 +154,6 @@ def resume_point(run: RunConfig, *, world_size: int, run_dir: Path) -> Path | No
     if path is not None:
         check_resumable(path, run, world_size=world_size)
     return path
-
-
-def finished(run: RunConfig, resume: Path | None) -> str | None:
-    """The line for a resume whose checkpoint is at train.steps or past it (the run is done), or None. Such a launch
-    trains nothing and writes nothing: the earlier run's summary.json and metrics stay as they were."""
-    from dist_train.checkpoint.layout import read_marker
-
-    if resume is None:
-        return None
-    step = int(read_marker(resume).get("step", 0))
-    if step < run.train.steps:
-        return None
-    return (f"{resume} is at step {step} and train.steps={run.train.steps}: nothing left to train, and the run's "
-            f"files are left as they were (raise train.steps to train on)")
 
 
 def _warn_once(message: str) -> None:
@@ -187,6 +181,7 @@ def train(run: RunConfig, cfg: DictConfig, *, resume: Path | None = None, fault:
     from dist_train.checkpoint.manager import UnreadableCheckpoint
     from dist_train.interrupt import Interrupted
     from dist_train.runtime import init_runtime, shutdown
+    from dist_train.session import RunFinished
     from dist_train.telemetry.recorder import NonFiniteLoss
 
     from dist_train.quiet import RepeatedWarnings
@@ -201,7 +196,7 @@ def train(run: RunConfig, cfg: DictConfig, *, resume: Path | None = None, fault:
         if isinstance(exc, Interrupted):  # a clean stop, reported by rank 0 with the command that resumes
             raise
         # NonFiniteLoss was reported by rank 0, once, with its step; UnreadableCheckpoint is main()'s one line
-        if not isinstance(exc, (NonFiniteLoss, UnreadableCheckpoint)):
+        if not isinstance(exc, (NonFiniteLoss, UnreadableCheckpoint, RunFinished)):
             where = f"at step {progress.step}" if progress.step else "before the first step"
             exc.add_note(f"[dist_train] rank {runtime.rank} failed {where}")
             log.error("rank %d failed %s: %s: %s", runtime.rank, where, type(exc).__name__, exc)

@@ -134,23 +134,36 @@ def test_interrupted_saves_are_never_resumed_and_are_cleaned_up(straight_run, tm
 
 
 def test_a_finished_run_relaunched_or_restarted_afresh_in_its_directory_writes_nothing(straight_run, tmp_path):
-    """The run directory of a finished run (single's 8 straight steps, checkpoints at 4 and 8), copied: the same
-    command again says there is nothing left to train and leaves summary.json and metrics.jsonl byte for byte;
-    checkpoint.resume=none there is refused in one line, since it would save over the earlier run's checkpoints."""
-    straight_dir, _ = straight_run("single")
-    run_dir = tmp_path / "run"
-    shutil.copytree(straight_dir, run_dir)
-    before = {name: (run_dir / name).read_bytes() for name in ("summary.json", "metrics.jsonl")}
-    again = launch(["strategy=single", *CHECKPOINTED], run_dir=run_dir)
-    assert again.returncode == 0, again.stderr[-3000:]
-    said = [ln for ln in again.stderr.splitlines() if "nothing left to train" in ln]
-    assert len(said) == 1 and f"{run_dir / 'checkpoints' / step_dir_name(8)} is at step 8" in said[0], again.stderr
-    assert {name: (run_dir / name).read_bytes() for name in before} == before
+    """The run directory of a finished run (8 straight steps, checkpoints at 4 and 8), copied: the same command again
+    says there is nothing left to train and leaves every file byte for byte, as one process (single: decided before
+    any process group) and as two (ddp under torchrun: decided on the resume point the ranks agreed on, before
+    anything is written). checkpoint.resume=none there is refused in one line, since it would save over the earlier
+    run's checkpoints; a restart of the launch (TORCHELASTIC_RESTART_COUNT > 0: torchrun's --max-restarts, as Slurm's
+    requeue) is not refused: what it saves over is its own launch's."""
+    for strategy, nproc in (("single", 0), ("ddp", 2)):
+        straight_dir, _ = straight_run(strategy)
+        run_dir = tmp_path / strategy
+        shutil.copytree(straight_dir, run_dir)
+        before = _files(run_dir)
+        again = launch([f"strategy={strategy}", *CHECKPOINTED], run_dir=run_dir, nproc=nproc)
+        assert again.returncode == 0, again.stderr[-3000:]
+        said = [ln for ln in again.stderr.splitlines() if "nothing left to train" in ln]
+        assert len(said) == 1 and f"{run_dir / 'checkpoints' / step_dir_name(8)} is at step 8" in said[0], again.stderr
+        assert _files(run_dir) == before
     fresh = launch(["strategy=single", *CHECKPOINTED, "checkpoint.resume=none"], run_dir=run_dir)
     assert fresh.returncode == 2, fresh.stderr[-3000:]
     assert fresh.stderr.strip().splitlines() == [
         f"config error: checkpoint.resume=none: {run_dir / 'checkpoints'} holds 2 checkpoint(s) of an earlier run "
         f"({STEP4}, {step_dir_name(8)}), which this run would write over; start afresh in a new directory "
         "(hydra.run.dir=..., or checkpoint.dir=...), or resume from them (checkpoint.resume=auto)"]
-    assert {name: (run_dir / name).read_bytes() for name in before} == before
+    assert _files(run_dir) == before
+    restart = launch(["strategy=single", *CHECKPOINTED, "checkpoint.resume=none"], run_dir=run_dir,
+                     extra_env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["losses"] == \
+        pytest.approx(json.loads(before[Path("summary.json")])["losses"], rel=1e-5)  # from step 1, as ddp's were
     assert [s for s, _ in complete_checkpoints(run_dir / "checkpoints")] == [4, 8]
+
+
+def _files(run_dir: Path) -> dict[Path, bytes]:
+    return {p.relative_to(run_dir): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
