@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -53,6 +54,24 @@ def _check_out_dir(out_dir: Path, *, overwrite: bool) -> None:
         shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise ValueError(f"{out_dir} already holds {len(held)} file(s) ({shown}): export into a new or empty "
                          "directory, or add --overwrite to write over what it holds")
+
+
+# What transformers' and peft's from_pretrained read from a directory, and what an export writes: --overwrite removes
+# these first, so that nothing of an earlier model or export is read with the new one (an adapter_config.json left
+# beside merged weights would load the old adapter over them). Other files (a tokenizer, a README) stay.
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+               "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
+               "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "dist_train.json")
+
+
+def _clear_model_files(out_dir: Path) -> None:
+    """MODEL_FILES and the merged export's adapter subdirectory, removed from `out_dir` (once every weight is read)."""
+    if not out_dir.is_dir():
+        return
+    for pattern in MODEL_FILES:
+        for path in out_dir.glob(pattern):
+            path.unlink()
+    shutil.rmtree(out_dir / ADAPTER_SUBDIR, ignore_errors=True)
 
 
 def export_pretrained(checkpoint: Path, out_dir: Path, *, merge: bool = False, overwrite: bool = False) -> Exported:
@@ -88,12 +107,16 @@ def export_pretrained(checkpoint: Path, out_dir: Path, *, merge: bool = False, o
         adapter_config, adapter_weights = _adapter(model, base)
         merged = _merged(model, config, peft) if merge else None
         adapter_dir = out_dir / ADAPTER_SUBDIR if merge else out_dir
+        if overwrite:
+            _clear_model_files(out_dir)
         adapter_dir.mkdir(parents=True, exist_ok=True)
         _write_adapter(adapter_dir, adapter_config, adapter_weights)
         if merged is not None:
             merged.save_pretrained(out_dir)
         done = Exported(path, peft, adapter_dir, out_dir if merged is not None else None, base)
     else:
+        if overwrite:
+            _clear_model_files(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out_dir)
         done = Exported(path, peft, None, out_dir, None)

@@ -38,8 +38,9 @@ def main() -> int:
                         help="a LoRA/QLoRA run: also merge the adapters into the base weights and write that full "
                              "model to OUT_DIR (the adapter then to OUT_DIR/adapter); default: off, the adapter only")
     parser.add_argument("--overwrite", action="store_true",
-                        help="write into OUT_DIR even if it holds files (they are replaced where the export writes "
-                             "the same names); default: off, such a directory is refused")
+                        help="write into OUT_DIR even if it holds files: its model and adapter files (config.json, "
+                             "weights, adapter_*, OUT_DIR/adapter) are removed first, once every weight is read; "
+                             "other files (a tokenizer) stay; default: off, such a directory is refused")
     args = parser.parse_args()
     from dist_train.export import export_pretrained
 

@@ -122,8 +122,13 @@ def test_qlora_export_writes_the_adapter_and_merges_over_the_dequantized_base(tm
     adapted = peft_loss(base, adapter_only)
     assert rel_diff(adapted, losses[4]) < 1e-5, (adapted, losses[4])
 
-    out = tmp_path / "merged"
-    assert export_pretrained(checkpoint, out, merge=True).model_dir == out  # the CLI is run in the LoRA test
+    # merged into the same directory (--overwrite): the adapter-only export's files go, so that from_pretrained
+    # finds the merged model and no adapter_config.json beside it; a file of the user's own (a tokenizer) stays
+    out = adapter_only
+    (out / "tokenizer.json").write_text("{}")
+    assert export_pretrained(checkpoint, out, merge=True, overwrite=True).model_dir == out
+    assert not (out / "adapter_config.json").exists() and (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "tokenizer.json").read_text() == "{}"
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config  # a plain fp32 model: the 4-bit base dequantized
     merged = AutoModelForCausalLM.from_pretrained(out)
