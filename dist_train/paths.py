@@ -40,7 +40,8 @@ def user_path(value: str, *, cwd: str | os.PathLike[str] | None = None) -> str:
     return os.path.normpath(path)
 
 
-# Each path normalize_paths made, by what it was given: a message can judge what the user typed (a hub name).
+# Each path normalize_paths made, by what it was given: a message can judge what the user typed (a hub name). The
+# latest call's value wins: the same path typed otherwise by an earlier entry call in this process is not kept.
 _TYPED: dict[str, str] = {}
 
 
@@ -51,7 +52,7 @@ def normalize_paths(run: Any) -> None:
         value = getattr(section, key, None)
         if isinstance(value, str) and value and value not in _NOT_PATHS:
             made = user_path(value)
-            _TYPED.setdefault(made, value)
+            _TYPED[made] = value
             setattr(section, key, made)
 
 

@@ -37,3 +37,20 @@ def test_a_checkpoint_that_recorded_a_relative_path_still_matches_the_same_file(
     monkeypatch.chdir(tmp_path)
     assert _saved({"data": {"path": "corpus.bin"}}, "data", "path") == str(tmp_path / "corpus.bin")
     assert _saved({"train": {"seed": 3}}, "train", "seed") == 3
+
+
+def test_what_was_typed_is_the_latest_entry_calls_value(tmp_path, monkeypatch):
+    """as_typed answers for the entry call at hand: an earlier call in the same process (a test session, a sweep)
+    that typed the same path otherwise does not decide for it (a hub name's hint, dist_train/pretrained.py)."""
+    from dist_train.paths import as_typed
+
+    monkeypatch.chdir(tmp_path)
+
+    def typed(value: str) -> str:
+        run = SimpleNamespace(model=SimpleNamespace(path=value))
+        normalize_paths(run)
+        return as_typed(run.model.path)
+
+    assert typed("org/model") == "org/model"
+    assert typed(str(tmp_path / "org" / "model")) == str(tmp_path / "org" / "model")
+    assert typed("org/model") == "org/model"
