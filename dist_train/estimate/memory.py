@@ -632,7 +632,8 @@ def zero3_gathered(shape: ModelShape, setup: Setup) -> tuple[float, float]:
     persistent = shape.num_params - partitioned
     largest = max(sum(n for n in m if n >= threshold) for m in shape.module_params())
     kept = partitioned if zero3_keeps_for_backward(setup, partitioned) else largest
-    if setup.zero3_prefetch_bucket_size:
+    if setup.zero3_prefetch_bucket_size and setup.zero3_max_live_parameters:
+        # (a live limit of 0: DeepSpeed's coordinator prefetches nothing, as without a bucket)
         # every module's entry prefetches at least one parameter while fewer than max_live are gathered (modules
         # without parameters too), faster than modules use them up: the gathered set fills to the live limit, and
         # the last prefetch or the module in use goes over it by at most one module

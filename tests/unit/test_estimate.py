@@ -372,6 +372,9 @@ def test_zero3_working_set_follows_deepspeeds_knobs():
     assert predict_memory(shape, tight)[0].gathered_params == 4 * 16_640
     limited = Setup(**{**plain.__dict__, "zero3_max_reuse_distance": 0, "zero3_max_live_parameters": 50_000})
     assert predict_memory(shape, limited)[0].gathered_params == 4 * (50_000 + 16_640)
+    # a live limit of 0: DeepSpeed's coordinator prefetches nothing, bucket or not (the largest module alone)
+    nothing = Setup(**{**limited.__dict__, "zero3_max_live_parameters": 0})
+    assert predict_memory(shape, nothing)[0].gathered_params == 4 * 16_640
     # a live limit above the model, or reuse over the whole model, keeps all of it, and never more
     assert predict_memory(shape, Setup(**{**limited.__dict__, "zero3_max_live_parameters": 10**6}))[0].gathered_params \
         == 4 * shape.num_params
