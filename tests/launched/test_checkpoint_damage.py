@@ -21,7 +21,7 @@ import pytest
 from dist_train.checkpoint.layout import resolve_resume, step_dir_name
 from dist_train.checkpoint.verify import problem
 from tests.conftest import CHECKPOINTED
-from tests.helpers import ROOT, TRAIN, env, summary
+from tests.helpers import ROOT, TRAIN, env, forked, summary
 
 
 STEP4, STEP8 = step_dir_name(4), step_dir_name(8)
@@ -147,7 +147,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_bit_exact(st
     assert named.returncode == 2, named.stderr[-3000:]
     assert named.stderr.splitlines() == [named.stderr.strip()] and str(bad) in named.stderr  # one line, the file
 
-    proc = subprocess.run(launch, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    # the resume itself forked (tests/forkserver.py: what a fresh launch adds is the refusal's exact output above)
+    proc = forked([f"strategy={strategy}", *CHECKPOINTED], run_dir=run_dir, nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr
     warned = [ln for ln in proc.stderr.splitlines() if "which is damaged" in ln]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.helpers import ROOT, launch, summary, train_ok
+from tests.helpers import ROOT, forked, summary, train_ok
 
 SCRIPT = ROOT / "tests" / "scripts" / "peak_live_vs_tracker.py"
 
@@ -20,7 +20,7 @@ def test_fsdp_peak_live_is_torch_fsdp_mem_trackers_from_a_step_with_the_optimize
     step: it reports none, and says so once."""
     # One micro-batch per rank and step: FSDPMemTracker refuses a second root forward in one tracked step.
     overrides = ["model=tiny", "train.global_batch_size=4", "train.micro_batch_size=2", "logger=none"]
-    proc = launch(overrides, run_dir=tmp_path, nproc=2, script=SCRIPT, timeout=400)
+    proc = forked(overrides, run_dir=tmp_path, nproc=2, script=SCRIPT, timeout=400)  # tensors' bytes: as fresh
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
     assert len(rows) == 2, proc.stdout[-3000:]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.helpers import FAST, ROOT, launch
+from tests.helpers import FAST, ROOT, forked
 
 
 SCRIPT = ROOT / "tests" / "scripts" / "state_dict_roundtrip.py"
@@ -18,7 +18,8 @@ SCRIPT = ROOT / "tests" / "scripts" / "state_dict_roundtrip.py"
 )
 def test_state_dict_round_trips_exactly(strategy, nproc, tmp_path):
     overrides = [f"strategy={strategy}", "logger=none", *FAST]
-    proc = launch(overrides, run_dir=tmp_path, nproc=nproc, script=SCRIPT, timeout=300)
+    # forked from tests/forkserver.py (its imports done once): what is read is the script's JSON line
+    proc = forked(overrides, run_dir=tmp_path, nproc=nproc, script=SCRIPT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert result["loss_a"] == result["loss_b"], result

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import FAST, ROOT, TRAIN, assert_same_losses, env, last_step, launch, summary, train_ok
+from tests.helpers import FAST, ROOT, TRAIN, assert_same_losses, env, forked, last_step, summary, train_ok
 
 N_RANKS = 2
 MICRO_PER_RANK = 2  # FAST: global batch 8 = 2 ranks x 2 micro-batches x 2 samples
@@ -183,7 +183,7 @@ def test_zero3_setup_fixes_keep_one_partition_gather_nothing_and_train_the_same(
     """strategies/_zero3_setup.py: in fp32 the master partition is the parameters' own storage, making the gradient
     hooks gathers nothing, and the engine trains exactly as DeepSpeed's unpatched one; bf16 keeps its fp32 copy."""
     script = ROOT / "tests" / "scripts" / "zero3_setup_fixes.py"
-    proc = launch([], run_dir=tmp_path, nproc=N_RANKS, script=script, timeout=300)
+    proc = forked([], run_dir=tmp_path, nproc=N_RANKS, script=script, timeout=300)  # its JSON line is what is read
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     out = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     for precision in ("fp32", "bf16"):
