@@ -69,19 +69,20 @@ def env(*, cuda: bool = False, **extra: str) -> dict[str, str]:
 def launch(
     overrides: list[str],
     *,
-    run_dir: Path,
+    run_dir: Path | None,
     nproc: int = 0,
     timeout: float = 600,
     script: Path = TRAIN,
     extra_env: dict[str, str] | None = None,
     cuda: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """nproc=0: `python launch/train.py`; nproc>=1: `torchrun --standalone --nproc_per_node=nproc`."""
+    """nproc=0: `python launch/train.py`; nproc>=1: `torchrun --standalone --nproc_per_node=nproc`. `run_dir=None`:
+    no hydra.run.dir (a script whose arguments are `overrides` alone)."""
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
     else:
         cmd = [sys.executable, str(script)]
-    cmd += overrides + [f"hydra.run.dir={run_dir}"]
+    cmd += overrides + ([] if run_dir is None else [f"hydra.run.dir={run_dir}"])
     return subprocess.run(
         cmd, cwd=ROOT, env=env(cuda=cuda, **(extra_env or {})), capture_output=True, text=True, timeout=timeout
     )
@@ -165,16 +166,18 @@ class ForkServer:
                 self.proc.kill()
 
 
-def forked(overrides: list[str], *, run_dir: Path, nproc: int = 0, timeout: float = 600, script: Path = TRAIN,
+def forked(overrides: list[str], *, run_dir: Path | None, nproc: int = 0, timeout: float = 600, script: Path = TRAIN,
            extra_env: dict[str, str] | None = None, cuda: bool = False) -> subprocess.CompletedProcess[str]:
     """`launch`, with the workers forked from tests/forkserver.py (the imports paid once per session) where it can
-    serve: a run expected to succeed, on the CPU. Otherwise (CUDA, DIST_TRAIN_TEST_FORK=0) `launch` itself."""
+    serve: a run expected to succeed, on the CPU. Otherwise (CUDA, DIST_TRAIN_TEST_FORK=0) `launch` itself.
+    `run_dir=None`: a script that takes no hydra.run.dir (its arguments are `overrides` alone)."""
     server = None if cuda else ForkServer.get()
     if server is None:
         return launch(overrides, run_dir=run_dir, nproc=nproc, timeout=timeout, script=script, extra_env=extra_env,
                       cuda=cuda)
-    return server.run([str(script), *overrides, f"hydra.run.dir={run_dir}"], nproc=nproc,
-                      environ=env(**(extra_env or {})), timeout=timeout)
+    where = [] if run_dir is None else [f"hydra.run.dir={run_dir}"]
+    return server.run([str(script), *overrides, *where], nproc=nproc, environ=env(**(extra_env or {})),
+                      timeout=timeout)
 
 
 def forked_python(argv: list[str], *, timeout: float = 600, **extra_env: str) -> subprocess.CompletedProcess[str]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from dist_train.checkpoint.layout import (
 )
 from dist_train.config import TrainConfig
 from tests.conftest import CHECKPOINTED, EVALUATED, RESUMABLE
-from tests.helpers import FAST, ROOT, env, launch, metrics, rel_diff, train_ok
+from tests.helpers import FAST, forked_python, launch, metrics, rel_diff, train_ok
 
 STEP4 = step_dir_name(4)
 
@@ -90,8 +88,7 @@ def test_export_loads_in_transformers_and_reproduces_the_next_loss(strategy, str
 
     run_dir, straight = straight_run(strategy)
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "launch/export.py", str(run_dir / "checkpoints" / STEP4), str(out)],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    proc = forked_python(["launch/export.py", str(run_dir / "checkpoints" / STEP4), str(out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "config.json").is_file() and json.loads((out / "dist_train.json").read_text())["step"] == 4
     model = AutoModelForCausalLM.from_pretrained(out).train()

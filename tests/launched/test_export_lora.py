@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from dist_train.checkpoint.layout import read_trainer_state, step_dir_name
-from tests.helpers import FAST, ROOT, env, rel_diff, train_ok
+from tests.helpers import FAST, forked_python, rel_diff, train_ok
 
 STEP4 = step_dir_name(4)
 CHECKPOINTED = ["strategy=single", "logger=none", *FAST, "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
@@ -35,8 +34,8 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float
 
 
 def export(checkpoint: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "launch/export.py", str(checkpoint), str(out), *extra],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    """launch/export.py, forked from tests/forkserver.py (its imports done): its output and files are what is read."""
+    return forked_python(["launch/export.py", str(checkpoint), str(out), *extra], timeout=300)
 
 
 def loss_on(model: torch.nn.Module, step_index: int) -> float:

@@ -57,10 +57,7 @@ def test_tensor_parallelism_follows_each_architectures_own_plan(tmp_path):
     """2 ranks, every tested architecture, with and without sequence parallelism: the loss and every parameter's
     gradient (gathered whole) as the unsplit model's, the embedding and head split by vocabulary. Qwen3's q/k norms see only each rank's heads: their gradient
     is summed over the ranks (without that it is off by 1e-2, measured)."""
-    import subprocess
-    import sys
-
-    from tests.helpers import ROOT, env
+    from tests.helpers import ROOT, forked
 
     # GPT-2 with its head tied to the embedding, as OpenAI's: both split by vocabulary, one weight; Gemma's
     # embedding scales its rows and keeps a padding row (pad_token_id=0), whose gradient stays zero
@@ -68,9 +65,8 @@ def test_tensor_parallelism_follows_each_architectures_own_plan(tmp_path):
     # Phi-3: fused qkv_proj and gate_up_proj, split as transformers' plan says (colwise_gather_output,
     # rowwise_split_input); sequence parallelism is refused for it (tp_archs.py reports the refusal's line)
     dirs.append(str(make_model_dir(tmp_path, "phi3")))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "tests/scripts/tp_archs.py", *dirs], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=600)
+    # forked from tests/forkserver.py (its imports done): the script's JSON line is what is read
+    proc = forked(dirs, run_dir=None, nproc=2, script=ROOT / "tests" / "scripts" / "tp_archs.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     diffs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(diffs) == {*ARCHS, "phi3"}
