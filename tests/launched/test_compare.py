@@ -351,7 +351,6 @@ def test_one_process_strategies_come_from_the_registry_and_unknown_names_still_l
 SWEEP = "{train.activation_checkpointing:[false,true]}"
 
 
-@pytest.mark.beside  # its own two comparisons: balances the two sessions (tests/suite.sh)
 def test_a_sweep_runs_every_strategy_per_knob_value_and_reports_each_knobs_effect(tmp_path):
     """Activation checkpointing as a knob: each strategy at both values, judged against single at the same
     value; the report pairs the runs and shows the activation bytes fall as predicted, losses unchanged.
