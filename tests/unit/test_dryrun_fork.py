@@ -88,7 +88,12 @@ def test_a_callers_own_freeze_is_left_as_it_was(monkeypatch):
     try:
         caller = gc.get_freeze_count()
         assert caller > 0
+        young = [[] for _ in range(1000)]  # tracked after the caller's freeze: another gc.freeze() would take them in
         assert rows.run_ranks([], world_size=2, ranks=[0, 1], timeout_s=60) == [{"rank": 0}, {"rank": 1}]
-        assert counts == [caller, caller] and gc.get_freeze_count() == caller
+        # A frozen object that dies leaves the permanent generation, so the count may fall by a few meanwhile (by 2
+        # once in a suite: 662,319 -> 662,317); it never rises by `young` (no freeze) nor falls to 0 (no thaw).
+        for count in [*counts, gc.get_freeze_count()]:
+            assert caller - 1000 < count < caller + len(young), (caller, counts, gc.get_freeze_count())
+        assert len(counts) == 2
     finally:
         gc.unfreeze()
