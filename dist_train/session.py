@@ -61,13 +61,13 @@ def build_session(
     from dist_train.telemetry.comm import CommTracker
     from dist_train.telemetry.memory import AnonPeak
 
-    # Set-up's peak of anonymous memory (memory/setup_peak_anon_bytes), sampled until the first step.
-    setup_anon = AnonPeak().start()
     run_dir = Path(agree_on_run_dir(str(run_dir) if run_dir is not None else hydra_run_dir()))
     resume = agree(resume)  # rank 0's reading of the checkpoint directory decides for everyone
     done = finished(run, resume)
-    if done:  # before anything is written
+    if done:  # decided by every rank alike (their own readings may differ: a shared filesystem's cache), unwritten
         raise RunFinished(done)
+    # Set-up's peak of anonymous memory (memory/setup_peak_anon_bytes), sampled until the first step.
+    setup_anon = AnonPeak().start()
     setup_logging(run_dir, runtime.rank)
     t = run.train
     log.info(

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from dist_train.checks import validate
 from dist_train.config import ConfigError, RunConfig, accumulation_steps, describe_batch, world_size_from_env
 from dist_train.paths import PATH_KEYS
-from dist_train.session import Session, build_session, checkpoint_root, finished, hydra_run_dir, restarted
+from dist_train.session import Session, build_session, checkpoint_root, hydra_run_dir, restarted
 
 log = logging.getLogger("dist_train")
 
@@ -64,13 +64,6 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
     alone = without_launcher(run, world_size)
     if alone and not check_only:
         print(alone, file=sys.stderr)
-    # One process decides here, before anything is written; several decide in build_session, on the resume
-    # point every rank agreed on (their readings of the checkpoint directory may differ: a shared filesystem's cache)
-    done = finished(run, resume) if world_size == 1 else None
-    if done and not check_only:
-        _warn_once(done)
-        _remove_if_empty(Path(hydra_run_dir()))  # a fresh run directory, for a checkpoint elsewhere
-        return 0
     if check_only:
         _remove_if_empty(Path(hydra_run_dir()))  # Hydra made the run directory; a check writes nothing in it
         print(f"config ok: strategy={run.strategy.name} WORLD_SIZE={world_size} {describe_batch(run, world_size)}",
@@ -85,9 +78,9 @@ def main(cfg: DictConfig, *, check_only: bool = False) -> int:
         train(run, cfg, resume=resume, fault=fault)
     except UnreadableCheckpoint as exc:  # each rank that read it; shown once
         return report_config_error(str(exc))
-    except RunFinished as exc:  # every rank, on the agreed resume point; nothing written
+    except RunFinished as exc:  # build_session: every rank, on the resume point they agreed on; nothing written
         _warn_once(str(exc))
-        _remove_if_empty(Path(hydra_run_dir()))
+        _remove_if_empty(Path(hydra_run_dir()))  # a fresh run directory, for a checkpoint elsewhere
         return 0
     except NonFiniteLoss:
         return DIVERGED_EXIT  # rank 0 has said which step, and every rank stopped there

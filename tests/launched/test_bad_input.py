@@ -57,8 +57,9 @@ def _command(entry: str, args: str, run_dir: Path) -> tuple[list[str], dict[str,
 
 
 # The first case of each entry point runs in a fresh interpreter, where a message printed by an import (a library's
-# warning) would show beside the line (the test then wants nothing else); the others are forked from tests/forkserver.py, whose imports
-# are done (their output is the entry point's own). 25 fresh interpreters took 62 s of the suite.
+# warning) would show beside the line (the test then wants nothing else); the others are forked from
+# tests/forkserver.py, whose imports are done (their output is the entry point's own). 25 fresh interpreters took 62 s
+# of the suite.
 FRESH = sorted({next(i for i, (e, _, _) in enumerate(CASES) if e == entry) for entry, _, _ in CASES})
 
 

@@ -132,9 +132,8 @@ def test_interrupted_saves_are_never_resumed_and_are_cleaned_up(straight_run, tm
 
 def test_a_finished_run_relaunched_or_restarted_afresh_in_its_directory_writes_nothing(straight_run, tmp_path):
     """The run directory of a finished run (8 straight steps, checkpoints at 4 and 8), copied: the same command again
-    says there is nothing left to train and leaves every file byte for byte, as one process (single: decided before
-    any process group) and as two (ddp under torchrun: decided on the resume point the ranks agreed on, before
-    anything is written). checkpoint.resume=none there is refused in one line, since it would save over the earlier
+    says there is nothing left to train and leaves every file byte for byte, as one process (single) and as two (ddp
+    under torchrun): decided in build_session on the resume point the ranks agreed on, before anything is written. checkpoint.resume=none there is refused in one line, since it would save over the earlier
     run's checkpoints; a restart of the launch (TORCHELASTIC_RESTART_COUNT > 0: torchrun's --max-restarts, as Slurm's
     requeue) is not refused: what it saves over is its own launch's."""
     for strategy, nproc in (("single", 0), ("ddp", 2)):
