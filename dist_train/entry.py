@@ -19,7 +19,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 CONFIG_ERROR_EXIT = 2
 PREFIX = "config error: "
@@ -35,12 +35,13 @@ _NOISE = ("full_key:", "object_type=", "reference_type=", "Config search path", 
           "To append to your config use")
 
 
-def one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException, options: Optional[dict[str, type]] = None) -> str:
     """A Hydra, OmegaConf or dist_train error as one line: the lines that say what is wrong, joined by '; '.
 
     Hydra wraps the OmegaConf error that says why an override failed (`Error merging override train.lr=abc`
     caused by `Value 'abc' ... could not be converted to Float`): both are kept. A list of available options
-    (`Available options in 'optimizer':` then one per line) becomes `available: adamw, sgd`.
+    (`Available options in 'optimizer':` then one per line) becomes `available: adamw, sgd`. `options`: the entry
+    point's own option groups ({"plan": PlanOptions}), which `did you mean` looks in beside the training groups.
     """
     missing = _missing_option(exc)
     if missing:
@@ -49,23 +50,27 @@ def one_line(exc: BaseException) -> str:
     flag = re.match(r"LexerNoViableAltException: (--?[\w.-]+)", line)
     if flag:  # `--world_size 8`: Hydra's lexer cannot read a flag, and says so in its own terms
         return f"{flag.group(1)}: options are key=value overrides, not --flags; --help lists them"
-    hint = _did_you_mean(line)
+    hint = _did_you_mean(line, options or {})
     return f"{line}; {hint}" if hint else line
 
 
-def _did_you_mean(line: str) -> str:
+def _did_you_mean(line: str, options: dict[str, type]) -> str:
     """`did you mean train.lr?` for an override of a key its group does not have (`optimizer.lr=...`), when the
-    key's last name is another group's (or one close to it in the same group: `train.step`): RunConfig's groups."""
+    key's last name is another group's (or one close to it in the same group: `train.step`): RunConfig's groups and
+    the entry point's own (`options`: `train.timeout_s` to launch/plan.py also suggests plan.timeout_s)."""
     import difflib
 
     from dist_train.config import RunConfig
 
-    match = re.search(r"Could not override '([\w.]+)'.*not in '", line)
+    match = (re.search(r"Could not override '([\w.]+)'.*not in '", line)  # a training override, through Hydra
+             or re.match(r"([\w.]+): Key '\w+' not in '", line))  # an entry point's own option, through OmegaConf
     if match is None or "." not in match.group(1):
         return ""
     group, _, leaf = match.group(1).partition(".")
-    keys = {f.name: {g.name for g in dataclasses.fields(f.default_factory())}
-            for f in dataclasses.fields(RunConfig) if f.default_factory is not dataclasses.MISSING}
+    schemas = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)
+               if f.default_factory is not dataclasses.MISSING}
+    keys = {name: {g.name for g in dataclasses.fields(schema)}
+            for name, schema in {**schemas, **options}.items() if dataclasses.is_dataclass(schema)}
     elsewhere = sorted(f"{g}.{leaf}" for g, names in keys.items() if g != group and leaf in names)
     close = difflib.get_close_matches(leaf, sorted(keys.get(group, ())), n=1, cutoff=0.75)
     found = elsewhere or [f"{group}.{close[0]}" for _ in close[:1]]

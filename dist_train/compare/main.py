@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             if problems:
                 return report_config_error("compare.strategies: " + "; ".join(problems))
     except (ValueError, OmegaConfBaseException, HydraException) as exc:
-        return report_config_error(one_line(exc))
+        return report_config_error(one_line(exc, {"compare": CompareConfig}))
     result = run_comparison(cfg, training, command=command)
     if result.report is None:
         print("interrupted before any row finished: nothing to report", file=sys.stderr)

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from omegaconf.errors import OmegaConfBaseException
 
-from dist_train.estimate.args import checkpointing_option, help_text, parse_args, split_args
+from dist_train.estimate.args import DryRunArgs, FitArgs, checkpointing_option, help_text, parse_args, split_args
 from dist_train.estimate.compose import check_as_training
 from dist_train.estimate.dryrun import dryrun_rows, dryrun_section, supported
 from dist_train.estimate.fit import fit_models, model_refusals
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # our own checks' line, as launch/train.py prints it
         return report_config_error(str(exc))
     except (ValueError, OmegaConfBaseException, HydraException) as exc:
-        return report_config_error(one_line(exc))
+        return report_config_error(one_line(exc, {"fit": FitArgs, "dryrun": DryRunArgs}))
     dry: list[dict[str, Any]] = []
     if args.dryrun.ranks:
         try:

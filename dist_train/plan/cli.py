@@ -279,7 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             _check_verifiable(args, world)
         result = _search(shape, cfg, hw, args, training)
     except (ValueError, OmegaConfBaseException, HydraException) as exc:
-        return report_config_error(one_line(exc))
+        return report_config_error(one_line(exc, {"plan": PlanOptions, "cluster": ClusterArgs}))
     except RuntimeError as exc:  # calibration's own runs
         print(f"plan failed: {one_line(exc)}", file=sys.stderr)
         return 1

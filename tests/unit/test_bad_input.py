@@ -54,3 +54,25 @@ def _hydra_error(*overrides: str) -> BaseException:
 )
 def test_one_line_keeps_what_is_wrong_and_drops_hydra_noise(overrides, line):
     assert one_line(_hydra_error(*overrides)) == line
+
+
+def test_did_you_mean_looks_in_the_entry_points_own_options_too():
+    """launch/plan.py's and launch/compare.py's own keys (plan.*, compare.*) are suggested beside training's: a
+    misspelt own key gets its close match, and a training key its namesake in either."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from dist_train.compare.settings import CompareConfig, parse
+    from dist_train.estimate.args import parse_options
+    from dist_train.estimate.hardware import ClusterArgs
+    from dist_train.plan.cli import PlanArgs, PlanOptions
+
+    plan = {"plan": PlanOptions, "cluster": ClusterArgs}
+    with pytest.raises(OmegaConfBaseException) as err:
+        parse_options(PlanArgs, ["plan.timeout=5"])
+    assert one_line(err.value, plan) == "plan.timeout: Key 'timeout' not in 'PlanOptions'; did you mean plan.timeout_s?"
+    assert one_line(err.value) == "plan.timeout: Key 'timeout' not in 'PlanOptions'"  # no options given: no guess
+    with pytest.raises(OmegaConfBaseException) as err:
+        parse(["timeout=5"])
+    assert one_line(err.value, {"compare": CompareConfig}).endswith("did you mean compare.timeout_s?")
+    line = one_line(_hydra_error("train.timeout_s=5"), plan)
+    assert line.endswith("; did you mean plan.timeout_s or runtime.timeout_s?")
