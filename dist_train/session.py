@@ -63,7 +63,7 @@ def build_session(
 
     run_dir = Path(agree_on_run_dir(str(run_dir) if run_dir is not None else hydra_run_dir()))
     resume = agree(resume)  # rank 0's reading of the checkpoint directory decides for everyone
-    done = finished(run, resume)
+    done = finished(run, resume, run_dir)
     if done:  # decided by every rank alike (their own readings may differ: a shared filesystem's cache), unwritten
         raise RunFinished(done)
     # Set-up's peak of anonymous memory (memory/setup_peak_anon_bytes), sampled until the first step.
@@ -366,9 +366,11 @@ class RunFinished(Exception):
     with the `finished` line and exit 0, nothing written."""
 
 
-def finished(run: RunConfig, resume: Path | None) -> str | None:
+def finished(run: RunConfig, resume: Path | None, run_dir: Path | None = None) -> str | None:
     """The line for a resume whose checkpoint is at train.steps or past it (the run is done), or None. Such a launch
-    trains nothing and writes nothing: the earlier run's summary.json and metrics stay as they were."""
+    trains nothing and writes nothing: the earlier run's summary.json and metrics stay as they were. When `run_dir`
+    has no summary.json (the run stopped after its last checkpoint, before writing it), the line says so: a report
+    counts that run as unfinished, and only training again writes one."""
     from dist_train.checkpoint.layout import read_marker
 
     if resume is None:
@@ -376,8 +378,13 @@ def finished(run: RunConfig, resume: Path | None) -> str | None:
     step = int(read_marker(resume).get("step", 0))
     if step < run.train.steps:
         return None
-    return (f"{resume} is at step {step} and train.steps={run.train.steps}: nothing left to train, and the run's "
-            f"files are left as they were (raise train.steps to train on)")
+    line = f"{resume} is at step {step} and train.steps={run.train.steps}: nothing left to train, and the run's " \
+           "files are left as they were"
+    if run_dir is not None and not (run_dir / "summary.json").is_file():
+        return (f"{line}; {run_dir} has no summary.json (the run stopped after its last checkpoint, before writing "
+                "it): its steps' figures are in metrics.jsonl; for a summary, resume from an earlier checkpoint in a "
+                "new directory (checkpoint.resume=PATH hydra.run.dir=NEW), or train again there")
+    return f"{line} (raise train.steps to train on)"
 
 
 def restarted(env: Any = os.environ) -> bool:

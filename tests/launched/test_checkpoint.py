@@ -21,7 +21,7 @@ from dist_train.checkpoint.layout import (
 )
 from dist_train.config import TrainConfig
 from tests.conftest import CHECKPOINTED, EVALUATED, RESUMABLE
-from tests.helpers import FAST, forked_python, launch, metrics, rel_diff, train_ok
+from tests.helpers import FAST, forked, forked_python, launch, metrics, rel_diff, train_ok
 
 STEP4 = step_dir_name(4)
 
@@ -159,6 +159,24 @@ def test_a_finished_run_relaunched_or_restarted_afresh_in_its_directory_writes_n
     assert json.loads((run_dir / "summary.json").read_text())["losses"] == \
         pytest.approx(json.loads(before[Path("summary.json")])["losses"], rel=1e-5)  # from step 1, as ddp's were
     assert [s for s, _ in complete_checkpoints(run_dir / "checkpoints")] == [4, 8]
+
+
+def test_a_finished_run_without_its_summary_says_so(straight_run, tmp_path):
+    """A run that stopped after its last checkpoint and before summary.json: relaunched, it still trains and writes
+    nothing, and its one line says the summary is missing and how to get one (resuming from step 4 in a new directory
+    reproduces steps 5-8 bit for bit: test_resume_reproduces_every_step_bit_for_bit)."""
+    straight_dir, _ = straight_run("single")
+    run_dir = tmp_path / "lost"
+    shutil.copytree(straight_dir, run_dir)
+    (run_dir / "summary.json").unlink()
+    before = _files(run_dir)
+    again = forked(["strategy=single", *CHECKPOINTED], run_dir=run_dir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = [ln for ln in again.stderr.splitlines() if "nothing left to train" in ln]
+    assert len(said) == 1, again.stderr
+    assert f"; {run_dir} has no summary.json (the run stopped after its last checkpoint, before writing it)" in said[0]
+    assert "checkpoint.resume=PATH hydra.run.dir=NEW" in said[0]
+    assert _files(run_dir) == before
 
 
 def _files(run_dir: Path) -> dict[Path, bytes]:
