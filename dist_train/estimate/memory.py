@@ -302,10 +302,8 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
 # Where the peak of all live tensors is predicted: the strategies whose peak was measured against torch's
 # MemTracker here, or against a real run by the dry run (tests/launched/test_peak_live.py,
 # tests/launched/test_dryrun.py, docs/BENCHMARKS.md); expert parallelism's layouts (fsdp_ep, ep) against real runs on 2
-# and 4 ranks (docs/moe.md). Not yet: ZeRO-3, whose moment (inside the last block's backward: gathered parameters,
-# gradients in reduction) is not modelled; its categories plus the bucket (plan/search.py planning_peak) measured
-# 3.2% under the peak on model=tiny (2 ranks) and 0.3-5.5% over the dry run's of Llama-2-70B's shape (2026-11-28).
-# And the pipelines (send/receive buffers, micro-batches in flight).
+# and 4 ranks (docs/moe.md); ZeRO-3 against real runs on 2 and 4 ranks and dry runs of Llama-2-70B's shape on 64 and
+# 1,024 (2026-11-29, docs/estimator.md). Not yet: the pipelines (send/receive buffers, micro-batches in flight).
 PEAK_LIVE_FAMILIES = ("single", "dp", "ddp", "tp", "fsdp", "fsdp_tp", "zero")
 
 
@@ -315,10 +313,19 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     Every family below: plus, at the start of backward, the loss's two fp32 vocabulary-wide gradients
     (backward_start_extra), which decide the peak of a model with a large vocabulary. The measurements quoted
     below were made with model=tiny, whose vocabulary makes them small.
-    ZeRO 1 and 2: the categories at their peak plus DeepSpeed's reduction bucket, reduce_bucket_size elements of
+    ZeRO 1, 2 and 3: the categories at their peak plus DeepSpeed's reduction bucket, reduce_bucket_size elements of
     the training dtype allocated whole (hidden^2 as training sizes it, parallel/buckets.py; DeepSpeed's own default
     would be 2 GB in fp32; measured on 2 CPU ranks, model=tiny, with a
     100,000-element bucket so that the rest shows: zero1 -3.6%, zero2 -2.3%; dry runs in bf16 -6.9%, -3.3%).
+    Short, not modelled yet: zero2 accumulating micro-batches holds one more gradient-sized buffer at its peak
+    (model=tiny: -6.7%, +0.4% with one micro-batch), and -19% with full checkpointing (docs/estimator.md).
+    ZeRO-3's categories hold its gathered parameters (zero3_gathered: what it keeps for backward, or the live limit
+    and a prefetch) and the largest module's unsharded gradients; its peak, inside the last block's backward, is
+    that sum plus the loss's and the bucket: measured 2026-11-29 on 2 and 4 CPU ranks, model=tiny, -0.0% to +2.4% in
+    ten configurations (hidden 256, 8 layers, bf16, one micro-batch, tiny_moe, a persistence threshold, no reuse with
+    a live limit), -6.3% and -5.7% with full and selective checkpointing (ddp's -5.2% and fsdp's -3.9% there: the
+    tiny vocabulary's loss under checkpointing); dry runs of Llama-2-70B's shape: +0.6% and +0.7% at 64 and 1,024
+    ranks, +1.9% with full checkpointing.
     single, dp and tp: the categories at their peak, model state plus the working set (`rank.total`; tp's
     micro-batches accumulate into the same sharded gradients; measured on 2 CPU ranks, model=tiny, 4 micro-batches:
     +5.3% over this, backward's temporaries).
@@ -346,7 +353,7 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     Under expert parallelism (fsdp_ep, ep: `_expert_parallel_gathered`) the dense weights are FSDP2's (fsdp_ep) or its
     replicate's (ep) as above, and the experts gather apart, over their own group. The dispatch's buffers are gone
     by the start of backward; what the all-to-alls keep for it is in the activations (`ep_dispatch_bytes`)."""
-    if setup.family not in PEAK_LIVE_FAMILIES or (setup.family == "zero" and setup.zero_stage == 3):
+    if setup.family not in PEAK_LIVE_FAMILIES:
         return None
     loss = backward_start_extra(shape, setup)
     if setup.family == "zero":  # DeepSpeed's gradient buffers outlive the step

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from dist_train.config import CHECKPOINTING, checkpointing_mode
 from dist_train.estimate.fit import worst_rank
-from dist_train.estimate.memory import RankMemory, element_bytes, predict_memory, with_model
+from dist_train.estimate.memory import RankMemory, predict_memory, with_model
 from dist_train.estimate.setup import Setup, family_of, setup_from_config
 from dist_train.estimate.shapes import ModelShape
 from dist_train.estimate.hardware import GIB, Hardware
@@ -50,18 +50,7 @@ class Candidate:
 
     @property
     def peak_bytes(self) -> float:
-        return planning_peak(self.memory, self.setup)
-
-
-def planning_peak(memory: RankMemory, setup: Setup) -> float:
-    """What the plan holds against the device's memory: the estimator's peak of all live tensors where it models
-    it; for ZeRO-3, which it does not, the categories at their peak plus DeepSpeed's reduction bucket
-    (reduce_bucket_size elements of the training dtype, allocated whole; the peak measured 3.2% above this on
-    model=tiny, 0.3-5.5% below it in dry runs of Llama-2-70B's shape, see estimate/memory.py); for a pipeline the
-    categories at their peak. `setup` as memory.with_model resolves it: the bucket follows the model."""
-    if memory.peak_live is None and setup.family == "zero":
-        return memory.total + setup.zero_reduce_bucket_size * element_bytes(setup.precision)
-    return memory.peak
+        return self.memory.peak  # the peak of all live tensors where modelled (a pipeline: its categories')
 
 
 @dataclass(frozen=True)
@@ -220,7 +209,7 @@ def search(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, *, nodes: int, 
                                                       optimizer=optimizer, reduce_every_microbatch=reduce))
                     ranks = predict_memory(shape, setup)
                     memory = worst_rank(ranks)
-                    peak = planning_peak(memory, setup)
+                    peak = memory.peak
                     if peak > budget:
                         rejected.append(Rejected(name, overrides, f"out of memory: {peak / GIB:.1f} GiB > "
                                                                   f"{budget / GIB:.1f} GiB usable"))

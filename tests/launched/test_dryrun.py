@@ -85,7 +85,7 @@ def _assert_dry_run_equals(strategy: str, overrides: list[str], real: dict, *, n
         if not predicted:  # LoRA: measured only, nothing predicted beside it
             assert got["predicted"] == {} and got["diff"] == {}
             continue
-        if "memory/peak_live_bytes" in got["predicted"]:  # where the estimator models the peak (not zero3, pipelines)
+        if "memory/peak_live_bytes" in got["predicted"]:  # where the estimator models the peak (not the pipelines)
             predicted_live = got["predicted"]["memory/peak_live_bytes"]
             # ddp within 5%: two micro-batches accumulate into DDP's buckets, no second copy of the gradients
             tolerance = 0.05 if strategy == "ddp" else 0.10

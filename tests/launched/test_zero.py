@@ -211,3 +211,8 @@ def test_zero3_prefetch_fills_the_live_limit_as_predicted(fast_run):
     for rec in last_step(run_dir):
         gathered = rec["memory/gathered_params_bytes"]
         assert predicted - largest_module <= gathered <= predicted, (gathered, predicted)
+    # and the peak of all live tensors (estimate/memory.py predict_peak_live: the categories, these gathered
+    # parameters among them, plus the loss's backward and the reduction bucket) within 5% on every rank
+    peak = out["predicted_memory_bytes"]["peak_live"]
+    for rank in out["ranks"]:
+        assert abs(rank["memory/peak_live_bytes"] - peak) <= 0.05 * peak, (rank["memory/peak_live_bytes"], peak)

@@ -601,15 +601,15 @@ def test_cli_bad_names_are_one_line(capsys, args, says):
 
 def test_cli_breakdown_and_fit_use_one_seq_len(capsys):
     """llama_1b's breakdown was at train.seq_len (64) and its fit row at its max_seq_len (2048): now both at
-    train.seq_len and train.micro_batch_size, so the run's own row at its world size is the breakdown's total."""
+    train.seq_len and train.micro_batch_size, so the run's own row at its world size is the breakdown's peak."""
     assert estimate_main(["model=llama_1b", "strategy=zero3", "world_size=8", "precision=bf16",
                           "train.seq_len=512", "fit.gpus=[8,64]"]) == 0
     out = capsys.readouterr().out
     assert "micro-batch 2 x 512 tokens" in out.splitlines()[1]
     assert "activations of one micro-batch of 2 x 512 tokens (train.micro_batch_size x train.seq_len" in out
     assert "2048" not in out.split("fits in ", 1)[1]
-    total = next(ln for ln in out.splitlines() if ln.startswith("= total (peak)")).split()[-2:]
-    assert _fit_rows(out)[("llama_1b", "zero3")][0] == f"{' '.join(total)} ok"
+    peak = next(ln for ln in out.splitlines() if ln.startswith("peak of live tensors")).split()[-2:]
+    assert _fit_rows(out)[("llama_1b", "zero3")][0] == f"{' '.join(peak)} ok"
     # the 7b preset's rows at the same 512 tokens: their activations are those of its own formula at 512
     shape, setup = PRESETS["7b"], _setup("ddp", "ddp", world_size=8, precision="bf16", micro_batch_size=2, seq_len=512)
     from dist_train.estimate.render import human_bytes
@@ -668,10 +668,10 @@ def test_cli_help_examples_run(capsys, tmp_path):
     assert capsys.readouterr().err == ""
 
 
-def test_zero12_peak_live_holds_the_reduction_bucket_read_from_the_run_config():
-    """ZeRO 1 and 2's peak of live tensors is their categories plus DeepSpeed's reduction bucket, allocated whole
-    in the training dtype; a run's `strategy.extra.zero_optimization.reduce_bucket_size` sets it (measured against
-    real runs: tests/launched/test_dryrun.py, docs/BENCHMARKS.md 'peak-live'). ZeRO-3's is not predicted yet."""
+def test_zero_peak_live_holds_the_reduction_bucket_read_from_the_run_config():
+    """ZeRO's peak of live tensors is its categories plus the loss's backward and DeepSpeed's reduction bucket,
+    allocated whole in the training dtype; a run's `strategy.extra.zero_optimization.reduce_bucket_size` sets it
+    (measured against real runs: tests/launched/test_dryrun.py, docs/BENCHMARKS.md 'peak-live')."""
     from dist_train.estimate.setup import setup_from_config
 
     shape = ModelShape.from_config(ModelConfig())
@@ -688,8 +688,10 @@ def test_zero12_peak_live_holds_the_reduction_bucket_read_from_the_run_config():
             assert default.peak_live == default.total + loss + shape.hidden_size**2 * elem  # as training sizes it
             rank = predict_memory(shape, setup_from_config(config(stage, precision, small), world_size=2))[0]
             assert rank.peak_live == rank.total + loss + 100000 * elem
+    # ZeRO-3 the same, its gathered parameters and the largest module's unsharded gradients among the categories
     zero3 = predict_memory(shape, setup_from_config(config(3, "fp32", small), world_size=2))[0]
-    assert zero3.peak_live is None
+    assert zero3.gathered_params > 0 and zero3.gathered_grads > 0
+    assert zero3.peak_live == zero3.total + 2 * 64 * 2 * shape.vocab_size * 4 + 100000 * 4
 
 
 # ---------------------------------------------------------------- the estimator refuses what training refuses
