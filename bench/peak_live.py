@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PYTHON, TORCHRUN, md_table, run, write_section  # noqa: E402
 
 KIB = 1024
-CATEGORIES = ("params", "grads", "optimizer", "activations", "weight_copies")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "weight_copies", "gathered_params")
 # DeepSpeed's reduction bucket of 100,000 elements (dist_train's own is hidden^2, 4,096 for model=tiny: the last case;
 # DeepSpeed's default, 5e8, would be 2 GB in fp32 and hide the rest of the peak)
 SMALL_BUCKET = "+strategy.extra.zero_optimization.reduce_bucket_size=100000"
@@ -38,6 +38,14 @@ CASES = [
     ("zero1, 2 micro-batches, 100,000-element bucket", 2, ["strategy=zero1", SMALL_BUCKET]),
     ("zero2, 2 micro-batches, 100,000-element bucket", 2, ["strategy=zero2", SMALL_BUCKET]),
     ("zero2, 2 micro-batches, bucket of hidden^2 (4,096 elements)", 2, ["strategy=zero2"]),
+    ("zero2, 1 micro-batch, bucket of hidden^2", 2, ["strategy=zero2", "train.global_batch_size=4"]),
+    ("zero3, 2 micro-batches, bucket of hidden^2", 2, ["strategy=zero3"]),
+    ("zero3, 2 micro-batches, bf16", 2, ["strategy=zero3", "precision=bf16"]),
+    # under full checkpointing (tiny's vocabulary makes the loss's backward a large part of the peak)
+    ("ddp, 2 micro-batches, full checkpointing", 2, ["strategy=ddp", "train.activation_checkpointing=full"]),
+    ("fsdp, 2 micro-batches, full checkpointing", 2, ["strategy=fsdp", "train.activation_checkpointing=full"]),
+    ("zero2, 2 micro-batches, full checkpointing", 2, ["strategy=zero2", "train.activation_checkpointing=full"]),
+    ("zero3, 2 micro-batches, full checkpointing", 2, ["strategy=zero3", "train.activation_checkpointing=full"]),
 ]
 
 
@@ -65,10 +73,10 @@ def main() -> None:
     headers = ["run (model=tiny)", "peak of live tensors, KiB", "made of, KiB", "sum of the categories, KiB",
                "peak over the categories", "predicted, KiB (error)"]
     note = ("Worst rank of each run. The categories are what dist_train reports per rank (params, grads, optimizer, "
-            "activations, weight copies); the peak of live tensors is torch's MemTracker over one step, seeded with "
+            "activations, weight copies, ZeRO-3's gathered parameters); the peak of live tensors is torch's MemTracker over one step, seeded with "
             "what the rank holds (memory/peak_live_bytes; its composition in MemTracker's categories: params sharded "
             "and gathered, grads sharded and unsharded, temporaries made in backward). Predicted: the estimator's "
-            "predicted_memory_bytes.peak_live, where it models the strategy (all but zero3 and the pipelines); '-' where it does not. "
+            "predicted_memory_bytes.peak_live, where it models the strategy (all but the pipelines); '-' where it does not. "
             "DeepSpeed's peak holds its reduction bucket, reduce_bucket_size elements of fp32 allocated whole "
             "(hidden^2 as dist_train sizes it, dist_train/parallel/buckets.py, unless strategy.extra sets it); "
             "larger parameters are reduced outside it.")
