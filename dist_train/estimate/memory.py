@@ -317,8 +317,13 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     the training dtype allocated whole (hidden^2 as training sizes it, parallel/buckets.py; DeepSpeed's own default
     would be 2 GB in fp32; measured on 2 CPU ranks, model=tiny, with a
     100,000-element bucket so that the rest shows: zero1 -3.6%, zero2 -2.3%; dry runs in bf16 -6.9%, -3.3%).
-    Short, not modelled yet: zero2 accumulating micro-batches holds one more gradient-sized buffer at its peak
-    (model=tiny: -6.7%, +0.4% with one micro-batch), and -19% with full checkpointing (docs/estimator.md).
+    ZeRO-2 accumulating micro-batches, with parameters larger than its bucket (which it reduces outside the bucket:
+    always with the bucket of hidden^2 that training sizes), holds one more gradient partition in the training dtype
+    through the next micro-batch's backward (measured against one micro-batch a step: +519 KiB on model=tiny in
+    fp32, partition 471; +260 KiB in bf16, partition 235; +2.08 GiB in the dry run of Llama-2-70B's shape on 64 ranks
+    in bf16, partition 2.01; nothing more with a 100,000-element bucket, which holds every tiny parameter): with
+    it, -0.3% and +4.0% on tiny (-6.7% and -1.4% without), +0.9% in that dry run. Which DeepSpeed buffer that is
+    was not traced.
     ZeRO-3's categories hold its gathered parameters (zero3_gathered: what it keeps for backward, or the live limit
     and a prefetch) and the largest module's unsharded gradients; its peak, inside the last block's backward, is
     that sum plus the loss's and the bucket: measured 2026-11-29 on 2 and 4 CPU ranks, model=tiny, -0.0% to +2.4% in
@@ -357,7 +362,14 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
         return None
     loss = backward_start_extra(shape, setup)
     if setup.family == "zero":  # DeepSpeed's gradient buffers outlive the step
-        return rank.total + loss + setup.zero_reduce_bucket_size * element_bytes(setup.precision)
+        bucket = setup.zero_reduce_bucket_size * element_bytes(setup.precision)
+        # ZeRO-2 accumulating, with parameters larger than its bucket (reduced outside it; always, with the bucket
+        # of hidden^2 training sizes): a partition in the training dtype more, through the next micro-batch's
+        # backward (measured beside one micro-batch a step; with a bucket that holds every parameter, nothing more)
+        largest = max(n for m in shape.module_params() for n in m)
+        accumulated = (rank.grads if setup.zero_stage == 2 and setup.microbatches_per_step > 1
+                       and largest > setup.zero_reduce_bucket_size else 0.0)
+        return rank.total + loss + bucket + accumulated
     # With one micro-batch a step the start of backward holds no gradient yet: the optimizer drops them between
     # steps (set_to_none), except DDP's, which are views into its buckets. Later in backward the gradients exist
     # and the loss's temporaries are gone: the peak is the larger of the two moments.
