@@ -380,7 +380,8 @@ def finished(run: RunConfig, resume: Path | None, run_dir: Path | None = None) -
         return None
     line = f"{resume} is at step {step} and train.steps={run.train.steps}: nothing left to train, and the run's " \
            "files are left as they were"
-    if run_dir is not None and not (run_dir / "summary.json").is_file():
+    ours = run_dir is not None and resume.resolve().is_relative_to(run_dir.resolve())  # not another run's checkpoint
+    if ours and not (run_dir / "summary.json").is_file():
         return (f"{line}; {run_dir} has no summary.json (the run stopped after its last checkpoint, before writing "
                 "it): its steps' figures are in metrics.jsonl; for a summary, resume from an earlier checkpoint in a "
                 "new directory (checkpoint.resume=PATH hydra.run.dir=NEW), or train again there")

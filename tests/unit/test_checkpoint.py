@@ -137,3 +137,25 @@ def test_non_finite_loss_stops_and_fp16_skips_are_counted():
     _, losses, norms = fp32._add_global([record([2.0, float("nan")], [1.0, 1.0])])
     error = fp32._first_non_finite(losses, norms, first_step=1)
     assert isinstance(error, NonFiniteLoss) and "step 2: the loss is nan" in str(error)
+
+
+def test_a_finished_run_without_summary_json_is_named_only_for_its_own_directory(tmp_path):
+    """session.finished: a run directory whose final checkpoint has no summary.json beside it stopped before writing
+    it, and the line says so; a new directory resuming another run's final checkpoint is not such a run."""
+    from types import SimpleNamespace
+
+    from dist_train.session import finished
+
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints" / "step-00000008"
+    ckpt.mkdir(parents=True)
+    (ckpt / "COMPLETE").write_text(json.dumps({"step": 8}))
+    run = SimpleNamespace(train=SimpleNamespace(steps=8))
+    assert f"; {run_dir} has no summary.json" in finished(run, ckpt, run_dir)
+    elsewhere = tmp_path / "new"
+    elsewhere.mkdir()
+    assert finished(run, ckpt, elsewhere).endswith("nothing left to train, and the run's files are left as they "
+                                                   "were (raise train.steps to train on)")
+    (run_dir / "summary.json").write_text("{}")
+    assert "no summary.json" not in finished(run, ckpt, run_dir)
+    assert finished(SimpleNamespace(train=SimpleNamespace(steps=9)), ckpt, run_dir) is None
