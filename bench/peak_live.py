@@ -73,10 +73,11 @@ def main() -> None:
     headers = ["run (model=tiny)", "peak of live tensors, KiB", "made of, KiB", "sum of the categories, KiB",
                "peak over the categories", "predicted, KiB (error)"]
     note = ("Worst rank of each run. The categories are what dist_train reports per rank (params, grads, optimizer, "
-            "activations, weight copies, ZeRO-3's gathered parameters); the peak of live tensors is torch's MemTracker over one step, seeded with "
-            "what the rank holds (memory/peak_live_bytes; its composition in MemTracker's categories: params sharded "
-            "and gathered, grads sharded and unsharded, temporaries made in backward). Predicted: the estimator's "
-            "predicted_memory_bytes.peak_live, where it models the strategy (all but the pipelines); '-' where it does not. "
+            "activations, weight copies, ZeRO-3's gathered parameters); the peak of live tensors is torch's "
+            "MemTracker over one step, seeded with what the rank holds (memory/peak_live_bytes; its composition in "
+            "MemTracker's categories: params sharded and gathered, grads sharded and unsharded, temporaries made in "
+            "backward). Predicted: the estimator's predicted_memory_bytes.peak_live, where it models the strategy "
+            "(all but the pipelines); '-' where it does not. "
             "DeepSpeed's peak holds its reduction bucket, reduce_bucket_size elements of fp32 allocated whole "
             "(hidden^2 as dist_train sizes it, dist_train/parallel/buckets.py, unless strategy.extra sets it); "
             "larger parameters are reduced outside it.")

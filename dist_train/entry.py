@@ -70,7 +70,7 @@ def _did_you_mean(line: str, options: dict[str, type]) -> str:
     schemas = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)
                if f.default_factory is not dataclasses.MISSING}
     keys = {name: {g.name for g in dataclasses.fields(schema)}
-            for name, schema in {**schemas, **options}.items() if dataclasses.is_dataclass(schema)}
+            for name, schema in {**schemas, **options}.items()}
     elsewhere = sorted(f"{g}.{leaf}" for g, names in keys.items() if g != group and leaf in names)
     close = difflib.get_close_matches(leaf, sorted(keys.get(group, ())), n=1, cutoff=0.75)
     found = elsewhere or [f"{group}.{close[0]}" for _ in close[:1]]

@@ -366,9 +366,8 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
         # ZeRO-2 accumulating, with parameters larger than its bucket (reduced outside it; always, with the bucket
         # of hidden^2 training sizes): a partition in the training dtype more, through the next micro-batch's
         # backward (measured beside one micro-batch a step; with a bucket that holds every parameter, nothing more)
-        largest = max(n for m in shape.module_params() for n in m)
         accumulated = (rank.grads if setup.zero_stage == 2 and setup.microbatches_per_step > 1
-                       and largest > setup.zero_reduce_bucket_size else 0.0)
+                       and max(n for m in shape.module_params() for n in m) > setup.zero_reduce_bucket_size else 0.0)
         return rank.total + loss + bucket + accumulated
     # With one micro-batch a step the start of backward holds no gradient yet: the optimizer drops them between
     # steps (set_to_none), except DDP's, which are views into its buckets. Later in backward the gradients exist
