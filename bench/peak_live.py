@@ -37,6 +37,11 @@ CASES = [
     ("fsdp_tp tp=2 on 4 ranks, 2 micro-batches", 4, ["strategy=fsdp_tp", "strategy.tp=2"]),
     ("zero1, 2 micro-batches, 100,000-element bucket", 2, ["strategy=zero1", SMALL_BUCKET]),
     ("zero2, 2 micro-batches, 100,000-element bucket", 2, ["strategy=zero2", SMALL_BUCKET]),
+    ("zero2, 1 micro-batch, 100,000-element bucket", 2, ["strategy=zero2", SMALL_BUCKET, "train.global_batch_size=4"]),
+    # above every parameter of tiny (16,384 elements), below a block (about 54,000): the first reduction still comes
+    # before the peak
+    ("zero2, 2 micro-batches, 20,000-element bucket", 2,
+     ["strategy=zero2", "+strategy.extra.zero_optimization.reduce_bucket_size=20000"]),
     ("zero2, 2 micro-batches, bucket of hidden^2 (4,096 elements)", 2, ["strategy=zero2"]),
     ("zero2, 1 micro-batch, bucket of hidden^2", 2, ["strategy=zero2", "train.global_batch_size=4"]),
     ("zero3, 2 micro-batches, bucket of hidden^2", 2, ["strategy=zero3"]),

@@ -307,6 +307,19 @@ def predict_memory(shape: ModelShape, setup: Setup) -> list[RankMemory]:
 PEAK_LIVE_FAMILIES = ("single", "dp", "ddp", "tp", "fsdp", "fsdp_tp", "zero")
 
 
+def zero2_buffers_beyond_grads(shape: ModelShape, setup: Setup, rank: RankMemory) -> float:
+    """ZeRO-2's gradient buffers at the peak, beyond the one the categories count as `grads`
+    (predict_peak_live's docstring has the DeepSpeed code and the measurements): accumulating, the first
+    micro-batch's buffer kept as the accumulator; the current micro-batch's made only at the first reduction, before
+    the peak where the bucket is smaller than the largest parameter or than a block, after it otherwise."""
+    if setup.family != "zero" or setup.zero_stage != 2:
+        return 0.0
+    largest = max(n for module in shape.module_params() for n in module)
+    current_made = setup.zero_reduce_bucket_size < max(largest, shape.layer_params())
+    accumulator = setup.microbatches_per_step > 1
+    return rank.grads * (int(accumulator) + int(current_made) - 1)
+
+
 def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Optional[float]:
     """The peak of all live tensors on a rank (memory/peak_live_bytes), or None where it is not modelled.
 
@@ -316,14 +329,28 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     ZeRO 1, 2 and 3: the categories at their peak plus DeepSpeed's reduction bucket, reduce_bucket_size elements of
     the training dtype allocated whole (hidden^2 as training sizes it, parallel/buckets.py; DeepSpeed's own default
     would be 2 GB in fp32; measured on 2 CPU ranks, model=tiny, with a
-    100,000-element bucket so that the rest shows: zero1 -3.6%, zero2 -2.3%; dry runs in bf16 -6.9%, -3.3%).
-    ZeRO-2 accumulating micro-batches, with parameters larger than its bucket (which it reduces outside the bucket:
-    always with the bucket of hidden^2 that training sizes), holds one more gradient partition in the training dtype
-    through the next micro-batch's backward (measured against one micro-batch a step: +519 KiB on model=tiny in
-    fp32, partition 471; +260 KiB in bf16, partition 235; +2.08 GiB in the dry run of Llama-2-70B's shape on 64 ranks
-    in bf16, partition 2.01; nothing more with a 100,000-element bucket, which holds every tiny parameter): with
-    it, -0.3% and +4.0% on tiny (-6.7% and -1.4% without), +0.9% in that dry run. Which DeepSpeed buffer that is
-    was not traced.
+    100,000-element bucket so that the rest shows: zero1 -0.3%, zero2 +1.3%, bench/peak_live.py; dry runs in bf16
+    -6.9%, -3.3%).
+    ZeRO-2 accumulating micro-batches keeps the first micro-batch's gradient buffer (DeepSpeed 0.19.8,
+    runtime/zero/stage_1_and_2.py: `grads_in_partition`, which the epilogue of a micro-batch that is not the last
+    keeps in `all_grad_tensors` as the accumulator; each later micro-batch makes its own and adds it in) until the
+    step: a partition more in the training dtype, beside the current micro-batch's buffer, which the categories count
+    as `grads`. That one is made at the first reduction that copies a gradient of the rank's partition: at the first
+    parameter larger than the bucket, or once the bucket fills. When the bucket is smaller than the largest
+    parameter or than a block, that comes before the peak and both buffers are at it; with a bucket larger than
+    both, after it, and the accumulator stands where the current buffer will be. Measured against one micro-batch a
+    step, worst rank (model=tiny: largest parameter 16,384 elements, a block 54,000): buckets of 4,096 (hidden^2,
+    as training sizes it), 20,000 and 100,000 elements all +521 KiB, partition 471 (fp32; +260 KiB in bf16,
+    partition 235); +2.08 GiB in the dry run of Llama-2-70B's shape on 64 ranks in bf16, partition 2.01. Predicted
+    (2026-11-29, worst rank, 2 CPU ranks, model=tiny, seq 64, micro-batch 2, 4 steps), 2 micro-batches a step:
+    hidden^2 -0.3% in fp32 and +4.0% in bf16 (-6.7% and -1.4% without the accumulator), 20,000 +0.6% (-5.8% while
+    only a parameter larger than the bucket counted), 100,000 +1.3%; one micro-batch: +0.4%, +1.4%, +2.1%; +0.9% in
+    that dry run. The buffer is sized by the parameters its partition overlaps, whole (the flat partition cuts
+    through two of them): above the partition by up to two parameters' parts, on some ranks (519 KiB on tiny;
+    computed, not run, for the 70B shape: 2.75 GiB on rank 1, whose partition cuts two MLP matrices, 2.08 on
+    rank 0); the estimator's partition is the ranks' mean. With one micro-batch and a bucket larger than both, neither buffer is
+    at the peak: a partition less than the categories (+9.2% without that on tiny, 100,000 elements; +2.1% with it).
+    `zero2_buffers_beyond_grads` is that arithmetic.
     ZeRO-3's categories hold its gathered parameters (zero3_gathered: what it keeps for backward, or the live limit
     and a prefetch) and the largest module's unsharded gradients; its peak, inside the last block's backward, is
     that sum plus the loss's and the bucket: measured 2026-11-29 on 2 and 4 CPU ranks, model=tiny, -0.0% to +2.4% in
@@ -363,12 +390,7 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     loss = backward_start_extra(shape, setup)
     if setup.family == "zero":  # DeepSpeed's gradient buffers outlive the step
         bucket = setup.zero_reduce_bucket_size * element_bytes(setup.precision)
-        # ZeRO-2 accumulating, with parameters larger than its bucket (reduced outside it; always, with the bucket
-        # of hidden^2 training sizes): a partition in the training dtype more, through the next micro-batch's
-        # backward (measured beside one micro-batch a step; with a bucket that holds every parameter, nothing more)
-        accumulated = (rank.grads if setup.zero_stage == 2 and setup.microbatches_per_step > 1
-                       and max(n for m in shape.module_params() for n in m) > setup.zero_reduce_bucket_size else 0.0)
-        return rank.total + loss + bucket + accumulated
+        return rank.total + loss + bucket + zero2_buffers_beyond_grads(shape, setup, rank)
     # With one micro-batch a step the start of backward holds no gradient yet: the optimizer drops them between
     # steps (set_to_none), except DDP's, which are views into its buckets. Later in backward the gradients exist
     # and the loss's temporaries are gone: the peak is the larger of the two moments.

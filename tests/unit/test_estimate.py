@@ -684,13 +684,24 @@ def test_zero_peak_live_holds_the_reduction_bucket_read_from_the_run_config():
     for stage in (1, 2):
         for precision, elem in (("fp32", 4), ("bf16", 2)):
             loss = 2 * 64 * 2 * shape.vocab_size * 4  # the loss backward's two fp32 gradients of the logits
-            # 2 micro-batches a step: ZeRO-2 holds a partition more through the second, where parameters are larger
-            # than the bucket (hidden^2, as training sizes it), and nothing more with a bucket that holds them all
+            # 2 micro-batches a step: ZeRO-2 keeps the first's gradient buffer as its accumulator, a partition
+            # beside the current micro-batch's, made before the peak with a bucket smaller than a block (hidden^2,
+            # as training sizes it); with a bucket larger than a block, the accumulator stands in its place
             accumulated = {1: 0, 2: elem * shape.num_params / 2}[stage]
             default = predict_memory(shape, setup_from_config(config(stage, precision, {}), world_size=2))[0]
             assert default.peak_live == default.total + loss + shape.hidden_size**2 * elem + accumulated
             rank = predict_memory(shape, setup_from_config(config(stage, precision, small), world_size=2))[0]
             assert rank.peak_live == rank.total + loss + 100000 * elem
+    # ZeRO-2, both buffers where the bucket is above every parameter but below a block; with one micro-batch a step
+    # and a bucket above a block, neither is made yet at the peak: a partition under the categories
+    assert max(n for m in shape.module_params() for n in m) < 20000 < shape.layer_params() < 100000
+    between = {"zero_optimization": {"reduce_bucket_size": 20000}}
+    rank = predict_memory(shape, setup_from_config(config(2, "fp32", between), world_size=2))[0]
+    assert rank.peak_live == rank.total + loss + 20000 * 4 + rank.grads and rank.grads == 4 * shape.num_params / 2
+    one = config(2, "fp32", small)
+    one["train"]["global_batch_size"] = 4
+    rank = predict_memory(shape, setup_from_config(one, world_size=2))[0]
+    assert rank.peak_live == rank.total + loss + 100000 * 4 - rank.grads
     # ZeRO-3 the same, its gathered parameters and the largest module's unsharded gradients among the categories
     zero3 = predict_memory(shape, setup_from_config(config(3, "fp32", small), world_size=2))[0]
     assert zero3.gathered_params > 0 and zero3.gathered_grads > 0
