@@ -27,6 +27,7 @@ SMALL_BUCKET = "+strategy.extra.zero_optimization.reduce_bucket_size=100000"
 # (label, processes, overrides): accumulation is two micro-batches per rank and step at 2 ranks.
 CASES = [
     ("single, 4 micro-batches", 0, ["strategy=single"]),
+    ("single, 1 micro-batch", 0, ["strategy=single", "train.global_batch_size=2"]),
     ("fsdp, 1 micro-batch", 2, ["strategy=fsdp", "train.global_batch_size=4"]),
     ("fsdp, 2 micro-batches", 2, ["strategy=fsdp"]),
     ("fsdp, 2 micro-batches, reduce_every_microbatch", 2, ["strategy=fsdp", "strategy.reduce_every_microbatch=true"]),
@@ -34,8 +35,10 @@ CASES = [
     ("fsdp, 2 micro-batches, bf16", 2, ["strategy=fsdp", "precision=bf16"]),
     ("ddp, 2 micro-batches", 2, ["strategy=ddp"]),
     ("tp, 4 micro-batches", 2, ["strategy=tp"]),
+    ("tp, 1 micro-batch", 2, ["strategy=tp", "train.global_batch_size=2"]),
     ("fsdp_tp tp=2 on 4 ranks, 2 micro-batches", 4, ["strategy=fsdp_tp", "strategy.tp=2"]),
     ("zero1, 2 micro-batches, 100,000-element bucket", 2, ["strategy=zero1", SMALL_BUCKET]),
+    ("zero1, 1 micro-batch, bucket of hidden^2", 2, ["strategy=zero1", "train.global_batch_size=4"]),
     ("zero2, 2 micro-batches, 100,000-element bucket", 2, ["strategy=zero2", SMALL_BUCKET]),
     ("zero2, 1 micro-batch, 100,000-element bucket", 2, ["strategy=zero2", SMALL_BUCKET, "train.global_batch_size=4"]),
     # above every parameter of tiny (16,384 elements), below a block (about 54,000): the first reduction still comes

@@ -360,7 +360,8 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     ranks, +1.9% with full checkpointing.
     single, dp and tp: the categories at their peak, model state plus the working set (`rank.total`; tp's
     micro-batches accumulate into the same sharded gradients; measured on 2 CPU ranks, model=tiny, 4 micro-batches:
-    +5.3% over this, backward's temporaries).
+    +5.3% over this, backward's temporaries); with one micro-batch a step, the larger end of backward (below, and
+    ZeRO-1's the same, beside its bucket).
     ddp: the same. The gradients are views into DDP's all-reduce buckets, and dist_train zeroes them in place
     between steps rather than dropping them, so that micro-batches under no_sync accumulate into the buckets too
     (dropped, they would be accumulated apart and copied in by the last micro-batch's backward: a second copy of
@@ -388,16 +389,27 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     if setup.family not in PEAK_LIVE_FAMILIES:
         return None
     loss = backward_start_extra(shape, setup)
-    if setup.family == "zero":  # DeepSpeed's gradient buffers outlive the step
-        bucket = setup.zero_reduce_bucket_size * element_bytes(setup.precision)
-        return rank.total + loss + bucket + zero2_buffers_beyond_grads(shape, setup, rank)
     # With one micro-batch a step the start of backward holds no gradient yet: the optimizer drops them between
-    # steps (set_to_none), except DDP's, which are views into its buckets. Later in backward the gradients exist
-    # and the loss's temporaries are gone: the peak is the larger of the two moments.
+    # steps (set_to_none), except DDP's, which are views into its buckets. Backward then trades each layer's
+    # activations for its gradients, so the peak is at one end: its start (every activation, no gradient, the
+    # loss's temporaries) or its last block (every gradient, the first block's activations). Measured, one
+    # micro-batch (2026-11-29, worst rank, 2 CPU ranks, model=tiny, seq 64, micro-batch 2; before, both ends were
+    # taken as one moment): single -0.3% (+9.7%), tp -2.2% (+7.2%), tp with full checkpointing -0.2% (+3.6%), zero1
+    # -0.1% (+14.6%), +0.2% with a 100,000-element bucket (+14.1%); the dry run of Llama-2-70B's shape under zero1 on
+    # 64 ranks (seq 1,024, its peak at the end of backward) -0.5% in fp32 and in bf16 (+20.4%, +21.9%).
     fresh = setup.microbatches_per_step == 1 and setup.kind != "ddp"
+    first_block = activation_bytes(shape, setup=setup, num_layers=1, with_head=False, in_flight=1)
 
     def with_loss(base: float, grads: float) -> float:
-        return max(base, base - grads + loss) if fresh else base + loss
+        if not fresh:
+            return base + loss
+        return max(base - grads + loss, base - rank.working_set + first_block)
+
+    if setup.family == "zero":  # DeepSpeed's gradient buffers outlive the step
+        bucket = setup.zero_reduce_bucket_size * element_bytes(setup.precision)
+        if setup.zero_stage == 1:  # the gradients whole, made by backward as any optimizer's
+            return with_loss(rank.total, rank.grads) + bucket
+        return rank.total + loss + bucket + zero2_buffers_beyond_grads(shape, setup, rank)
 
     if setup.family == "tp" and setup.ep > 1 and shape.num_experts:
         # each layer's experts are an FSDP2 unit (parallel/experts.py), resharded after forward: the last layer's
@@ -420,8 +432,12 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
         gathered = slice_params - (shape.num_layers - 1) * block if reshards else slice_params
     accumulates_unsharded = setup.microbatches_per_step > 1 and not setup.reduce_every_microbatch
     grads = 4.0 * slice_params if accumulates_unsharded else rank.grads
-    start = with_loss(rank.params + grads + rank.master + rank.optimizer + rank.working_set
-                      + gathered * element_bytes(setup.precision), grads)
+    # FSDP2's start of backward, without a micro-batch before it, counted with its sharded gradients: its peak comes
+    # after the first reduce-scatters, beside their temporaries, which that stands for (fsdp with one micro-batch:
+    # +0.5%; without them, -3.1%)
+    base = rank.params + grads + rank.master + rank.optimizer + rank.working_set + gathered * element_bytes(
+        setup.precision)
+    start = max(base, base - grads + loss) if fresh else base + loss
     if setup.shard_with != "fsdp" or (setup.ep > 1 and shape.num_experts):
         return start
     backward = fsdp_backward_moment(shape, setup, rank, gathered=gathered, grads=grads, reshards=reshards,

@@ -27,6 +27,35 @@ def test_estimator_reduce_every_microbatch_trades_gradient_memory_for_traffic():
     assert held_once - held_every == pytest.approx(4 * shape.num_params * (1 - 1 / 64))
 
 
+@pytest.mark.parametrize(("strategy", "family", "stage"), [("single", "single", 0), ("tp", "tp", 0),
+                                                           ("zero1", "zero", 1)])
+def test_one_micro_batch_a_step_peaks_at_one_end_of_backward(strategy, family, stage):
+    """Without a micro-batch before it, backward starts with no gradient and ends with every one: the peak is the
+    larger of its start (every activation, the loss's temporaries) and its end (the model state, the first block's
+    activations), not both at once; with two micro-batches the first's gradients are there from the start. ZeRO-1
+    beside it its reduction bucket."""
+    from dist_train.estimate.memory import activation_bytes, backward_start_extra, element_bytes
+
+    shape = ModelShape(name="llama-7b", arch="llama", num_layers=32, hidden_size=4096, num_heads=32, vocab_size=32000,
+                       max_seq_len=4096, ffn_hidden_size=11008)
+    n = 1 if strategy == "single" else 8
+    for seq, mbs in ((256, 1), (4096, 2)):  # activations below the gradients, and above them
+        one = Setup(strategy=strategy, family=family, zero_stage=stage, world_size=n, micro_batch_size=mbs,
+                    seq_len=seq, global_batch_size=mbs * (1 if strategy == "tp" else n),
+                    zero_reduce_bucket_size=shape.hidden_size**2 if stage else None)  # as training sizes it
+        two = Setup(**{**one.__dict__, "global_batch_size": 2 * one.global_batch_size})
+        assert (one.microbatches_per_step, two.microbatches_per_step) == (1, 2)
+        bucket = one.zero_reduce_bucket_size * element_bytes(one.precision) if stage else 0.0
+        rank = predict_memory(shape, one)[0]
+        loss = backward_start_extra(shape, one)
+        start = rank.total - rank.grads + loss
+        end = rank.model_state + activation_bytes(shape, setup=one, num_layers=1, with_head=False, in_flight=1)
+        assert rank.peak_live == max(start, end) + bucket
+        assert (end > start) == (seq == 256), (strategy, seq, start, end)  # each end decides one of the two
+        accumulating = predict_memory(shape, two)[0]
+        assert accumulating.peak_live == accumulating.total + backward_start_extra(shape, two) + bucket
+
+
 @pytest.mark.parametrize(("start", "steps", "warmup", "live", "timing_warmup"), [
     (0, 1, 1, None, 0),  # a fresh run of one step: no step holds the optimizer's state
     (0, 2, 1, 2, 1),  # step 2 is followed, and it is the one timed step (never all of them warm-up)
