@@ -348,9 +348,9 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     that dry run. The buffer is sized by the parameters its partition overlaps, whole (the flat partition cuts
     through two of them): above the partition by up to two parameters' parts, on some ranks (519 KiB on tiny;
     computed, not run, for the 70B shape: 2.75 GiB on rank 1, whose partition cuts two MLP matrices, 2.08 on
-    rank 0); the estimator's partition is the ranks' mean. With one micro-batch and a bucket larger than both, neither buffer is
-    at the peak: a partition less than the categories (+9.2% without that on tiny, 100,000 elements; +2.1% with it).
-    `zero2_buffers_beyond_grads` is that arithmetic.
+    rank 0); the estimator's partition is the ranks' mean. With one micro-batch and a bucket larger than both,
+    neither buffer is at the peak: a partition less than the categories (+9.2% without that on tiny, 100,000
+    elements; +2.1% with it). `zero2_buffers_beyond_grads` is that arithmetic.
     ZeRO-3's categories hold its gathered parameters (zero3_gathered: what it keeps for backward, or the live limit
     and a prefetch) and the largest module's unsharded gradients; its peak, inside the last block's backward, is
     that sum plus the loss's and the bucket: measured 2026-11-29 on 2 and 4 CPU ranks, model=tiny, -0.0% to +2.4% in
