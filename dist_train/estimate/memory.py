@@ -440,8 +440,10 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     start = max(base, base - grads + loss) if fresh else base + loss
     if setup.shard_with != "fsdp" or (setup.ep > 1 and shape.num_experts):
         return start
-    backward = fsdp_backward_moment(shape, setup, rank, gathered=gathered, grads=grads, reshards=reshards,
-                                    accumulates_unsharded=accumulates_unsharded)
+    # the second-to-last block's backward, and with one micro-batch the second block's, the other end
+    blocks = (None, 1) if fresh and shape.num_layers > 3 else (None,)
+    backward = max(fsdp_backward_moment(shape, setup, rank, gathered=gathered, grads=grads, reshards=reshards,
+                                        accumulates_unsharded=accumulates_unsharded, block_index=k) for k in blocks)
     # the last block's forward: its gathered parameters (every block's without resharding) and beside them two
     # all-gather outputs, the last block's and the one before (the dry run holds both at its peak, inside that block:
     # it decides accumulating in fp32 and without resharding); the activations of the blocks before it (under
@@ -463,11 +465,11 @@ def _fsdp_block(shape: ModelShape, setup: Setup) -> tuple[float, float]:
 
 
 def fsdp_backward_moment(shape: ModelShape, setup: Setup, rank: RankMemory, *, gathered: float, grads: float,
-                         reshards: bool, accumulates_unsharded: bool) -> float:
-    """Bytes FSDP2 holds at the end of the second-to-last block's backward: the peak of a model whose blocks are
-    large beside one layer's activations (a 70B model's, or an MoE model's padded at 1,024 ranks). Beside the
-    activations of the blocks before it, the root's gathered parameters and the block's own, three block-sized
-    buffers are alive there:
+                         reshards: bool, accumulates_unsharded: bool, block_index: Optional[int] = None) -> float:
+    """Bytes FSDP2 holds at the end of a block's backward (`block_index`, 0 the first; by default the second-to-last):
+    the peak of a model whose blocks are large beside one layer's activations (a 70B model's, or an MoE model's
+    padded at 1,024 ranks). Beside the activations of the blocks before it, the root's gathered parameters and the
+    block's own, three block-sized buffers are alive there:
     - the previous block's all-gather output, prefetched at this block's pre-backward (compute dtype, padded; the
       first block prefetches nothing);
     - the last block's reduce-scatter input, which FSDP2 keeps until the next reduce-scatter (fp32, the reduce
@@ -478,10 +480,16 @@ def fsdp_backward_moment(shape: ModelShape, setup: Setup, rank: RankMemory, *, g
     gradients the step holds (sharded, or every unsharded fp32 accumulation). Without resharding after forward
     (`reshards` false) every block is gathered already, so nothing is prefetched, and the last block was resharded
     after its backward. Measured by the dry run (torch 2.13's FSDP2, Llama-2-70B's shape, seq 1,024, fp32 and bf16,
-    64 and 1,024 ranks): the peak is inside that block's attention backward, 1-3% above this (its temporaries)."""
+    64 and 1,024 ranks): the peak is inside that block's attention backward, 1-3% above this (its temporaries).
+    With one micro-batch a step, the sharded gradients of the blocks after it are there too: going back, each block
+    adds its own and frees its activations, so the peak is at one end, the second-to-last block's backward or the
+    second block's (block_index 1, the last that prefetches), where under checkpointing, whose blocks keep little,
+    it moves (Llama-2-70B's shape on 64 ranks, bf16, seq 1,024, full checkpointing: the dry run's peak in block 1's
+    backward; the second-to-last block's moment 4.3% under it, this 1.2% over)."""
     layers = shape.num_layers
     if layers < 2:
         return 0.0
+    k = layers - 2 if block_index is None else block_index
     elem = element_bytes(setup.precision)
     tp = setup.tensor_parallel_size
     block, padded = _fsdp_block(shape, setup)
@@ -491,17 +499,19 @@ def fsdp_backward_moment(shape: ModelShape, setup: Setup, rank: RankMemory, *, g
         held, reduce_input = grads, 4.0 * (padded - block)
         unsharded_grads = 0.0 if elem == 4 else (block + head) * elem
     else:
-        # one micro-batch a step: the last block's sharded gradients only; more: every block's, from the one before
+        # one micro-batch a step: the sharded gradients of the blocks after it only; more: every block's, from the
+        # micro-batch before
         one_microbatch = setup.microbatches_per_step == 1
-        held = grads * min(1.0, block / tp_rank_params(shape, setup)) if one_microbatch else grads
+        after = layers - 1 - k
+        held = grads * min(1.0, after * block / tp_rank_params(shape, setup)) if one_microbatch else grads
         reduce_input = 4.0 * padded
         unsharded_grads = (block + head) * elem
     # the blocks before it, and under checkpointing the block's own layer, recomputed for its backward, in full
     # (measured: the dry run's peak inside that backward, -3.7% to +6.2% of this; +32% without the layer at
     # micro-batch 4 x 4,096 tokens, where one layer's activations and their gradients outweigh the block)
-    acts = activation_bytes(shape, setup=setup, num_layers=layers - 2, with_head=False, in_flight=1)
+    acts = activation_bytes(shape, setup=setup, num_layers=k, with_head=False, in_flight=1)
     if reshards:  # the previous block's all-gather, which the first block does not prefetch
-        prefetched = padded if layers > 2 else 0.0
+        prefetched = padded if k > 0 else 0.0
     else:  # every block gathered since forward, but the last, resharded after its backward
         prefetched = -padded
     return (rank.params + held + rank.master + rank.optimizer + acts + reduce_input + unsharded_grads
