@@ -314,8 +314,8 @@ def zero2_buffers_beyond_grads(shape: ModelShape, setup: Setup, rank: RankMemory
     the peak where the bucket is smaller than the largest parameter or than a block, after it otherwise."""
     if setup.family != "zero" or setup.zero_stage != 2:
         return 0.0
-    largest = max(n for module in shape.module_params() for n in module)
-    current_made = setup.zero_reduce_bucket_size < max(largest, shape.layer_params())
+    bucket = setup.zero_reduce_bucket_size
+    current_made = bucket < shape.layer_params() or any(n > bucket for module in shape.module_params() for n in module)
     accumulator = setup.microbatches_per_step > 1
     return rank.grads * (int(accumulator) + int(current_made) - 1)
 
@@ -398,26 +398,26 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     # -0.1% (+14.6%), +0.2% with a 100,000-element bucket (+14.1%); the dry run of Llama-2-70B's shape under zero1 on
     # 64 ranks (seq 1,024, its peak at the end of backward) -0.5% in fp32 and in bf16 (+20.4%, +21.9%).
     fresh = setup.microbatches_per_step == 1 and setup.kind != "ddp"
-    first_block = activation_bytes(shape, setup=setup, num_layers=1, with_head=False, in_flight=1)
 
-    def with_loss(base: float, grads: float) -> float:
+    def with_loss(base: float) -> float:
         if not fresh:
             return base + loss
-        return max(base - grads + loss, base - rank.working_set + first_block)
+        first_block = activation_bytes(shape, setup=setup, num_layers=1, with_head=False, in_flight=1)
+        return max(base - rank.grads + loss, base - rank.working_set + first_block)
 
     if setup.family == "zero":  # DeepSpeed's gradient buffers outlive the step
         bucket = setup.zero_reduce_bucket_size * element_bytes(setup.precision)
         if setup.zero_stage == 1:  # the gradients whole, made by backward as any optimizer's
-            return with_loss(rank.total, rank.grads) + bucket
+            return with_loss(rank.total) + bucket
         return rank.total + loss + bucket + zero2_buffers_beyond_grads(shape, setup, rank)
 
     if setup.family == "tp" and setup.ep > 1 and shape.num_experts:
         # each layer's experts are an FSDP2 unit (parallel/experts.py), resharded after forward: the last layer's
         # E / ep unsharded at the start of backward, separate storage even over a one-rank efsdp (as under fsdp_ep)
         held = expert_rank_elements(shape, setup) / shape.num_layers
-        return with_loss(rank.total + held * element_bytes(setup.precision), rank.grads)
+        return with_loss(rank.total + held * element_bytes(setup.precision))
     if setup.family not in ("fsdp", "fsdp_tp"):
-        return with_loss(rank.total, rank.grads)
+        return with_loss(rank.total)
     # all of them without tensor parallelism; under expert parallelism the dense ones and the rank's own experts,
     # whose unsharded fp32 gradients accumulate as the dense ones' do
     slice_params = tp_rank_params(shape, setup)
