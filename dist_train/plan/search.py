@@ -108,10 +108,14 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
             continue
         if name in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
             yield name, {}, (f"strategy={name}",), None
-        elif name == "hsdp":  # one replica per node, sharded over its GPUs (strategy=hsdp's default layout)
+        elif name == "hsdp":  # replicas of whole nodes: one per node (strategy=hsdp's default layout) down to 2
             nodes = w // gpus_per_node
-            why = None if nodes >= 2 and gpus_per_node >= 2 else "needs 2 nodes or more (one replica per node)"
-            yield name, {"replicate": max(nodes, 1)}, (f"strategy={name}", f"strategy.replicate={max(nodes, 1)}"), why
+            if nodes < 2 or gpus_per_node < 2:
+                yield name, {"replicate": max(nodes, 1)}, (f"strategy={name}", f"strategy.replicate={max(nodes, 1)}"),\
+                    "needs 2 nodes or more (one replica per node)"
+                continue
+            for replicate in reversed(_degrees(nodes)[1:]):  # a model that does not fit a node shards over more
+                yield name, {"replicate": replicate}, (f"strategy={name}", f"strategy.replicate={replicate}"), None
         elif name == "tp":
             why = None
             if w > gpus_per_node:

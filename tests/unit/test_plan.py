@@ -195,6 +195,23 @@ def test_70b_on_128_nodes_ranks_what_fits_and_drops_what_cannot_run():
     assert any("not a multiple of micro-batch" in r for r in reasons)  # 512 sequences on 1,024 ranks of ddp
 
 
+def test_hsdp_is_searched_with_replicas_of_whole_nodes_down_to_two():
+    """70B's state over one node's 8 GPUs (one replica per node, strategy=hsdp's default) does not fit an H100; over
+    the 32 GPUs of 4 nodes (2 replicas on 8 nodes) it does: the advisor searches every replica count that keeps a
+    replica on whole nodes, and says which did not fit."""
+    cfg = _cfg("model=70b", "precision=bf16", "train.seq_len=4096", "train.global_batch_size=64")
+    result = search(ModelShape.from_config(cfg["model"]), cfg, H100, nodes=8, strategies=("hsdp",),
+                    micro_batch_sizes=[1], checkpointing=("full",))
+    tried = {o for r in [*result.ranked, *result.rejected] for o in r.overrides if o.startswith("strategy.replicate")}
+    assert tried == {"strategy.replicate=8", "strategy.replicate=4", "strategy.replicate=2"}
+    fits = {c.setup.dims.degree("dp_replicate"): c for c in result.ranked}
+    assert set(fits) == {2} and fits[2].setup.dims.degree("dp_shard") == 32
+    assert fits[2].peak_bytes <= 0.9 * H100.memory_bytes
+    assert any("strategy.replicate=8" in r.overrides and r.reason.startswith("out of memory") for r in result.rejected)
+    one_node = search(ModelShape.from_config(cfg["model"]), cfg, H100, nodes=1, strategies=("hsdp",))
+    assert [r.reason for r in one_node.rejected] == ["needs 2 nodes or more (one replica per node)"]
+
+
 def test_zero3_is_planned_with_deepspeeds_reduction_bucket():
     s = _setup("zero3", 8, micro_batch_size=1)
     from dist_train.estimate.fit import worst_rank
