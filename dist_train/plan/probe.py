@@ -52,8 +52,9 @@ def _candidates(shape: ModelShape, cfg: dict[str, Any], hw: Hardware, *, strateg
         found = search(shape, cfg, hw, nodes=1, strategies=(strategy,), micro_batch_sizes=sizes,
                        checkpointing=("none",), memory_fraction=float("inf"), distinct=False)
         for size in dict.fromkeys(sizes):
-            picked = [c for c in found.ranked
-                      if c.setup.micro_batch_size == size and not c.setup.reduce_every_microbatch]
+            picked = [c for c in found.ranked  # the family's plain layout (sequence parallelism shares tp's probe)
+                      if c.setup.micro_batch_size == size and not c.setup.reduce_every_microbatch
+                      and not c.setup.sequence_parallel]
             if picked:
                 out.append(picked[0])
     return out

@@ -124,6 +124,8 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
                 why = f"{w} does not divide the {heads} heads and {kv} kv heads"
             for experts in expert_degrees:
                 yield name, dict(experts), (f"strategy={name}", *_ep_overrides(experts)), why
+                if not experts:  # a dense model: sequence parallelism too (not built beside expert parallelism)
+                    yield name, {"sequence_parallel": True}, (f"strategy={name}", "strategy.sequence_parallel=true"), why
         elif name in ("fsdp_tp", "ddp_tp"):
             for tp in _degrees(min(w, gpus_per_node)):
                 if tp == 1 or tp == w or gpus_per_node % tp:

@@ -197,7 +197,7 @@ def test_an_moe_layer_keeps_what_the_estimator_says_beside_a_dense_layer_of_that
 def test_the_advisor_splits_an_moe_models_experts_by_expert_under_tensor_parallelism_as_training_does():
     """tp and fsdp_tp take an MoE model with its experts over ep ranks of a node (strategy.ep: dividing the experts
     and the world), each layout an override the training run accepts; ddp_tp, which training refuses with ep, is
-    dropped with its reason; a dense model gets no ep."""
+    dropped with its reason; a dense model gets no ep (and sequence parallelism, which ep refuses)."""
     from dist_train.plan.search import layouts
 
     moe = ModelShape.from_config(model_config("tiny_moe"))
@@ -212,7 +212,8 @@ def test_the_advisor_splits_an_moe_models_experts_by_expert_under_tensor_paralle
         ("ddp_tp", ("strategy=ddp_tp",), "expert parallelism beside tensor parallelism is built with fsdp_tp"),
         ("fsdp", ("strategy=fsdp",), None)]
     assert [f for n, f, _, _ in found if n == "fsdp_tp"] == [{"tp": 2, "ep": 2}, {"tp": 2, "ep": 4}]
-    assert [(f, r) for n, f, _, r in layouts(dense, world_size=2, gpus_per_node=2, strategies=("tp",))] == [({}, None)]
+    assert [(f, r) for n, f, _, r in layouts(dense, world_size=2, gpus_per_node=2, strategies=("tp",))] == [
+        ({}, None), ({"sequence_parallel": True}, None)]  # a dense model: no ep, and sequence parallelism searched
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])

@@ -212,6 +212,24 @@ def test_hsdp_is_searched_with_replicas_of_whole_nodes_down_to_two():
     assert [r.reason for r in one_node.rejected] == ["needs 2 nodes or more (one replica per node)"]
 
 
+def test_tp_is_searched_with_and_without_sequence_parallelism_for_a_dense_model():
+    """Sequence parallelism splits the norms' inputs T ways for the same ring bytes: searched beside plain tp, it is
+    predicted to hold less at the same micro-batch; never offered for an MoE model (training refuses it beside
+    strategy.ep)."""
+    cfg = _cfg("model=7b", "precision=bf16", "train.seq_len=4096", "train.global_batch_size=8")
+    found = search(SEVEN_B, cfg, H100, nodes=1, strategies=("tp",), micro_batch_sizes=[2], checkpointing=("none",),
+                   memory_fraction=float("inf"))
+    by_sp = {c.setup.sequence_parallel: c for c in found.ranked}
+    assert set(by_sp) == {False, True}
+    assert "strategy.sequence_parallel=true" in by_sp[True].overrides
+    assert by_sp[True].peak_bytes < by_sp[False].peak_bytes
+    moe_cfg = _cfg("model=tiny_moe", "train.global_batch_size=8")
+    moe = search(ModelShape.from_config(moe_cfg["model"]), moe_cfg, replace(H100, gpus_per_node=2), nodes=1,
+                 strategies=("tp",), memory_fraction=float("inf"))
+    assert moe.ranked and all(c.setup.ep == 2 and not c.setup.sequence_parallel for c in moe.ranked)
+    assert not any("strategy.sequence_parallel=true" in r.overrides for r in moe.rejected)
+
+
 def test_zero3_is_planned_with_deepspeeds_reduction_bucket():
     s = _setup("zero3", 8, micro_batch_size=1)
     from dist_train.estimate.fit import worst_rank
