@@ -108,13 +108,13 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
             continue
         if name in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
             yield name, {}, (f"strategy={name}",), None
-        elif name == "hsdp":  # replicas of whole nodes: one per node (strategy=hsdp's default layout) down to 2
-            nodes = w // gpus_per_node
-            if nodes < 2 or gpus_per_node < 2:
-                yield name, {"replicate": max(nodes, 1)}, (f"strategy={name}", f"strategy.replicate={max(nodes, 1)}"),\
-                    "needs 2 nodes or more (one replica per node)"
-                continue
-            for replicate in reversed(_degrees(nodes)[1:]):  # a model that does not fit a node shards over more
+        elif name == "hsdp":  # replicas of whole nodes: one per node (strategy=hsdp's default layout) down to 2,
+            # each of 2 ranks or more (what training requires: strategy=hsdp's check)
+            replicas = [r for r in reversed(_degrees(w // gpus_per_node)) if r >= 2 and w // r >= 2]
+            if not replicas:
+                yield name, {}, (f"strategy={name}",), (f"needs 2 replicas of whole nodes, each of 2 ranks or more: "
+                                                        f"{w} rank(s) on {w // gpus_per_node} node(s) of {gpus_per_node}")
+            for replicate in replicas:  # a model that does not fit a node shards over more
                 yield name, {"replicate": replicate}, (f"strategy={name}", f"strategy.replicate={replicate}"), None
         elif name == "tp":
             why = None

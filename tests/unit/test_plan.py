@@ -209,7 +209,22 @@ def test_hsdp_is_searched_with_replicas_of_whole_nodes_down_to_two():
     assert fits[2].peak_bytes <= 0.9 * H100.memory_bytes
     assert any("strategy.replicate=8" in r.overrides and r.reason.startswith("out of memory") for r in result.rejected)
     one_node = search(ModelShape.from_config(cfg["model"]), cfg, H100, nodes=1, strategies=("hsdp",))
-    assert [r.reason for r in one_node.rejected] == ["needs 2 nodes or more (one replica per node)"]
+    assert [r.reason for r in one_node.rejected] == [
+        "needs 2 replicas of whole nodes, each of 2 ranks or more: 8 rank(s) on 1 node(s) of 8"]
+
+
+def test_hsdp_on_nodes_of_one_gpu_keeps_replicas_of_two_ranks_or_more():
+    """One GPU a node (a CPU Slurm allocation): 4 nodes give 2 replicas of 2 ranks, the one layout training accepts
+    (4 replicas would be shards of 1); 2 nodes give none, and the reason says what is needed."""
+    cfg = _cfg("model=tiny", "train.global_batch_size=8")
+    one_gpu = replace(H100, gpus_per_node=1)
+    four = search(ModelShape.from_config(cfg["model"]), cfg, one_gpu, nodes=4, strategies=("hsdp",),
+                  micro_batch_sizes=[1], checkpointing=("none",))
+    assert not four.rejected and four.ranked
+    assert {(c.setup.dims.degree("dp_replicate"), c.setup.dims.degree("dp_shard")) for c in four.ranked} == {(2, 2)}
+    two = search(ModelShape.from_config(cfg["model"]), cfg, one_gpu, nodes=2, strategies=("hsdp",))
+    assert not two.ranked and [r.reason for r in two.rejected] == [
+        "needs 2 replicas of whole nodes, each of 2 ranks or more: 2 rank(s) on 2 node(s) of 1"]
 
 
 def test_tp_is_searched_with_and_without_sequence_parallelism_for_a_dense_model():
