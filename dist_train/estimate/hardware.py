@@ -29,10 +29,12 @@ GIB = 2**30
 @dataclass(frozen=True)
 class Link:
     """One level of the interconnect, as a collective sees it: nccl-tests bus bandwidth (bytes/s) of a large
-    message, and the fixed cost of one call (seconds)."""
+    message, the fixed cost of one call between two ranks (seconds), and what each further step of a ring or tree
+    over this link adds to a call (seconds; estimate/step_time.py collective_latency_s counts the steps)."""
 
     busbw: float
     latency_s: float
+    step_latency_s: float = 0.0
 
     def seconds(self, ring_bytes: float, calls: int) -> float:
         return calls * self.latency_s + ring_bytes / self.busbw
@@ -111,7 +113,13 @@ class Hardware:
         if "pipeline" in overheads:  # stored before the pipelines' overheads were keyed by schedule: both had it
             shared = overheads.pop("pipeline")
             data["overhead_s"] = {"gpipe": shared, "1f1b": shared, **overheads}
-        return cls(**{**data, "intra": Link(**data["intra"]), "inter": Link(**data["inter"])})
+        links = {}
+        for level in ("intra", "inter"):  # stored before a ring step's latency was modelled: the built-in profile's
+            link = dict(data[level])
+            if "step_latency_s" not in link and data.get("name") in PROFILES:
+                link["step_latency_s"] = getattr(PROFILES[data["name"]], level).step_latency_s
+            links[level] = Link(**link)
+        return cls(**{**data, **links})
 
 
 _ASSUMED = {
@@ -191,8 +199,8 @@ def _gpu(name: str, *, board: str, memory_gib: float, memory_bw: float, intra: L
         name=name, memory_bytes=memory_gib * GIB, flops=dict(PEAK_FLOPS[board]), memory_bw=memory_bw,
         intra=intra, inter=inter, overhead_s=dict(GPU_OVERHEAD_S), **constants,
         source={"flops": f"datasheet ({board}, dense)", "memory_bytes": "datasheet capacity, as torch reports it",
-                "memory_bw": "datasheet", "intra": f"nccl-tests bus bandwidth of {fabric}",
-                "inter": f"nccl-tests bus bandwidth of {network}", **_ASSUMED, **sources},
+                "memory_bw": "datasheet", "intra": f"nccl-tests bus bandwidth of {fabric}; {_LATENCY}",
+                "inter": f"nccl-tests bus bandwidth of {network}; {_LATENCY}", **_ASSUMED, **sources},
     )
 
 
@@ -201,8 +209,15 @@ def _gpu(name: str, *, board: str, memory_gib: float, memory_bw: float, intra: L
 # NVLink 3 (A100): 200-233 GB/s (users' reports, nccl-tests#149, #175); PCIe Gen4 (L40S: 32 GB/s a direction, about
 # 22, assumed). Between nodes, one InfiniBand NDR 400 Gb/s NIC per GPU: 46-48 GB/s (nccl-tests#290); HDR 200 Gb/s
 # (MosaicML's A100s: 1,600 Gb/s a node): half that, 23 (assumed); 100 Gb/s Ethernet a node for L40S (assumed).
-_NVLINK4, _NVLINK3, _PCIE4 = Link(370e9, 15e-6), Link(230e9, 15e-6), Link(22e9, 20e-6)
-_NDR, _HDR, _ETH100 = Link(46e9, 25e-6), Link(23e9, 25e-6), Link(1.2e9, 40e-6)
+# A call's latency grows with its group: each step of NCCL's ring (n - 1 for an all-gather or a reduce-scatter over n
+# ranks, twice that for an all-reduce, which takes a tree's 2 x (log2 nodes + ranks a node - 1) steps where fewer)
+# adds its hop's latency, NCCL's own tuning model (src/graph/tuning.cc, hwLat, Simple protocol, the one large
+# messages use): 3.4 us a step over NVLink, 5.7 over PCIe, 14 over the network. The per-call latencies (15-40 us,
+# the cost of a call between two ranks, launch included) are assumed.
+_LATENCY = "a two-rank call's latency assumed, each further ring step's NCCL's (src/graph/tuning.cc)"
+_NVLINK4, _NVLINK3 = Link(370e9, 15e-6, 3.4e-6), Link(230e9, 15e-6, 3.4e-6)
+_PCIE4 = Link(22e9, 20e-6, 5.7e-6)
+_NDR, _HDR, _ETH100 = Link(46e9, 25e-6, 14e-6), Link(23e9, 25e-6, 14e-6), Link(1.2e9, 40e-6, 14e-6)
 
 PROFILES: dict[str, Hardware] = {
     "h100": _gpu("h100", board="NVIDIA H100 80GB HBM3", memory_gib=79.1, memory_bw=3.35e12, intra=_NVLINK4,
@@ -281,6 +296,8 @@ class ClusterArgs:
     inter_gbps: Optional[float] = None  # bus bandwidth between nodes, GB/s; null: the profile's
     intra_latency_us: Optional[float] = None  # one collective call within a node, microseconds
     inter_latency_us: Optional[float] = None  # one collective call between nodes, microseconds
+    intra_step_latency_us: Optional[float] = None  # each further ring/tree step within a node, microseconds
+    inter_step_latency_us: Optional[float] = None  # each further ring/tree step between nodes, microseconds
     efficiency: Optional[float] = None  # fraction of the peak FLOP/s a step's products reach; null: the profile's
 
     def __post_init__(self) -> None:
@@ -294,6 +311,10 @@ class ClusterArgs:
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise ValueError(f"cluster.{key}={value} must be > 0")
+        for key in ("intra_latency_us", "inter_latency_us", "intra_step_latency_us", "inter_step_latency_us"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise ValueError(f"cluster.{key}={value} must be >= 0")
         if self.efficiency is not None and self.efficiency > 1:
             raise ValueError(f"cluster.efficiency={self.efficiency} is a fraction of the peak: (0, 1]")
 
@@ -309,10 +330,11 @@ def apply_overrides(hw: Hardware, args: ClusterArgs) -> Hardware:
         changes["efficiency"] = args.efficiency
     for level in ("intra", "inter"):
         link = getattr(hw, level)
-        gbps, lat = getattr(args, f"{level}_gbps"), getattr(args, f"{level}_latency_us")
-        if gbps is not None or lat is not None:
-            changes[level] = Link(gbps * 1e9 if gbps is not None else link.busbw,
-                                  lat * 1e-6 if lat is not None else link.latency_s)
+        gbps, lat, step = (getattr(args, f"{level}_{key}") for key in ("gbps", "latency_us", "step_latency_us"))
+        if gbps is not None or lat is not None or step is not None:
+            changes[level] = replace(link, busbw=gbps * 1e9 if gbps is not None else link.busbw,
+                                     latency_s=lat * 1e-6 if lat is not None else link.latency_s,
+                                     step_latency_s=step * 1e-6 if step is not None else link.step_latency_s)
     if not changes:
         return hw
     source = dict(hw.source)

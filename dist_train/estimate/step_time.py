@@ -6,7 +6,8 @@
   profiles; what a CPU step loses beyond its kernels), plus eager PyTorch's own cost per block and micro-batch
   (`layer_overhead_s`: measured on a CPU by plan.calibrate, 0 on a GPU, which runs it ahead of its kernels).
 - **Communication**: each collective of the estimator's per-step list (estimate/comm.py), as a ring: its
-  latency per call plus the bytes the rank sends (buffer x nccl-tests bus factor) at the bus bandwidth of the
+  latency per call, which grows with the steps of the ring (or of NCCL's tree for an all-reduce) over the group's
+  ranks and nodes, plus the bytes the rank sends (buffer x nccl-tests bus factor) at the bus bandwidth of the
   link its group uses: within a node, or between nodes where the group spans them.
 - **Overlap**: what each parallelism declares can run beside compute (parallel/catalog.py's `overlaps`: DDP's
   bucketed all-reduce, FSDP's and ZeRO-3's gathers and reduce-scatters, ZeRO-2's per-micro-batch reduction) hides
@@ -26,6 +27,7 @@ predicted and the measured MFU of a run mean the same thing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -105,10 +107,39 @@ def spans_nodes(c: Collective, setup: Setup, *, gpus_per_node: int) -> bool:
     return True  # data parallel over every node
 
 
+def group_nodes(c: Collective, setup: Setup, *, gpus_per_node: int) -> int:
+    """The nodes rank 0's group for `c` spans (1 where it stays within one)."""
+    group = c.group_size or setup.comm_group_size
+    if not spans_nodes(c, setup, gpus_per_node=gpus_per_node):
+        return 1
+    if c.dim in ("dp_shard", "dp_replicate") and setup.family != "pipeline":  # HSDP's replicas: one rank a node
+        return len({r // gpus_per_node for r in setup.dims.group_ranks(0, c.dim)})
+    return max(2, -(-group // gpus_per_node))  # consecutive ranks
+
+
+def collective_latency_s(op: str, group: int, nodes: int, hw: Hardware) -> float:
+    """One call's latency, NCCL's model of it (src/graph/tuning.cc): the steps of its ring, each a hop within a node
+    or between nodes: n - 1 for an all-gather or a reduce-scatter over n ranks on N nodes (N - 1 of them between
+    nodes), twice that for an all-reduce, or a tree's 2 x (n / N - 1) + 2 x ceil(log2 N) where that is less. The
+    link's `latency_s` is a two-rank call's (one step); each step beyond it adds its hop's `step_latency_s`.
+    all-to-all, send and recv: one step (their peers are reached at once)."""
+    link = hw.link(spans_nodes=nodes > 1)
+    if group <= 2 or op not in ("all_gather", "reduce_scatter", "all_reduce"):
+        return link.latency_s
+    intra, inter = group - nodes, nodes - 1
+    if op == "all_reduce":
+        ring = (2 * intra, 2 * inter)
+        tree = (2 * (group // nodes - 1), 2 * math.ceil(math.log2(nodes)))
+        intra, inter = min(ring, tree, key=lambda s: s[0] * hw.intra.step_latency_s + s[1] * hw.inter.step_latency_s)
+    steps = intra * hw.intra.step_latency_s + inter * hw.inter.step_latency_s
+    return link.latency_s + max(0.0, steps - link.step_latency_s)
+
+
 def collective_s(c: Collective, setup: Setup, hw: Hardware) -> float:
     group = c.group_size or setup.comm_group_size
     ring = c.bytes * bus_factor(c.op, group) if c.op != "recv" else c.bytes  # a recv waits for the peer's send
-    return hw.link(spans_nodes=spans_nodes(c, setup, gpus_per_node=hw.gpus_per_node)).seconds(ring, c.calls)
+    nodes = group_nodes(c, setup, gpus_per_node=hw.gpus_per_node)
+    return c.calls * collective_latency_s(c.op, group, nodes, hw) + ring / hw.link(spans_nodes=nodes > 1).busbw
 
 
 def element_bytes(precision: str) -> int:

@@ -21,7 +21,8 @@ from dist_train.estimate.shapes import PRESETS, ModelShape
 from dist_train.plan.calibrate import fit_link
 from dist_train.estimate.hardware import PROFILES, ClusterArgs, Hardware, Link, apply_overrides, profile_for_device
 from dist_train.plan.search import search
-from dist_train.estimate.step_time import collective_s, model_flops_per_token, predict_step
+from dist_train.estimate.step_time import (collective_latency_s, collective_s, group_nodes, model_flops_per_token,
+                                          predict_step)
 from dist_train.plan.verify import Verified, refit, spearman
 from tests.bench_support import bench_module
 from tests.plan_support import run_plan
@@ -98,12 +99,35 @@ def test_a_group_that_spans_nodes_takes_the_slower_link():
     c = Collective("all_reduce", 1e9, "gradients", calls=4)
     one_node = _setup("ddp", 8)
     two_nodes = _setup("ddp", 16)
-    assert collective_s(c, one_node, H100) == pytest.approx(4 * 15e-6 + 1e9 * 2 * 7 / 8 / 370e9)
-    assert collective_s(c, two_nodes, H100) == pytest.approx(4 * 25e-6 + 1e9 * 2 * 15 / 16 / 46e9)
+    # one node: a ring all-reduce of 8 is 14 NVLink steps, the first one the two-rank call's 15 us, 13 more at 3.4
+    nvlink_ring = 15e-6 + 13 * 3.4e-6
+    assert collective_s(c, one_node, H100) == pytest.approx(4 * nvlink_ring + 1e9 * 2 * 7 / 8 / 370e9)
+    # two nodes: NCCL's tree (2 x 7 NVLink steps, 2 x 1 between nodes) is shorter than the ring (28 + 2): 25 us for
+    # the first network step, 14 for the other, 14 x 3.4 within the nodes
+    tree = 25e-6 + 14e-6 + 14 * 3.4e-6
+    assert collective_s(c, two_nodes, H100) == pytest.approx(4 * tree + 1e9 * 2 * 15 / 16 / 46e9)
     # fsdp_tp keeps tp inside a node: its tp traffic is intra-node however many nodes
     fsdp_tp = _setup("fsdp_tp", 64, tp=8)
     tp_call = Collective("all_reduce", 1e9, "activations", dim="tp", group_size=8)
-    assert collective_s(tp_call, fsdp_tp, H100) == pytest.approx(15e-6 + 1e9 * 2 * 7 / 8 / 370e9)
+    assert collective_s(tp_call, fsdp_tp, H100) == pytest.approx(nvlink_ring + 1e9 * 2 * 7 / 8 / 370e9)
+
+
+def test_a_calls_latency_grows_with_the_steps_of_nccls_ring_and_tree():
+    """NCCL's model (src/graph/tuning.cc): an all-gather over 1,024 ranks on 128 nodes is 896 NVLink steps and 127
+    network ones, 4.8 ms a call where two ranks take 25 us; an all-reduce there takes the tree, 2 x 7 NVLink
+    steps and 2 x 7 network ones. HSDP's replica group (one rank a node) is network steps only."""
+    assert collective_latency_s("all_gather", 2, 2, H100) == pytest.approx(25e-6)
+    assert collective_latency_s("all_gather", 1024, 128, H100) == pytest.approx(
+        25e-6 + 896 * 3.4e-6 + 126 * 14e-6)
+    assert collective_latency_s("all_reduce", 1024, 128, H100) == pytest.approx(25e-6 + 14 * 3.4e-6 + 13 * 14e-6)
+    assert collective_latency_s("all_to_all", 1024, 128, H100) == pytest.approx(25e-6)
+    hsdp = _setup("hsdp", 64, replicate=8)  # 8 replicas, each sharded over one node of 8
+    replicas = Collective("all_reduce", 1e9, "gradients", dim="dp_replicate", group_size=8)
+    shards = Collective("reduce_scatter", 1e9, "gradients", dim="dp_shard", group_size=8)
+    assert group_nodes(replicas, hsdp, gpus_per_node=8) == 8 and group_nodes(shards, hsdp, gpus_per_node=8) == 1
+    assert collective_s(replicas, hsdp, H100) == pytest.approx(
+        25e-6 + 5 * 14e-6 + 1e9 * 2 * 7 / 8 / 46e9)  # tree: 2 x 3 network steps, none within a node
+    assert collective_s(shards, hsdp, H100) == pytest.approx(15e-6 + 6 * 3.4e-6 + 1e9 * 7 / 8 / 370e9)
 
 
 def test_framework_overhead_applies_per_block_and_micro_batch_to_its_strategy_only():
@@ -265,7 +289,13 @@ def test_zero3_is_planned_with_deepspeeds_reduction_bucket():
 def test_cluster_overrides_replace_the_profile_and_say_so():
     hw = apply_overrides(H100, ClusterArgs(gpu="h100", gpus_per_node=4, inter_gbps=10, memory_gib=40))
     assert hw.gpus_per_node == 4 and hw.inter.busbw == 10e9 and hw.inter.latency_s == H100.inter.latency_s
+    assert hw.inter.step_latency_s == H100.inter.step_latency_s  # what was not given stays the profile's
     assert hw.memory_bytes == 40 * 2**30
+    roce = apply_overrides(H100, ClusterArgs(gpu="h100", inter_step_latency_us=20))
+    assert roce.inter.step_latency_s == pytest.approx(20e-6) and roce.inter.busbw == H100.inter.busbw
+    assert roce.intra == H100.intra
+    with pytest.raises(ValueError, match=r"cluster.inter_step_latency_us=-1.0 must be >= 0"):
+        ClusterArgs(gpu="h100", inter_step_latency_us=-1.0)
     assert hw.source["inter"] == hw.source["memory_bytes"] == "given on the command line (cluster.*)"
     with pytest.raises(ValueError, match="cluster.gpu='tpu' is not a known kind; allowed: h100"):
         ClusterArgs(gpu="tpu")

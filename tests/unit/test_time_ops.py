@@ -255,3 +255,18 @@ def test_a_profile_stored_before_the_experts_constants_loads_with_the_built_in_o
     del data["experts"], data["source"]["experts"]
     stored = Hardware.from_json(json.loads(json.dumps(data)))
     assert stored.experts == PROFILES["h100"].experts and stored.source["experts"] == PROFILES["h100"].source["experts"]
+
+
+def test_a_profile_stored_before_ring_steps_had_a_latency_loads_with_the_built_in_ones():
+    """A calibrated GPU profile written before Link.step_latency_s existed takes its kind's NCCL step latencies (an
+    all-gather over 1,024 ranks is not priced as one over 2); a measured CPU profile, which has no built-in one,
+    keeps 0 (two ranks: one step, which its measured call latency already is)."""
+    import json
+
+    data = PROFILES["h100"].to_json()
+    for level in ("intra", "inter"):
+        del data[level]["step_latency_s"]
+    stored = Hardware.from_json(json.loads(json.dumps(data)))
+    assert stored.intra == PROFILES["h100"].intra and stored.inter.step_latency_s == 14e-6
+    cpu = {**data, "name": "cpu"}
+    assert Hardware.from_json(json.loads(json.dumps(cpu))).intra.step_latency_s == 0.0
