@@ -191,9 +191,13 @@ def _bare_cpu(procs: int) -> Hardware:
 
 def describe(hw: Hardware) -> str:
     peak = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in hw.flops.items())
+
+    def link(level: str) -> str:
+        ln = getattr(hw, level)
+        steps = f" (+ {ln.step_latency_s * 1e6:.2g} us a further step)" if ln.step_latency_s else ""
+        return f"{level} {ln.busbw / 1e9:.3g} GB/s + {ln.latency_s * 1e6:.0f} us{steps}, "
     return (f"{hw.name}: {hw.memory_bytes / GIB:.1f} GiB, {peak}, memory {hw.memory_bw / 1e9:.3g} GB/s, "
-            f"intra {hw.intra.busbw / 1e9:.3g} GB/s + {hw.intra.latency_s * 1e6:.0f} us, "
-            f"inter {hw.inter.busbw / 1e9:.3g} GB/s + {hw.inter.latency_s * 1e6:.0f} us, "
+            + link("intra") + link("inter")
             + (f"products {hw.gemm_efficiency:.3g} of the peak (half at k={hw.gemm_k_half:.0f}, {hw.sm_count} SMs), "
                f"attention {hw.attention_efficiency:.3g} (half at seq {hw.attention_seq_half:.0f}), memory-bound "
                f"{hw.memory_efficiency:.3g} of the bandwidth, " if hw.sm_count else "")
