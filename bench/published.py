@@ -164,7 +164,9 @@ def _pinned(row: Row, hw):  # noqa: ANN001, ANN202 - (shape, the advisor's candi
     shape = ModelShape.from_config(cfg["model"])
     found = search(shape, cfg, hw, nodes=row.gpus // 8, strategies=(strategy,), micro_batch_sizes=[row.micro],
                    checkpointing=(row.checkpointing,), memory_fraction=float("inf"))
-    return shape, [c for c in found.ranked if strategy != "ddp_tp" or c.setup.tp == row.tp], found
+    sp = SEQUENCE_PARALLEL.get((row.source, row.gpu), False)
+    return shape, [c for c in found.ranked if (strategy != "ddp_tp" or c.setup.tp == row.tp)
+                   and c.setup.sequence_parallel == (sp and row.tp > 1)], found
 
 
 # What a source's own software does unlike dist_train's, fitted to that source's rows (--fit) and applied to them
@@ -176,6 +178,11 @@ STACKS = {("mosaicml", "h100"): {"attention_efficiency": 0.2, "attention_seq_hal
 # communication overlapped"), which dist_train's tp runs on the critical path. Narayanan et al. 2021 (the A100 rows)
 # did not. Not fitted: the rows are timed both ways, and the table says which.
 OVERLAPPED = {("megatron", "h100"): ("tp",)}
+# Megatron's --tp-comm-overlap requires --sequence-parallel (megatron/training/arguments.py: "Tensor parallel
+# communication/GEMM overlap can happen only when sequence parallelism is enabled"), so the H100 rows, their TP
+# communication overlapped, ran sequence-parallel; the A100 rows (Narayanan et al. 2021) predate it (Korthikanti et
+# al. 2022). Pinned, as the degrees are: the advisor searches both ways.
+SEQUENCE_PARALLEL = {("megatron", "h100"): True}
 
 
 def _profile(row: Row, *, stack: bool = True):  # noqa: ANN202
@@ -209,13 +216,15 @@ def predict(row: Row) -> dict[str, object]:
     c, _ = offered([(c, c.time.step_s) for c in picked], usable)
     if c.setup.reduce_every_microbatch:
         out["composition"] = f"{named}, reduce every micro-batch"
+    if c.setup.sequence_parallel:
+        out["composition"] = f"{out['composition']}, sequence-parallel"
     tokens = c.time.tokens_per_s / c.setup.world_size
     hidden = OVERLAPPED.get((row.source, row.gpu), ()) if row.tp > 1 else ()
     if hidden:
         from dist_train.estimate.step_time import predict_step
 
         out["composition"] = f"{out['composition']}, TP communication overlapped as Megatron's"
-        out["tokens_exposed"] = tokens  # dist_train's own tp: its all-reduces on the critical path
+        out["tokens_exposed"] = tokens  # dist_train's own tp: its collectives on the critical path
         tokens = predict_step(shape, c.setup, hw, overlapped_activations=hidden).tokens_per_s / c.setup.world_size
     out.update(tokens=tokens, peak_gib=c.peak_bytes / GIB, comm_bound=c.time.comm_s > c.time.compute_s,
                offered=c.peak_bytes <= usable, usable_gib=usable / GIB, num_params=shape.num_params)
@@ -468,7 +477,7 @@ def main() -> None:
                 "links take longer than their compute)"
                 + (", so these rows test that assumption more than the compute. " if 2 * bound_by_comm > len(held_out)
                    else ". "))
-    tp = (f"Megatron's H100 rows with their tensor-parallel all-reduces on the critical path, as dist_train's tp "
+    tp = (f"Megatron's H100 rows with their tensor-parallel collectives on the critical path, as dist_train's tp "
           f"runs them (not overlapped): {', '.join(exposed)}. " if exposed else "")
     summary = (f"Within target: MosaicML {m[0]} of {m[1]} rows within 10%; Megatron {g[0]} of {g[1]} predicted rows "
                f"within 20%. {tp}{held}The profiles are the datasheet ones, with the per-operation constants of "

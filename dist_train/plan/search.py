@@ -134,6 +134,9 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
                 for experts in expert_degrees:
                     yield name, {"tp": tp, **experts}, (f"strategy={name}", f"strategy.tp={tp}",
                                                         *_ep_overrides(experts)), why
+                    if not experts:  # a dense model: sequence parallelism inside each TP group too (torchtitan's)
+                        yield name, {"tp": tp, "sequence_parallel": True}, (
+                            f"strategy={name}", f"strategy.tp={tp}", "strategy.sequence_parallel=true"), why
         elif name in ("fsdp_ep", "ep"):  # experts over ep ranks of a node, as torchtitan places them; dense weights
             # FSDP-sharded (fsdp_ep) or whole replicas (ep)
             if not shape.num_experts:

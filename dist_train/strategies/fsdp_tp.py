@@ -6,6 +6,8 @@ group is consecutive ranks, i.e. one node's GPUs). Each block is first split Meg
 dimension (as strategy=tp does), then every parameter, already a TP shard or replica, is sharded again by FSDP2
 over the `dp_shard` dimension: a preset of degrees over dist_train.parallel.apply, which applies the two in that
 order. The TP ranks of one group train on the same slice of the global batch; the dp_shard groups split it.
+`strategy.sequence_parallel=true` splits the residual stream between the projections by sequence inside each TP
+group, as strategy=tp's does (its docstring says how).
 Collectives are counted per mesh dimension too: `comm/tp/all_reduce/...` (activations) and
 `comm/dp_shard/all_gather/...`, `comm/dp_shard/reduce_scatter/...` (parameters and gradients).
 
@@ -42,6 +44,9 @@ class FSDPTPConfig(StrategyConfig):
     reshard_after_forward: bool = True
     # how the data-parallel groups hold each TP slice: fsdp (sharded, fsdp_tp) | replicate (whole, ddp_tp)
     dp_mode: str = "fsdp"
+    # Megatron's sequence parallelism inside each TP group, as strategy=tp's (torchtitan's 2-D default): norms on each
+    # rank's share of the sequence; all-gather before and reduce-scatter after each attention and MLP
+    sequence_parallel: bool = False
     # an MoE model's experts split over `ep` consecutive ranks (expert parallelism, as strategy=tp's ep); each
     # rank's E/ep experts FSDP2-sharded again over the world / ep ranks holding the same ones. 1: a dense model
     ep: int = 1
@@ -66,7 +71,7 @@ class FSDPTPConfig(StrategyConfig):
                 f"strategy={self.name} with strategy.ep={self.ep}: expert parallelism beside tensor parallelism is "
                 "built with FSDP2 (fsdp_tp), not with whole replicas (ddp_tp); use strategy=fsdp_tp, or strategy=ep "
                 "without tensor parallelism")
-        check_expert_parallel(self, ranks=world_size)
+        check_expert_parallel(self, ranks=world_size, sequence_parallel=self.sequence_parallel)
 
     def check_run(self, run: RunConfig, world_size: int) -> None:
         super().check_run(run, world_size)
@@ -76,7 +81,8 @@ class FSDPTPConfig(StrategyConfig):
 def build(cfg: FSDPTPConfig, ctx: StrategyContext) -> TorchStrategy:
     from dist_train.strategies._tensor_parallel import TPStrategy
 
-    wrapper = MeshWrapper(cfg, ctx, sharding=Sharding(reshard_after_forward=cfg.reshard_after_forward))
+    wrapper = MeshWrapper(cfg, ctx, sharding=Sharding(reshard_after_forward=cfg.reshard_after_forward),
+                          sequence_parallel=cfg.sequence_parallel)
     return TPStrategy(cfg.name, ctx, wrapper)
 
 

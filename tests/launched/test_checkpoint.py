@@ -135,13 +135,14 @@ def test_a_finished_run_relaunched_or_restarted_afresh_in_its_directory_writes_n
     says there is nothing left to train and leaves every file byte for byte, as one process (single) and as two (ddp
     under torchrun): decided in build_session on the resume point the ranks agreed on, before anything is written. checkpoint.resume=none there is refused in one line, since it would save over the earlier
     run's checkpoints; a restart of the launch (TORCHELASTIC_RESTART_COUNT > 0: torchrun's --max-restarts, as Slurm's
-    requeue) is not refused: what it saves over is its own launch's."""
+    requeue) is not refused: what it saves over is its own launch's. The refusal's exact output is a fresh
+    interpreter's; the rest is forked (tests/forkserver.py: its output files are outside the run directory)."""
     for strategy, nproc in (("single", 0), ("ddp", 2)):
         straight_dir, _ = straight_run(strategy)
         run_dir = tmp_path / strategy
         shutil.copytree(straight_dir, run_dir)
         before = _files(run_dir)
-        again = launch([f"strategy={strategy}", *CHECKPOINTED], run_dir=run_dir, nproc=nproc)
+        again = forked([f"strategy={strategy}", *CHECKPOINTED], run_dir=run_dir, nproc=nproc)
         assert again.returncode == 0, again.stderr[-3000:]
         said = [ln for ln in again.stderr.splitlines() if "nothing left to train" in ln]
         assert len(said) == 1 and f"{run_dir / 'checkpoints' / step_dir_name(8)} is at step 8" in said[0], again.stderr
@@ -153,7 +154,7 @@ def test_a_finished_run_relaunched_or_restarted_afresh_in_its_directory_writes_n
         f"({STEP4}, {step_dir_name(8)}), which this run would write over; start afresh in a new directory "
         "(hydra.run.dir=..., or checkpoint.dir=...), or resume from them (checkpoint.resume=auto)"]
     assert _files(run_dir) == before
-    restart = launch(["strategy=single", *CHECKPOINTED, "checkpoint.resume=none"], run_dir=run_dir,
+    restart = forked(["strategy=single", *CHECKPOINTED, "checkpoint.resume=none"], run_dir=run_dir,
                      extra_env={"TORCHELASTIC_RESTART_COUNT": "1"})
     assert restart.returncode == 0, restart.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["losses"] == \

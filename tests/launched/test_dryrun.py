@@ -52,6 +52,15 @@ def test_dry_run_equals_a_real_run(strategy, nproc, fast_run, straight_run):
     _assert_dry_run_equals(strategy, overrides, real, nproc=nproc)
 
 
+def test_dry_run_equals_a_real_run_under_two_dimensional_sequence_parallelism(fast_run):
+    """fsdp_tp with sequence parallelism (tp 2 x dp_shard 2, 2 micro-batches a rank: the run
+    tests/launched/test_tensor_parallel.py reads): the dry run's figures are the real run's, and the estimator
+    predicts every collective to the byte (the norms' gradients all-reduced once a step under FSDP2)."""
+    overrides = ["strategy=fsdp_tp", "strategy.sequence_parallel=true"]
+    _, real = fast_run(*overrides, nproc=4)
+    _assert_dry_run_equals("fsdp_tp", [*overrides, *FAST], real, nproc=4)
+
+
 def _assert_dry_run_equals(strategy: str, overrides: list[str], real: dict, *, nproc: int,
                            predicted: bool = True, ranks: list[int] | None = None) -> None:
     ranks = ranks or sorted({0, nproc - 1})

@@ -109,6 +109,33 @@ def test_sequence_parallel_splits_the_norms_and_trades_each_all_reduce_for_a_gat
     assert row["prediction_ok"] is True and row["err_comm_bytes"] == pytest.approx(0, abs=1e-3), row
 
 
+def test_fsdp_tp_with_sequence_parallelism_matches_single_and_reduces_the_norms_gradients_once_a_step(
+    single_run, straight_run, fast_run
+):
+    """torchtitan's 2-D layout: tp=2 with sequence parallelism inside, FSDP2 over the 2 groups (4 ranks, 2 micro-batches
+    a rank). The same losses as one process and plain fsdp_tp's state; inside each TP group the all-reduces become
+    gathers and scatters of the sequence shards, and the norms' weight gradients are all-reduced once a step, not per
+    micro-batch (FSDP2 accumulates them unreduced). The dry run of the same run: tests/launched/test_dryrun.py."""
+    _, single = single_run
+    run_dir, sp = fast_run("strategy=fsdp_tp", "strategy.sequence_parallel=true", nproc=4)
+    assert_same_losses(single, sp)
+    assert sp["world_size"] == 4 and sp["data_parallel_size"] == 2
+    plain = last_step(straight_run("fsdp_tp")[0])
+    activation = 2 * 64 * ModelConfig().hidden_size * 4  # micro-batch 2 x seq 64 x hidden, fp32
+    for rec, plain_rec in zip(last_step(run_dir), plain):
+        assert rec["memory/params_bytes"] == plain_rec["memory/params_bytes"]
+        assert rec["memory/optimizer_bytes"] == plain_rec["memory/optimizer_bytes"]
+        # per layer and micro-batch (4 x 2): 2 gathers and 2 scatters forward, mirrored backward; the first block's
+        # input gradient and the final norm's output gathered once a micro-batch
+        assert rec["comm/tp/reduce_scatter/bytes"] == 2 * 4 * 4 * activation
+        assert rec["comm/tp/all_gather/bytes"] == 2 * (4 * 4 + 2) * activation
+        # all-reduced over tp: the 18 norm tensors' gradients (64 floats each) once, the vocabulary split's per
+        # micro-batch; nothing of the activations
+        assert rec["comm/tp/all_reduce/bytes"] == 18 * 64 * 4 + 2 * VOCAB_SPLIT
+        assert rec["comm/tp/all_reduce/count"] == 18 + 2 * 5
+        assert rec["comm/dp_shard/reduce_scatter/bytes"] == plain_rec["comm/dp_shard/reduce_scatter/bytes"]
+
+
 @pytest.mark.beside
 def test_ddp_tp_on_a_2x2_mesh_matches_single_holds_a_whole_tp_slice_and_all_reduces_it_once_a_step(straight_run,
                                                                                                     tmp_path):
