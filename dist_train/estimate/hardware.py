@@ -36,9 +36,6 @@ class Link:
     latency_s: float
     step_latency_s: float = 0.0
 
-    def seconds(self, ring_bytes: float, calls: int) -> float:
-        return calls * self.latency_s + ring_bytes / self.busbw
-
 
 @dataclass(frozen=True)
 class Hardware:
