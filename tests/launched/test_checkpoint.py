@@ -120,7 +120,7 @@ def test_interrupted_saves_are_never_resumed_and_are_cleaned_up(straight_run, tm
     shutil.copytree(straight_dir / "checkpoints" / STEP4, root / (step_dir_name(6) + ".partial"))
     shutil.copytree(straight_dir / "checkpoints" / step_dir_name(8), root / step_dir_name(8))
     (root / step_dir_name(8) / "COMPLETE").unlink()
-    proc = launch(["strategy=single", *CHECKPOINTED], run_dir=tmp_path)
+    proc = forked(["strategy=single", *CHECKPOINTED], run_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {root / STEP4}" in proc.stderr
     assert "removing an incomplete checkpoint" in proc.stderr

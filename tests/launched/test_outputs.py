@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dist_train.versions import installed_versions
-from tests.helpers import FAST, launch, metrics, rel_diff, train_ok
+from tests.helpers import FAST, forked, launch, metrics, rel_diff, train_ok
 from tests.wandb_log import read_run
 
 
@@ -74,7 +74,7 @@ def test_ranks_share_the_default_run_directory(tmp_path):
 
 
 def test_dp_on_cpu_runs_says_it_parallelises_nothing_and_matches_single(single_run, tmp_path):
-    proc = launch(["strategy=dp", "logger=none", *FAST], run_dir=tmp_path)
+    proc = forked(["strategy=dp", "logger=none", *FAST], run_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "parallelises nothing" in proc.stderr
     _, single = single_run
