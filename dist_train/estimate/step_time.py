@@ -117,19 +117,19 @@ def group_nodes(c: Collective, setup: Setup, *, gpus_per_node: int) -> int:
     return max(2, -(-group // gpus_per_node))  # consecutive ranks
 
 
-def collective_latency_s(op: str, group: int, nodes: int, hw: Hardware) -> float:
+def collective_latency_s(op: str, *, group_size: int, num_nodes: int, hw: Hardware) -> float:
     """One call's latency, NCCL's model of it (src/graph/tuning.cc): the steps of its ring, each a hop within a node
     or between nodes: n - 1 for an all-gather or a reduce-scatter over n ranks on N nodes (N - 1 of them between
     nodes), twice that for an all-reduce, or a tree's 2 x (n / N - 1) + 2 x ceil(log2 N) where that is less. The
     link's `latency_s` is a two-rank call's (one step); each step beyond it adds its hop's `step_latency_s`.
     all-to-all, send and recv: one step (their peers are reached at once)."""
-    link = hw.link(spans_nodes=nodes > 1)
-    if group <= 2 or op not in ("all_gather", "reduce_scatter", "all_reduce"):
+    link = hw.link(spans_nodes=num_nodes > 1)
+    if group_size <= 2 or op not in ("all_gather", "reduce_scatter", "all_reduce"):
         return link.latency_s
-    intra, inter = group - nodes, nodes - 1
+    intra, inter = group_size - num_nodes, num_nodes - 1
     if op == "all_reduce":
         ring = (2 * intra, 2 * inter)
-        tree = (2 * (group // nodes - 1), 2 * math.ceil(math.log2(nodes)))
+        tree = (2 * (group_size // num_nodes - 1), 2 * math.ceil(math.log2(num_nodes)))
         intra, inter = min(ring, tree, key=lambda s: s[0] * hw.intra.step_latency_s + s[1] * hw.inter.step_latency_s)
     steps = intra * hw.intra.step_latency_s + inter * hw.inter.step_latency_s
     return link.latency_s + max(0.0, steps - link.step_latency_s)
@@ -139,7 +139,8 @@ def collective_s(c: Collective, setup: Setup, hw: Hardware) -> float:
     group = c.group_size or setup.comm_group_size
     ring = c.bytes * bus_factor(c.op, group) if c.op != "recv" else c.bytes  # a recv waits for the peer's send
     nodes = group_nodes(c, setup, gpus_per_node=hw.gpus_per_node)
-    return c.calls * collective_latency_s(c.op, group, nodes, hw) + ring / hw.link(spans_nodes=nodes > 1).busbw
+    return (c.calls * collective_latency_s(c.op, group_size=group, num_nodes=nodes, hw=hw)
+            + ring / hw.link(spans_nodes=nodes > 1).busbw)
 
 
 def element_bytes(precision: str) -> int:

@@ -116,11 +116,12 @@ def test_a_calls_latency_grows_with_the_steps_of_nccls_ring_and_tree():
     """NCCL's model (src/graph/tuning.cc): an all-gather over 1,024 ranks on 128 nodes is 896 NVLink steps and 127
     network ones, 4.8 ms a call where two ranks take 25 us; an all-reduce there takes the tree, 2 x 7 NVLink
     steps and 2 x 7 network ones. HSDP's replica group (one rank a node) is network steps only."""
-    assert collective_latency_s("all_gather", 2, 2, H100) == pytest.approx(25e-6)
-    assert collective_latency_s("all_gather", 1024, 128, H100) == pytest.approx(
+    assert collective_latency_s("all_gather", group_size=2, num_nodes=2, hw=H100) == pytest.approx(25e-6)
+    assert collective_latency_s("all_gather", group_size=1024, num_nodes=128, hw=H100) == pytest.approx(
         25e-6 + 896 * 3.4e-6 + 126 * 14e-6)
-    assert collective_latency_s("all_reduce", 1024, 128, H100) == pytest.approx(25e-6 + 14 * 3.4e-6 + 13 * 14e-6)
-    assert collective_latency_s("all_to_all", 1024, 128, H100) == pytest.approx(25e-6)
+    assert collective_latency_s("all_reduce", group_size=1024, num_nodes=128, hw=H100) == pytest.approx(
+        25e-6 + 14 * 3.4e-6 + 13 * 14e-6)
+    assert collective_latency_s("all_to_all", group_size=1024, num_nodes=128, hw=H100) == pytest.approx(25e-6)
     hsdp = _setup("hsdp", 64, replicate=8)  # 8 replicas, each sharded over one node of 8
     replicas = Collective("all_reduce", 1e9, "gradients", dim="dp_replicate", group_size=8)
     shards = Collective("reduce_scatter", 1e9, "gradients", dim="dp_shard", group_size=8)
