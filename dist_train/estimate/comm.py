@@ -464,15 +464,14 @@ def _sequence_parallel(shape: ModelShape, setup: Setup, stage: Optional[int]) ->
     outputs (fp32 under autocast: `wide`) before attention and the MLP, and reduce-scatters of the row-parallel
     outputs (compute dtype); backward mirrors them (the column-parallel input gradients are summed locally, then
     reduce-scattered once). Per micro-batch also: the first block's input gradient and the final norm's output are
-    all-gathered. Every norm weight's gradient (partial over the sequence shards) is all-reduced, fp32: by each
-    micro-batch's backward under strategy=tp; once a step under FSDP2 (fsdp_tp, ddp_tp), which accumulates the
-    unsharded gradients and reduces them with the last micro-batch's (measured: tiny on 2 x 2 ranks, 2 micro-batches,
-    one call per norm tensor a step)."""
+    all-gathered. Every norm weight's gradient (partial over the sequence shards; the micro-batches sum into it
+    unreduced) is all-reduced once a step, fp32: by FSDP2's reduction under fsdp_tp and ddp_tp, before the gradient
+    norm under strategy=tp (strategies/base.py reduce_partial_grads). Measured: tiny, one call per norm tensor a step
+    whatever the micro-batches (1 to 8 on 2 ranks, 2 on 2 x 2)."""
     m, layers, h = setup.microbatches_per_step, shape.num_layers, shape.hidden_size
     tokens, compute, wide = _tokens(shape, setup)
     # norm parameter tensors: GPT-2 LayerNorm weight + bias (2 per block, ln_f), Llama RMSNorm weight
     norm_grads = shape.features.norm_params_per_unit * (2 * layers + 1)
-    reductions = 1 if setup.family == "fsdp_tp" else m
     heads = _head_norms(shape, setup)
     return {
         ("all_gather", "activations"): Sized(m * (layers * 2 * tokens * (wide + compute) + 2 * tokens * wide),
@@ -481,9 +480,9 @@ def _sequence_parallel(shape: ModelShape, setup: Setup, stage: Optional[int]) ->
         ("reduce_scatter", "activations"): Sized(m * layers * 2 * tokens * (compute + wide),
                                                  f"activations: 2 forward + 2 backward per layer, {m} micro-batch(es)",
                                                  compute, m * 4 * layers),
-        ("all_reduce", "norm gradients"): Sized(reductions * norm_grads * h * 4 + heads.bytes,
-                                                f"{norm_grads} norm weight gradients, {reductions} time(s) a step; "
-                                                + heads.what, 4, reductions * norm_grads + heads.calls),
+        ("all_reduce", "norm gradients"): Sized(norm_grads * h * 4 + heads.bytes,
+                                                f"{norm_grads} norm weight gradients, once a step; " + heads.what, 4,
+                                                norm_grads + heads.calls),
         ("all_reduce", "vocabulary"): _vocabulary(shape, setup),
     }
 

@@ -99,10 +99,12 @@ def test_sequence_parallel_splits_the_norms_and_trades_each_all_reduce_for_a_gat
         assert rec["comm/tp/all_gather/time_s"] > 0 and rec["comm/tp/reduce_scatter/time_s"] > 0
         assert "comm/untimed_count" not in rec and rec["time/comm_s"] > 0
         # what remains all-reduced: the norms' weight and bias gradients (partial over the sequence shards,
-        # 64 floats each, 4 per block and 2 for the final norm, every micro-batch), the vocabulary split's, and
-        # the gradient norm
-        expected = 4 * 18 * 64 * 4 + 4 * VOCAB_SPLIT
+        # 64 floats each, 4 per block and 2 for the final norm, summed over the micro-batches unreduced and reduced
+        # once before the gradient norm: once each a step, not once per read), the vocabulary split's, and the
+        # gradient norm
+        expected = 18 * 64 * 4 + 4 * VOCAB_SPLIT
         assert expected <= rec["comm/all_reduce/bytes"] <= expected + 1024
+        assert rec["comm/all_reduce/count"] == 18 + 4 * 5 + 1
         # the norms' inputs are split by sequence: fewer activation bytes than tp's (same batch)
         assert rec["memory/activations_bytes"] < tp_rec["memory/activations_bytes"]
     row = compare_from(tmp_path / "compare", single_dir, run_dir)["tp"]
