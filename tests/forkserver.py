@@ -38,14 +38,18 @@ import time
 import uuid
 from typing import Any
 
-# What every launch of launch/train.py imports (measured: -X importtime), and nothing that starts a thread at
-# import (deepspeed does, and prints its accelerator warning: the ZeRO runs import it themselves).
+# What every launch of launch/train.py imports (measured: -X importtime), with what it imports later, while it runs
+# (wandb.init's launch inputs: 0.7 s a forked run), and nothing that starts a thread at import (deepspeed does, and
+# prints its accelerator warning: the ZeRO runs import it themselves; pandas, which W&B's summary imports, starts
+# pyarrow's jemalloc thread).
 PRELOAD = (
     "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
     "torch.distributed.checkpoint", "torch.distributed.elastic.multiprocessing.errors",
     "transformers", "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
-    "hydra", "omegaconf", "wandb", "peft",
+    "hydra", "omegaconf", "wandb", "wandb.sdk.launch.inputs.internal", "peft",
     "dist_train.train", "dist_train.session", "dist_train.strategies.registry",
+    "dist_train.estimate", "dist_train.telemetry.recorder", "torch.distributed._tools.mem_tracker",
+    "dist_train.pretrained", "dist_train.model",
 )
 STOP_GRACE_S = 30.0  # torchrun's agent gives its workers 30 s between SIGTERM and SIGKILL
 

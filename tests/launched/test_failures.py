@@ -92,7 +92,7 @@ def test_a_hung_rank_ends_the_job_after_runtime_timeout(tmp_path):
 def test_a_restarted_job_resumes_and_ends_on_the_uninterrupted_loss(straight_run, tmp_path):
     """Rank 1 dies at step 6; torchrun restarts both ranks, which resume from the newest complete checkpoint."""
     _, straight = straight_run("ddp")
-    overrides = ["strategy=ddp", "logger=wandb", *FAST, "train.steps=8", "checkpoint.every_steps=2"]
+    overrides = ["strategy=ddp", *FAST, "logger=wandb", "train.steps=8", "checkpoint.every_steps=2"]
     code, stderr, _, pids = _torchrun(overrides, run_dir=tmp_path, fault="kill@6:rank1", restarts=1)
     assert code == 0, stderr[-4000:]
     assert "resumed from" in stderr

@@ -14,7 +14,7 @@ from tests.wandb_log import read_run
 
 
 def test_ddp_with_wandb_offline_leaves_every_output_and_right_figures(single_run, tmp_path):
-    proc = launch(["strategy=ddp", "logger=wandb", *FAST], run_dir=tmp_path, nproc=2, extra_env={"WANDB_MODE": ""})
+    proc = launch(["strategy=ddp", *FAST, "logger=wandb"], run_dir=tmp_path, nproc=2, extra_env={"WANDB_MODE": ""})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "wandb sync" in proc.stderr  # the offline run says how to upload it
     s = train_ok.__globals__["summary"](tmp_path)

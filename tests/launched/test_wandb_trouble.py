@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import FAST, launch, metrics
 
-_ONLINE = ["strategy=single", "logger=wandb", "logger.mode=online", *FAST]
+_ONLINE = ["strategy=single", *FAST, "logger=wandb", "logger.mode=online"]
 
 
 def _free_port() -> int:
@@ -68,7 +68,7 @@ def test_online_trouble_falls_back_to_offline_and_says_so_once(server, rejecting
 @pytest.mark.beside
 def test_a_directory_that_refuses_the_files_turns_wandb_off(tmp_path):
     (tmp_path / "wandb").write_text("a file where W&B wants its directory")
-    proc = launch(["strategy=single", "logger=wandb", *FAST], run_dir=tmp_path)
+    proc = launch(["strategy=single", *FAST, "logger=wandb"], run_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [ln for ln in proc.stderr.splitlines() if "W&B is off for the rest of this run" in ln]
     assert len(said) == 1, proc.stderr[-3000:]
