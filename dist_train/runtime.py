@@ -130,6 +130,17 @@ def restart_needs_own_namespace() -> bool:
     )
 
 
+def imports_done() -> None:
+    """Python's collector on again once a launch script's imports are done (launch/train.py turns it off before
+    them), with the objects they made frozen out of later collections (gc.freeze: about 590k of torch, transformers
+    and Hydra, which every full collection would otherwise scan again). The collections the imports triggered cost
+    about 8% of a one-process run of model=tiny (farm-bench, 8 pairs: 0.92x the CPU time, median)."""
+    import gc
+
+    gc.freeze()
+    gc.enable()
+
+
 def shutdown(runtime: Runtime) -> None:
     if runtime.has_group and dist.is_initialized():
         dist.destroy_process_group()

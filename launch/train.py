@@ -67,6 +67,10 @@ def _help() -> str:
 if __name__ == "__main__":
     exit_on_help(sys.argv[1:], _help)  # before Hydra and torch are imported: Hydra's own help lists internals
 
+import gc  # noqa: E402
+
+gc.disable()  # Python's collector, during the imports: back on in _main (dist_train.runtime.imports_done)
+
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
@@ -110,8 +114,10 @@ def _accept_launcher_args(argv: list[str]) -> list[str]:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
+    from dist_train.runtime import imports_done
     from dist_train.train import main
 
+    imports_done()
     try:
         code = main(cfg, check_only=_CHECK_ONLY)
     except BaseException as exc:  # the training's own failure, not bad input: keep its traceback

@@ -57,14 +57,23 @@ def _preload() -> None:
     """What every rank imports, imported once here, before the forks: about 3 s a rank here, half of a small model's
     rank (torch._dynamo, which FakeTensorMode imports, and transformers' modelling code of the architectures built
     from a config, which its lazy modules import at first use). Not DeepSpeed, whose import starts a thread: its ranks
-    import it themselves."""
-    import torch._dynamo  # noqa: F401
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM, Qwen3MoeForCausalLM  # noqa: F401
+    import it themselves. Python's collector is off meanwhile (launch/train.py's reason:
+    dist_train.runtime.imports_done); run_ranks then freezes what they made."""
+    import gc
 
-    import dist_train.estimate.dryrun.rank  # noqa: F401
-    import dist_train.session  # noqa: F401
-    import dist_train.strategies.registry  # noqa: F401
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        import torch._dynamo  # noqa: F401
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401
+        from transformers import GPT2LMHeadModel, LlamaForCausalLM, Qwen3MoeForCausalLM  # noqa: F401
+
+        import dist_train.estimate.dryrun.rank  # noqa: F401
+        import dist_train.session  # noqa: F401
+        import dist_train.strategies.registry  # noqa: F401
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _single_threaded() -> bool:
