@@ -52,7 +52,6 @@ def test_fp32_runs_are_predicted_within_ten_percent(straight_run, tmp_path):
 BF16 = [s for s in STRATEGIES if s not in ("1f1b", "zero1", "gpipe")]
 
 
-@pytest.mark.beside  # balances the two sessions (tests/suite.sh)
 def test_bf16_and_fp16_runs_are_predicted_within_ten_percent(tmp_path):
     """Each row's run forked (tests/forkserver.py: their own comparison's torchrun rows took 74 s of the suite), then
     compared as compare.from compares finished runs, as the fp32 rows above are."""
