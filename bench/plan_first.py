@@ -38,7 +38,7 @@ TRAINING = ["model=tiny", "model.hidden_size=256", "model.num_layers=4", "train.
 
 NOTE = ("2 processes (gloo) on this machine's 2 cores. Each run starts from an empty profile directory: "
         "the answer judged is the one calibrated in that run, before plan.verify's refit. Measured step: "
-        "summary.json's mean after the warm-up steps (plan.steps=10). 'Measured again': the four verified "
+        "summary.json's median after the warm-up steps (plan.steps=10). 'Measured again': the four verified "
         "configurations launched once more right after the plan, the same command, so that the change of "
         "each and the rank correlation of the second measurement with the first show what the machine "
         "itself repeats: a prediction of the first measurement cannot be expected to do better. A step "
@@ -57,7 +57,7 @@ def again(overrides: list[str], run_dir: Path) -> float:
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/train.py", *TRAINING,
            f"train.steps={steps}", *overrides, f"hydra.run.dir={run_dir}"]
     run(cmd, timeout=900)  # raises with its output if it fails
-    return json.loads((run_dir / "summary.json").read_text())["mean_step_s"]
+    return json.loads((run_dir / "summary.json").read_text())["median_step_s"]
 
 
 def first_pick(runs: list[dict]) -> str:

@@ -80,7 +80,7 @@ def main() -> None:
             command="python bench/plan_verify.py   # each pass: " + shlex.join(command(Path("P"), Path("OUT"),
                                                                                         steps=args.steps)[1:]),
             note="2 processes (gloo) on this machine, model=tiny at hidden 256 (3.3M parameters), 8 sequences of "
-                 "128 tokens a step. Measured step: summary.json's mean after the warm-up steps; measured peak: the "
+                 "128 tokens a step. Measured step: summary.json's median after the warm-up steps; measured peak: the "
                  "worst rank's peak of live tensors (MemTracker). Predicted peak: the estimator's, plus DeepSpeed's "
                  "reduction bucket for zero3. A step's time on these 2 shared cores moves by up to 20% between "
                  "runs of the same configuration, which is why these targets are a benchmark and not a test.")

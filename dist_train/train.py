@@ -420,6 +420,7 @@ def _summary(session: Session) -> dict[str, Any]:
         "start_step": session.start_step,
         "resumed_from": str(session.resumed_from) if session.resumed_from else None,
         "mean_step_s": mean_step_s,
+        "median_step_s": telemetry.median_step_s(warmup),
         "time_to_first_step_s": _since_process_start(telemetry.first_step_wall),
         "timing_warmup_steps": warmup,
         "tokens_per_s": t.global_batch_size * t.seq_len / mean_step_s if mean_step_s > 0 else 0.0,

@@ -16,7 +16,7 @@ from dist_train.estimate.render import human_bytes
 CSV_COLUMNS = [
     "strategy", "knobs", "status", "reason", "verdict", "agrees", "world_size", "nodes", "data_parallel_size", "num_params",
     "steps", "timed_steps",
-    "step_s", "pred_step_s", "err_step_s", "pred_step_profile", "compute_s", "comm_s", "tokens_per_s",
+    "step_s", "median_step_s", "pred_step_s", "err_step_s", "pred_step_profile", "compute_s", "comm_s", "tokens_per_s",
     *(f"comm_{op}_s" for op in COMM_OPS),
     *(f"mem_{c}_{k}_bytes" for c in MEMORY_FIGURES
       for k in ("max", "spread")),

@@ -137,7 +137,8 @@ def time_columns(summary: dict[str, Any], records: list[dict[str, Any]]) -> dict
     step_s = summary["mean_step_s"]
     windows = timed_windows(records, summary.get("timing_warmup_steps", 0))
     total_steps = sum(n for n, _ in windows) or 1
-    out: dict[str, Any] = {"step_s": step_s, "tokens_per_s": summary["tokens_per_s"], "timed_steps": timed_steps(summary)}
+    out: dict[str, Any] = {"step_s": step_s, "median_step_s": summary.get("median_step_s"),
+                           "tokens_per_s": summary["tokens_per_s"], "timed_steps": timed_steps(summary)}
     comm_s: float | None = 0.0
     for op in COMM_OPS:
         if any(r.get(f"comm/{op}/untimed_count") for _, recs in windows for r in recs):

@@ -84,6 +84,7 @@ def test_table_holds_measured_numbers_traceable_to_runs(comparison):
         summary = json.loads((Path(row["run_dir"]) / "summary.json").read_text())
         assert Path(row["run_dir"]).parent == out
         assert row["final_loss"] == summary["final_loss"] and row["step_s"] == summary["mean_step_s"]
+        assert row["median_step_s"] == summary["median_step_s"] > 0
         assert row["mem_params_max_bytes"] == max(r["memory/params_bytes"] for r in summary["ranks"])
         assert row["tokens_per_s"] > 0 and row["step_s"] > 0
         assert row["compute_s"] + row["comm_s"] >= row["step_s"] - 1e-9

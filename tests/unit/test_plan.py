@@ -373,6 +373,29 @@ def test_refit_moves_the_efficiency_and_the_strategys_overhead_toward_what_was_m
     assert predict(ddp, new).step_s == pytest.approx(slow_ddp)
 
 
+def test_a_verified_step_is_the_median_after_the_warm_up_so_one_slow_step_does_not_move_it():
+    from types import SimpleNamespace
+
+    import torch
+
+    from dist_train.telemetry.recorder import Telemetry, Workload
+
+    runtime = SimpleNamespace(rank=0, is_main=True, has_group=False, device=torch.device("cpu"))
+    telemetry = Telemetry(runtime=runtime, strategy=None, sink=None, skips_allowed=False,
+                          workload=Workload(tokens_per_step=1, samples_per_step=1, flops_per_token=1.0,
+                                            peak_flops=None, num_devices=1))
+    telemetry.start_s = 10.0
+    # steps of 1.0 and 0.5 s (the warm-up), then 0.6 (slow), 0.2, 0.2, 0.3
+    telemetry.step_end_s = [11.0, 11.5, 12.1, 12.3, 12.5, 12.8]
+    assert telemetry.mean_step_s(2) == pytest.approx(0.325)
+    assert telemetry.median_step_s(2) == pytest.approx(0.25)
+    assert telemetry.median_step_s(0) == pytest.approx(0.4)
+    assert telemetry.median_step_s(9) == pytest.approx(0.4)  # a warm-up as long as the run: all of it
+    assert Verified(None, {"status": "ok", "step_s": 0.325, "median_step_s": 0.25}).step_s == 0.25
+    assert Verified(None, {"status": "ok", "step_s": 0.325, "median_step_s": None}).step_s == 0.325
+    assert Verified(None, {"status": "failed", "step_s": 0.325, "median_step_s": 0.25}).step_s is None
+
+
 # ------------------------------------------------------------------ the command line
 def test_json_answer_for_70b_on_16_nodes():
     proc = run_plan("model=70b", "precision=bf16", "train.seq_len=4096", "train.global_batch_size=512",
