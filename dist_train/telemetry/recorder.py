@@ -347,8 +347,8 @@ class Telemetry:
     def median_step_s(self, warmup_steps: int) -> float:
         """Median wall-clock step on this rank, leaving out the first `warmup_steps` steps: each step from the end
         of the one before (the first from the start). Unlike the mean, one slow step does not move it: on this
-        CPU the step after a 2-step warm-up ran 1.2-1.9x the later ones (ddp and zero2, 12 launches), and a
-        launch's mean over 8 steps moved with it."""
+        CPU the step after a 2-step warm-up ran 1.2-1.9x the later ones (ddp and zero2, 12 launches logging every
+        step), and a launch's mean over 8 steps moved with it."""
         ends = self.step_end_s
         if not ends:
             return 0.0
