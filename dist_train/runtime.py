@@ -134,9 +134,14 @@ def imports_done() -> None:
     """Python's collector on again once a launch script's imports are done (launch/train.py turns it off before
     them), with the objects they made frozen out of later collections (gc.freeze: about 590k of torch, transformers
     and Hydra, which every full collection would otherwise scan again). The collections the imports triggered cost
-    about 8% of a one-process run of model=tiny (farm-bench, 8 pairs: 0.92x the CPU time, median)."""
+    about 8% of a one-process run of model=tiny (farm-bench, 8 pairs: 0.92x the CPU time, median).
+
+    Once: with the collector already on (Hydra's multirun calls the task again for every job in one process), it
+    does nothing, so a later job does not freeze what the jobs before it left alive."""
     import gc
 
+    if gc.isenabled():
+        return
     gc.freeze()
     gc.enable()
 

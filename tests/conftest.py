@@ -53,12 +53,12 @@ RESUMABLE = {"single": 0, "ddp": 2, "fsdp": 2, "zero1": 2, "zero2": 2, "zero3": 
 NPROC = {**RESUMABLE, "dp": 0, "fsdp_tp": 4, "ddp_tp": 4}  # fsdp_tp, ddp_tp: a 2 x 2 mesh
 # 8 steps, a checkpoint after step 4 and step 8, both kept; the held-out loss after each (tests/launched/test_eval.py).
 EVALUATED = ["eval.every_steps=4"]
-CHECKPOINTED = ["logger=none", *FAST, "train.steps=8", "checkpoint.every_steps=4", "checkpoint.keep_last=0", *EVALUATED]
+CHECKPOINTED = [*FAST, "train.steps=8", "checkpoint.every_steps=4", "checkpoint.keep_last=0", *EVALUATED]
 
 
 @pytest.fixture(scope="session")
 def fast_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, dict[str, Any]]]:
-    """`fast_run(*overrides, nproc=N)`: `launch/train.py logger=none <FAST> <overrides>` run to completion, once per
+    """`fast_run(*overrides, nproc=N)`: `launch/train.py <FAST> <overrides>` run to completion, once per
     session and set of overrides; returns its run directory and summary.json. Tests that read the same training
     share its run (the dry run's comparison, ZeRO's collectives, FSDP's memory): a launch costs seconds of imports."""
     cache: dict[tuple[tuple[str, ...], int], tuple[Path, dict[str, Any]]] = {}
@@ -67,7 +67,7 @@ def fast_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Pa
         key = (tuple(sorted(overrides)), nproc)
         if key not in cache:
             run_dir = tmp_path_factory.mktemp("run")
-            cache[key] = run_dir, train_ok(["logger=none", *FAST, *overrides], run_dir=run_dir, nproc=nproc)
+            cache[key] = run_dir, train_ok([*FAST, *overrides], run_dir=run_dir, nproc=nproc)
         return cache[key]
 
     return run

@@ -11,7 +11,7 @@ from tests.helpers import FAST, ROOT, TRAIN, assert_same_losses, env, last_step,
 
 def test_accelerate_ddp_under_torchrun_matches_single_with_ddps_figures(single_run, tmp_path):
     _, single = single_run
-    s = train_ok(["strategy=accelerate", "logger=none", *FAST], run_dir=tmp_path, nproc=2)
+    s = train_ok(["strategy=accelerate", *FAST], run_dir=tmp_path, nproc=2)
     assert_same_losses(single, s)
     assert "accelerate prepared the model as ddp" in (tmp_path / "logs" / "rank0.log").read_text()
     n = s["num_params"]
@@ -26,7 +26,7 @@ def test_accelerate_launch_runs_the_same_training(single_run, tmp_path):
     _, single = single_run
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(TRAIN),
-           "strategy=accelerate", "logger=none", *FAST, f"hydra.run.dir={tmp_path}"]
+           "strategy=accelerate", *FAST, f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = summary(tmp_path)

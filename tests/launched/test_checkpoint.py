@@ -27,7 +27,7 @@ STEP4 = step_dir_name(4)
 
 
 def _resume(strategy: str, checkpoint: Path, run_dir: Path, nproc: int, *extra: str) -> dict:
-    return train_ok([f"strategy={strategy}", "logger=none", *FAST, "train.steps=8", *EVALUATED,
+    return train_ok([f"strategy={strategy}", *FAST, "train.steps=8", *EVALUATED,
                      f"checkpoint.resume={checkpoint}", *extra], run_dir=run_dir, nproc=nproc)
 
 
@@ -102,7 +102,7 @@ def test_export_loads_in_transformers_and_reproduces_the_next_loss(strategy, str
     if strategy == "zero3":  # a ZeRO run trains on in dist_train: its export is a model directory (model=hf)
         from tests.helpers import FAST, train_ok
 
-        on = train_ok(["strategy=single", "logger=none", *FAST, "train.steps=1", "model=hf", f"model.path={out}"],
+        on = train_ok(["strategy=single", *FAST, "train.steps=1", "model=hf", f"model.path={out}"],
                       run_dir=tmp_path / "on")
         first = GlobalBatches(build_dataset(DataConfig(), vocab_size=256, seq_len=t.seq_len, seed=t.seed),
                               global_batch_size=8, dp_rank=0, dp_size=1).local_batch(0)

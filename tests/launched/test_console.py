@@ -11,7 +11,7 @@ from tests.helpers import FAST, launch
 @pytest.mark.beside
 def test_a_run_at_80_columns_prints_lines_that_fit(tmp_path):
     """As a user with COLUMNS=80 sees it: every progress and per-rank line, with its `[rank0] ` prefix, fits."""
-    proc = launch(["strategy=single", "logger=none", *FAST, "train.steps=3"], run_dir=tmp_path,
+    proc = launch(["strategy=single", *FAST, "train.steps=3"], run_dir=tmp_path,
                   extra_env={"COLUMNS": "80"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     progress = [ln for ln in proc.stderr.splitlines() if ln.startswith("[rank0] step ")]

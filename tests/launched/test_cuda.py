@@ -24,7 +24,7 @@ def dp_overrides(gpus: int) -> list[str]:
 
 
 def offload_overrides(strategy: str) -> list[str]:
-    return [f"strategy={strategy}", "logger=none", *FAST]  # one process, single_run's batch: the same samples
+    return [f"strategy={strategy}", *FAST]  # one process, single_run's batch: the same samples
 
 
 # What tests/unit/test_config.py validates at 1 to 8 GPUs on a CPU (the overrides, and the process count they run with).

@@ -19,7 +19,7 @@ from dist_train.checkpoint.layout import read_trainer_state, step_dir_name
 from tests.helpers import FAST, forked_python, rel_diff, train_ok
 
 STEP4 = step_dir_name(4)
-CHECKPOINTED = ["strategy=single", "logger=none", *FAST, "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
+CHECKPOINTED = ["strategy=single", *FAST, "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
 ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
 
 
@@ -93,7 +93,7 @@ def test_lora_export_merges_reproduces_the_next_loss_and_trains_on(lora_run, tmp
     assert rel_diff(adapted, losses[4]) < 1e-5, (adapted, losses[4])
 
     # dist_train trains on from the merged directory (new adapters start at B = 0: the model's own loss)
-    on = train_ok(["strategy=single", "logger=none", *FAST, "train.steps=1", "model=hf", f"model.path={out}",
+    on = train_ok(["strategy=single", *FAST, "train.steps=1", "model=hf", f"model.path={out}",
                    "peft=lora"], run_dir=tmp_path / "on")
     assert rel_diff(on["losses"][0], loss_on(merged, 0)) < 1e-5, (on["losses"][0], loss_on(merged, 0))
 

@@ -56,7 +56,7 @@ def _alive(pids: set[int]) -> list[int]:
     return out
 
 
-LONG = ["strategy=ddp", "logger=none", *FAST, "train.steps=200"]
+LONG = ["strategy=ddp", *FAST, "train.steps=200"]
 
 
 @pytest.mark.beside  # balances tests/suite.sh's two sessions
@@ -113,7 +113,7 @@ def test_a_restarted_job_resumes_and_ends_on_the_uninterrupted_loss(straight_run
 
 @pytest.mark.beside  # balances tests/suite.sh's two sessions
 def test_a_nan_loss_stops_at_its_step_once_and_is_never_checkpointed(tmp_path):
-    overrides = ["strategy=ddp", "logger=none", *FAST, "train.steps=8", "checkpoint.every_steps=1"]
+    overrides = ["strategy=ddp", *FAST, "train.steps=8", "checkpoint.every_steps=1"]
     code, stderr, _, pids = _torchrun(overrides, run_dir=tmp_path, fault="nan@3")
     assert code != 0
     lines = [ln for ln in stderr.splitlines() if "training stopped at step 3: the loss is nan" in ln]

@@ -11,7 +11,7 @@ def test_a_forked_launch_trains_bit_for_bit_as_a_torchrun_launch(fast_run, tmp_p
     if ForkServer.get() is None:
         pytest.skip("DIST_TRAIN_TEST_FORK=0: every launch of this session is torchrun's")
     run_dir, ours = fast_run("strategy=ddp", nproc=2)  # forked (tests/helpers.train_ok), shared with other tests
-    real = launch(["strategy=ddp", "logger=none", *FAST], run_dir=tmp_path, nproc=2)
+    real = launch(["strategy=ddp", *FAST], run_dir=tmp_path, nproc=2)
     assert real.returncode == 0, real.stderr[-3000:]
     theirs = summary(tmp_path)
     assert ours["losses"] == theirs["losses"] and len(ours["losses"]) == 5
@@ -25,7 +25,7 @@ def test_a_forked_launch_trains_bit_for_bit_as_a_torchrun_launch(fast_run, tmp_p
 def test_a_failing_forked_worker_stops_its_peer_and_the_launch_exits_1(tmp_path):
     """Rank 1 raises before step 2; rank 0, waiting in the step's all-reduce, is stopped by the agent as torchrun
     stops it (a hang would raise TimeoutExpired here)."""
-    proc = forked(["strategy=ddp", "logger=none", *FAST], run_dir=tmp_path, nproc=2, timeout=300,
+    proc = forked(["strategy=ddp", *FAST], run_dir=tmp_path, nproc=2, timeout=300,
                   extra_env={"DIST_TRAIN_FAULT": "raise@2:rank1"})
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "DIST_TRAIN_FAULT" in proc.stderr or "raise" in proc.stderr, proc.stderr[-3000:]

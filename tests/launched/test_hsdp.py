@@ -36,6 +36,6 @@ def test_hsdp_on_2x2_matches_single_holds_half_and_names_each_dimensions_traffic
     assert rows["hsdp"]["agrees"] is True, rows["hsdp"]["verdict"]
 
     step4 = run_dir / "checkpoints" / step_dir_name(4)
-    resumed = train_ok([*HSDP, "logger=none", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
+    resumed = train_ok([*HSDP, *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
                        run_dir=tmp_path / "resumed", nproc=4)
     assert resumed["losses"] == s["losses"]

@@ -24,7 +24,7 @@ from tests.launched.test_dryrun import dry_run
 from tests.moe_support import gpt_oss_dir, qwen2_moe_dir
 
 # 5 steps of 2 micro-batches of 2 x 64 tokens, a checkpoint after the last
-MOE = ["logger=none", *FAST, "model=tiny_moe", "checkpoint.every_steps=5"]
+MOE = [*FAST, "model=tiny_moe", "checkpoint.every_steps=5"]
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +265,7 @@ def test_other_moe_architectures_train_under_expert_parallelism_as_one_process_a
     sinks and shared expert counted."""
     make, num_params, routed, per_expert = OTHER_MOE[arch]
     model_dir = make(tmp_path_factory.mktemp(arch))
-    overrides = ["logger=none", *FAST, "model=hf", f"model.path={model_dir}", "checkpoint.every_steps=5", *SGD]
+    overrides = [*FAST, "model=hf", f"model.path={model_dir}", "checkpoint.every_steps=5", *SGD]
     single = (tmp_path / "single", train_ok(["strategy=single", *overrides], run_dir=tmp_path / "single"))
     run_dir = tmp_path / "fsdp_ep"
     s = train_ok(["strategy=fsdp_ep", "strategy.ep=2", *overrides], run_dir=run_dir, nproc=2)

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import FAST, assert_same_losses, train_ok
 
-NEFTUNE = ["logger=none", *FAST, "train.neftune_alpha=5"]
+NEFTUNE = [*FAST, "train.neftune_alpha=5"]
 
 
 @pytest.fixture(scope="module")

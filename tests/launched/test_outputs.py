@@ -74,7 +74,7 @@ def test_ranks_share_the_default_run_directory(tmp_path):
 
 
 def test_dp_on_cpu_runs_says_it_parallelises_nothing_and_matches_single(single_run, tmp_path):
-    proc = forked(["strategy=dp", "logger=none", *FAST], run_dir=tmp_path)
+    proc = forked(["strategy=dp", *FAST], run_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "parallelises nothing" in proc.stderr
     _, single = single_run
@@ -83,7 +83,7 @@ def test_dp_on_cpu_runs_says_it_parallelises_nothing_and_matches_single(single_r
 
 
 def test_ddp_runs_without_torchrun_as_one_process(single_run, tmp_path):
-    s = train_ok(["strategy=ddp", "logger=none", *FAST], run_dir=tmp_path)
+    s = train_ok(["strategy=ddp", *FAST], run_dir=tmp_path)
     _, single = single_run
     assert s["world_size"] == 1 and s["accumulation_steps"] == 4
     assert s["losses"] == pytest.approx(single["losses"], rel=1e-5)
@@ -104,9 +104,9 @@ def test_text_and_token_files_train_on_the_same_windows_and_ranks_agree(tmp_path
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert tokens.stat().st_size == 2 * text.stat().st_size  # one uint16 per byte
-    one = train_ok(["strategy=single", "data=textfile", f"data.path={text}", "logger=none", *FAST],
+    one = train_ok(["strategy=single", "data=textfile", f"data.path={text}", *FAST],
                    run_dir=tmp_path / "single")
-    two = train_ok(["strategy=fsdp", "data=tokens", f"data.path={tokens}", "logger=none", *FAST],
+    two = train_ok(["strategy=fsdp", "data=tokens", f"data.path={tokens}", *FAST],
                    run_dir=tmp_path / "fsdp", nproc=2)
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert one["losses"][-1] < one["losses"][0]  # repetitive English is learnable in 5 steps
@@ -134,7 +134,7 @@ def test_two_agents_meet_through_a_rendezvous_endpoint_like_two_nodes(single_run
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=dt-test-job",
-           str(TRAIN), "strategy=ddp", "logger=none", *FAST]
+           str(TRAIN), "strategy=ddp", *FAST]
     agents = [subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(2)]
     outs = [a.communicate(timeout=300) for a in agents]

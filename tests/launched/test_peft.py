@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tests.helpers import FAST, assert_same_losses, last_step, train_ok
 
-LORA = ["peft=lora", "logger=none", *FAST]
+LORA = ["peft=lora", *FAST]
 # model=tiny (GPT-2, hidden 64, MLP 256, 4 blocks), rank 8 on c_attn (64 -> 192), attention's c_proj (64 -> 64),
 # c_fc (64 -> 256) and the MLP's c_proj (256 -> 64): r * (in + out) each, per block
 ADAPTERS = 4 * 8 * ((64 + 192) + (64 + 64) + (64 + 256) + (256 + 64))
@@ -45,7 +45,7 @@ TARGET_WEIGHTS = 4 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64)
 
 def test_qlora_packs_the_base_into_four_bits_and_ddp_agrees(tmp_path):
     """bitsandbytes' CPU backend runs its 4-bit layers too, so QLoRA is measured here, not only refused."""
-    qlora = ["peft=qlora", "logger=none", *FAST]
+    qlora = ["peft=qlora", *FAST]
     single = train_ok(["strategy=single", *qlora], run_dir=tmp_path / "single")
     assert single["num_trainable_params"] == ADAPTERS
     ddp = train_ok(["strategy=ddp", *qlora], run_dir=tmp_path / "ddp", nproc=2)

@@ -127,7 +127,7 @@ def test_1f1b_holds_fewer_activations_than_gpipe(gpipe_run, onef1b_run):
     assert onef1b[0]["memory/activations_bytes"] > onef1b[1]["memory/activations_bytes"]  # the first stage holds most
 
 
-TIED = ["model.tie_embeddings=true", "logger=none", *FAST]
+TIED = ["model.tie_embeddings=true", *FAST]
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_tied_embeddings_stay_tied_across_stages(tied_single, tmp_path):
 
 
 def test_llama_1f1b_with_more_microbatches_matches_single(tmp_path):
-    common = [*TINY_LLAMA, "logger=none", *FAST]
+    common = [*TINY_LLAMA, *FAST]
     single = (tmp_path / "single", train_ok(["strategy=single", *common], run_dir=tmp_path / "single"))
     # 8 micro-batches of 1 (train.micro_batch_size=2 is overridden); single runs 4 of 2: same mean loss.
     overrides = ["strategy=1f1b", "strategy.num_microbatches=8", *common]
@@ -215,7 +215,7 @@ def test_pp_dp_fsdp_stages_match_single_predicted_and_resume_under_one_process(s
     assert rows["pp_dp"]["prediction_ok"] is True, rows["pp_dp"]
     assert rows["pp_dp"]["agrees"] is True, rows["pp_dp"]["verdict"]
     step4 = run_dir / "checkpoints" / step_dir_name(4)
-    alone = train_ok(["strategy=single", "logger=none", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
+    alone = train_ok(["strategy=single", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
                      run_dir=tmp_path / "alone")
     for step in range(4, 8):
         assert rel_diff(alone["losses"][step], s["losses"][step]) < 1e-6, step

@@ -85,7 +85,7 @@ def parity_jobs(slurm, tmp_path_factory) -> dict[tuple[str, int], tuple[str, Pat
     for strategy in PARITY:
         for nodes, nproc in ((2, 1), (1, 2))[:2 if strategy in ONE_NODE_JOB else 1]:
             run_dir = root / f"{strategy}-{nodes}"
-            job_id = submit(slurm, root, f"strategy={strategy}", "logger=none", *FAST, f"hydra.run.dir={run_dir}",
+            job_id = submit(slurm, root, f"strategy={strategy}", *FAST, f"hydra.run.dir={run_dir}",
                             nodes=nodes, nproc=nproc)
             jobs[(strategy, nodes)] = (job_id, run_dir)
     return jobs

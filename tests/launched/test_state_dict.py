@@ -17,7 +17,7 @@ SCRIPT = ROOT / "tests" / "scripts" / "state_dict_roundtrip.py"
     [("single", 0), ("ddp", 2), ("fsdp", 2), ("zero2", 2), ("zero3", 2), ("gpipe", 2)],
 )
 def test_state_dict_round_trips_exactly(strategy, nproc, tmp_path):
-    overrides = [f"strategy={strategy}", "logger=none", *FAST]
+    overrides = [f"strategy={strategy}", *FAST]
     # forked from tests/forkserver.py (its imports done once): what is read is the script's JSON line
     proc = forked(overrides, run_dir=tmp_path, nproc=nproc, script=SCRIPT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

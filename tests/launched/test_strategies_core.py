@@ -13,7 +13,7 @@ from tests.helpers import FAST, assert_same_losses, last_step, train_ok
 
 def test_ddp_matches_single_and_all_reduces_one_gradient_per_step(single_run, tmp_path):
     _, single = single_run
-    s = train_ok(["strategy=ddp", "logger=none", *FAST], run_dir=tmp_path, nproc=2)
+    s = train_ok(["strategy=ddp", *FAST], run_dir=tmp_path, nproc=2)
     assert_same_losses(single, s)
     assert s["world_size"] == 2 and s["accumulation_steps"] == 2
     n = s["num_params"]
@@ -56,7 +56,7 @@ def test_compiled_blocks_train_as_eager_under_fsdp(single_run, tmp_path):
     """train.compile=true: each block compiled before FSDP2 shards it (torchtitan's order). The same losses as the
     eager single process; inductor recomputes cheap ops in backward, so fewer bytes stay saved."""
     single_dir, single = single_run
-    s = train_ok(["strategy=fsdp", "train.compile=true", "logger=none", *FAST], run_dir=tmp_path, nproc=2)
+    s = train_ok(["strategy=fsdp", "train.compile=true", *FAST], run_dir=tmp_path, nproc=2)
     assert_same_losses(single, s)
     eager = last_step(single_dir)[0]["memory/activations_bytes"]
     for rec in last_step(tmp_path):

@@ -40,7 +40,7 @@ def _predicted_and_resumed_bit_exact(strategy: str, single_dir: Path, run_dir: P
     assert rows[strategy]["prediction_ok"] is True, rows[strategy]
     assert rows[strategy]["agrees"] is True, rows[strategy]["verdict"]
     step4 = run_dir / "checkpoints" / step_dir_name(4)
-    resumed = train_ok([f"strategy={strategy}", "logger=none", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
+    resumed = train_ok([f"strategy={strategy}", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
                        run_dir=tmp_path / "resumed", nproc=4)
     assert resumed["losses"] == run["losses"]
     return step4
@@ -83,7 +83,7 @@ def test_sequence_parallel_splits_the_norms_and_trades_each_all_reduce_for_a_gat
 ):
     single_dir, single = single_run
     run_dir = tmp_path / "sp"
-    sp = train_ok(["strategy=tp", "strategy.sequence_parallel=true", "logger=none", *FAST], run_dir=run_dir, nproc=2)
+    sp = train_ok(["strategy=tp", "strategy.sequence_parallel=true", *FAST], run_dir=run_dir, nproc=2)
     assert_same_losses(single, sp)
     cfg = ModelConfig()
     activation = 2 * 64 * cfg.hidden_size * 4  # micro-batch 2 x seq 64 x hidden, fp32
@@ -167,14 +167,14 @@ def test_checkpointing_under_sequence_parallelism_keeps_each_blocks_share_of_the
     estimator counted every saved input whole: +35% on this run, measured; now within 5%."""
     run_dir = tmp_path / "sp-ac"
     train_ok(["strategy=tp", "strategy.sequence_parallel=true", "train.activation_checkpointing=true",
-              "model.num_layers=16", "logger=none", *FAST, "train.steps=2"], run_dir=run_dir, nproc=2)
+              "model.num_layers=16", *FAST, "train.steps=2"], run_dir=run_dir, nproc=2)
     row = compare_from(tmp_path / "compare", run_dir)["tp"]
     assert abs(row["err_activations"]) < 0.05, (row["pred_activations_bytes"], row["mem_activations_max_bytes"])
 
 
 def test_llama_tp_with_grouped_query_attention_matches_single(tmp_path):
-    single = train_ok(["strategy=single", "logger=none", *FAST, *LLAMA], run_dir=tmp_path / "single")
-    tp = train_ok(["strategy=tp", "logger=none", *FAST, *LLAMA], run_dir=tmp_path / "tp", nproc=2)
+    single = train_ok(["strategy=single", *FAST, *LLAMA], run_dir=tmp_path / "single")
+    tp = train_ok(["strategy=tp", *FAST, *LLAMA], run_dir=tmp_path / "tp", nproc=2)
     assert_same_losses(single, tp)
     cfg = ModelConfig(arch="llama", num_heads=4, num_kv_heads=2)
     for rec in last_step(tmp_path / "tp"):
@@ -188,7 +188,7 @@ def test_llama_tp_with_grouped_query_attention_matches_single(tmp_path):
 def test_a_tp_checkpoint_resumes_under_single(straight_run, tmp_path):
     """GPT-2's fused q/k/v is saved as plain column blocks: one process reads the same global weights."""
     tp_dir, tp = straight_run("tp")
-    resumed = train_ok(["strategy=single", "logger=none", *FAST, "train.steps=8",
+    resumed = train_ok(["strategy=single", *FAST, "train.steps=8",
                         f"checkpoint.resume={tp_dir / 'checkpoints' / step_dir_name(4)}"], run_dir=tmp_path)
     assert resumed["losses"][:4] == tp["losses"][:4]
     for step in range(4, 8):
@@ -214,7 +214,7 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_single_and_names_each_dimensions_traffic(
     # q/k/v bias is sharded twice on one dimension there; DTensor alone reassembles it wrongly, see
     # _tensor_parallel._full: that showed as a 2e-5 loss difference after the resume).
     step4 = _predicted_and_resumed_bit_exact("fsdp_tp", single_dir, run_dir, s, tmp_path)
-    alone = train_ok(["strategy=single", "logger=none", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
+    alone = train_ok(["strategy=single", *FAST, "train.steps=8", f"checkpoint.resume={step4}"],
                      run_dir=tmp_path / "alone")
     for step in range(4, 8):
         assert rel_diff(alone["losses"][step], s["losses"][step]) < 1e-6, step

@@ -120,7 +120,7 @@ def test_deepspeed_launcher_runs_zero2_like_torchrun(single_run, tmp_path):
     cmd = [
         sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(N_RANKS),
         "--master_port", str(_free_port()),  # its default 29500 would collide with a parallel run
-        str(TRAIN), "strategy=zero2", "logger=none", *FAST, f"hydra.run.dir={tmp_path}",
+        str(TRAIN), "strategy=zero2", *FAST, f"hydra.run.dir={tmp_path}",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -169,9 +169,9 @@ def test_active_clipping_matches_single(tmp_path):
     """grad_clip=0.1 sits far below the gradient norm (~0.8): clipping acts on every step, so a
     DeepSpeed left at its own default (1.0) would drift from one process from step 2 on."""
     clip = ["train.grad_clip=0.1"]
-    single = train_ok(["strategy=single", "logger=none", *FAST, *clip], run_dir=tmp_path / "single")
+    single = train_ok(["strategy=single", *FAST, *clip], run_dir=tmp_path / "single")
     extensions = tmp_path / "torch_extensions"  # a fresh build cache, as on a new machine
-    zero = train_ok(["strategy=zero3", "logger=none", *FAST, *clip], run_dir=tmp_path / "zero3", nproc=N_RANKS,
+    zero = train_ok(["strategy=zero3", *FAST, *clip], run_dir=tmp_path / "zero3", nproc=N_RANKS,
                     extra_env={"TORCH_EXTENSIONS_DIR": str(extensions)})
     assert min(single["losses"]) < single["losses"][0]  # it still trains
     assert_same_losses(single, zero)

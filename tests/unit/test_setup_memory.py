@@ -73,3 +73,24 @@ def test_the_comparison_report_shows_the_setup_peak_anonymous_beside_the_residen
     cells = dict(zip(header.split(" | "), body.split(" | ")))
     assert cells["set-up peak anon"] == "310.00 MiB (±10.00 MiB)", cells
     assert cells["set-up peak RSS"] == "520.00 MiB (±20.00 MiB)", cells
+
+
+def test_the_collector_is_turned_on_and_the_imports_frozen_once_only():
+    """runtime.imports_done acts after launch/train.py's own gc.disable() only: under Hydra's multirun (one job after
+    another in one process) a later job's call leaves the collector and its frozen objects as they are."""
+    import gc
+
+    from dist_train.runtime import imports_done
+
+    before = gc.get_freeze_count()
+    assert gc.isenabled()
+    imports_done()  # the collector already on: nothing to do
+    assert gc.isenabled() and gc.get_freeze_count() == before
+    gc.disable()
+    try:
+        imports_done()
+        assert gc.isenabled() and gc.get_freeze_count() > before
+    finally:
+        gc.enable()
+        if before == 0:  # nothing of this process was frozen before the test
+            gc.unfreeze()
