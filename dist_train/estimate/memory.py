@@ -320,6 +320,41 @@ def zero2_buffers_beyond_grads(shape: ModelShape, setup: Setup, rank: RankMemory
     return rank.grads * (int(accumulator) + int(current_made) - 1)
 
 
+def zero2_oversized_moments(shape: ModelShape, setup: Setup, rank: RankMemory) -> float:
+    """ZeRO-2's peak where a gradient larger than the reduction bucket is held, or 0.
+
+    DeepSpeed (0.19.8, stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads) copies a gradient into the
+    bucket unless it is larger than the bucket; such a one is kept whole (`extra_large_param_to_reduce`) and reduced
+    only at the next parameter's hook, or after backward for the last. Two moments follow (dry runs of Llama-2-70B's
+    shape, 4 blocks, rank 0 of 64, one micro-batch a step, the bucket hidden^2 as training sizes it):
+    - in backward, two oversized gradients side by side (a block's MLP matrices follow each other): every
+      activation but the loss's, and the pair. Seq 256: the peak's gradients were two MLP matrices and the bucket,
+      exactly, in fp32 and in bf16;
+    - after backward, the first parameter of the model (the embedding, vocabulary x hidden), reduced beside a copy
+      of its own size, with no activation left: the model state, the bucket and twice that gradient. With Llama 3's
+      vocabulary (128,256) at seq 256 this was the whole peak to the byte, in fp32 and in bf16, 22-24% above the
+      start of backward, which was all the estimator took before.
+    Accumulating micro-batches, each moment held one more tensor of the (larger) oversized gradient's size (2
+    micro-batches of seq 256: the pair's moment with Llama-2's vocabulary, -4.8% without it, -0.1% with it; the one
+    after backward with Llama 3's, -12.0% and +1.0%; which of DeepSpeed's accumulation paths makes it is not traced).
+    The pair is the largest of two parameters adjacent in backward order (forward order reversed) both over the
+    bucket; a model whose largest parameters are in the bucket has neither moment."""
+    if setup.family != "zero" or setup.zero_stage != 2:
+        return 0.0
+    bucket = setup.zero_reduce_bucket_size
+    size = element_bytes(setup.precision)
+    order = [math.prod(dims) for dims in reversed(shape.param_shapes())]
+    accumulating = setup.microbatches_per_step > 1
+    pairs = [a + b + max(a, b) * accumulating for a, b in zip(order, order[1:]) if a > bucket and b > bucket]
+    buffers = zero2_buffers_beyond_grads(shape, setup, rank)
+    in_backward = rank.total + bucket * size + buffers + max(pairs) * size if pairs else 0.0
+    first = next((n for n in reversed(order) if n > bucket), 0)
+    accumulator = rank.grads if accumulating else 0.0
+    after_backward = (rank.params + rank.master + rank.optimizer + bucket * size + accumulator
+                      + (2 + accumulating) * first * size if first else 0.0)
+    return max(in_backward, after_backward)
+
+
 def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Optional[float]:
     """The peak of all live tensors on a rank (memory/peak_live_bytes), or None where it is not modelled.
 
@@ -350,7 +385,9 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
     computed, not run, for the 70B shape: 2.75 GiB on rank 1, whose partition cuts two MLP matrices, 2.08 on
     rank 0); the estimator's partition is the ranks' mean. With one micro-batch and a bucket larger than both,
     neither buffer is at the peak: a partition less than the categories (+9.2% without that on tiny, 100,000
-    elements; +2.1% with it). `zero2_buffers_beyond_grads` is that arithmetic.
+    elements; +2.1% with it). `zero2_buffers_beyond_grads` is that arithmetic. Where a gradient is larger than the
+    bucket (every MLP matrix and the embedding, with hidden^2), the peak can be later, where DeepSpeed holds it
+    whole: `zero2_oversized_moments`, the larger of the two is taken.
     ZeRO-3's categories hold its gathered parameters (zero3_gathered: what it keeps for backward, or the live limit
     and a prefetch) and the largest module's unsharded gradients; its peak, inside the last block's backward, is
     that sum plus the loss's and the bucket: measured 2026-11-29 on 2 and 4 CPU ranks, model=tiny, -0.0% to +2.4% in
@@ -409,7 +446,8 @@ def predict_peak_live(shape: ModelShape, setup: Setup, rank: RankMemory) -> Opti
         bucket = setup.zero_reduce_bucket_size * element_bytes(setup.precision)
         if setup.zero_stage == 1:  # the gradients whole, made by backward as any optimizer's
             return with_loss(rank.total) + bucket
-        return rank.total + loss + bucket + zero2_buffers_beyond_grads(shape, setup, rank)
+        start = rank.total + loss + bucket + zero2_buffers_beyond_grads(shape, setup, rank)
+        return max(start, zero2_oversized_moments(shape, setup, rank))
 
     if setup.family == "tp" and setup.ep > 1 and shape.num_experts:
         # each layer's experts are an FSDP2 unit (parallel/experts.py), resharded after forward: the last layer's
