@@ -122,21 +122,15 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
                 why = f"tp over {w} ranks would span nodes; fsdp_tp keeps tp within a node"
             elif heads % w or kv % w:
                 why = f"{w} does not divide the {heads} heads and {kv} kv heads"
-            for experts in expert_degrees:
-                yield name, dict(experts), (f"strategy={name}", *_ep_overrides(experts)), why
-                if not experts:  # a dense model: sequence parallelism too (not built beside expert parallelism)
-                    yield name, {"sequence_parallel": True}, (f"strategy={name}", "strategy.sequence_parallel=true"), why
+            yield from _tp_layouts(name, knobs={}, overrides=(f"strategy={name}",), expert_degrees=expert_degrees,
+                                   why=why)
         elif name in ("fsdp_tp", "ddp_tp"):
             for tp in _degrees(min(w, gpus_per_node)):
                 if tp == 1 or tp == w or gpus_per_node % tp:
                     continue
                 why = f"tp={tp} does not divide the {heads} heads and {kv} kv heads" if heads % tp or kv % tp else None
-                for experts in expert_degrees:
-                    yield name, {"tp": tp, **experts}, (f"strategy={name}", f"strategy.tp={tp}",
-                                                        *_ep_overrides(experts)), why
-                    if not experts:  # a dense model: sequence parallelism inside each TP group too (torchtitan's)
-                        yield name, {"tp": tp, "sequence_parallel": True}, (
-                            f"strategy={name}", f"strategy.tp={tp}", "strategy.sequence_parallel=true"), why
+                yield from _tp_layouts(name, knobs={"tp": tp}, overrides=(f"strategy={name}", f"strategy.tp={tp}"),
+                                       expert_degrees=expert_degrees, why=why)
         elif name in ("fsdp_ep", "ep"):  # experts over ep ranks of a node, as torchtitan places them; dense weights
             # FSDP-sharded (fsdp_ep) or whole replicas (ep)
             if not shape.num_experts:
@@ -157,6 +151,16 @@ def layouts(shape: ModelShape, *, world_size: int, gpus_per_node: int,
                         yield name, {"pp": pp, "dp_mode": mode, "schedule": schedule}, (
                             f"strategy={name}", f"strategy.pp={pp}", f"strategy.dp_mode={mode}",
                             f"strategy.schedule={schedule}"), why
+
+
+def _tp_layouts(name: str, *, knobs: dict[str, Any], overrides: tuple[str, ...], expert_degrees: list[dict[str, int]],
+                why: Optional[str]) -> Iterator[tuple[str, dict[str, Any], tuple[str, ...], Optional[str]]]:
+    """A tensor-parallel layout at each expert-parallel degree; for a dense model (no experts), sequence parallelism
+    inside each TP group too (torchtitan's; not built beside expert parallelism)."""
+    for experts in expert_degrees:
+        yield name, {**knobs, **experts}, (*overrides, *_ep_overrides(experts)), why
+        if not experts:
+            yield name, {**knobs, "sequence_parallel": True}, (*overrides, "strategy.sequence_parallel=true"), why
 
 
 def _accumulations(name: str, microbatches: int) -> tuple[bool, ...]:
