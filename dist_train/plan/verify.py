@@ -3,7 +3,7 @@ and refit the profile's factors from what was measured.
 
 Each candidate is a training launch of its own (compare/runner.py: the same command, telemetry and summary as a
 `launch/compare.py` row). Measured step time is summary.json's median step after the warm-up steps (one launch's
-mean moved with its slowest steps; recorder.median_step_s); measured peak
+mean moved with its slowest steps; recorder.median_step_s), its mean on a GPU, which times windows only; measured peak
 is the worst rank's peak of all live tensors (memory/peak_live_bytes) where the run measured it, else its peak
 allocated. The refit:
 - `efficiency`: for each run of a strategy without per-block work (ddp, zero1, zero2; all runs if none), the
@@ -42,7 +42,7 @@ class Verified:
     def step_s(self) -> Optional[float]:
         if not self.ok:
             return None
-        median = self.row.get("median_step_s")  # a row without one: its mean
+        median = self.row.get("median_step_s")  # None on a GPU (recorder.median_step_s): the mean
         return median if median is not None else self.row.get("step_s")
 
     @property

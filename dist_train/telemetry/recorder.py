@@ -344,12 +344,17 @@ class Telemetry:
             return (ends[-1] - self.start_s) / len(ends)
         return (ends[-1] - ends[warmup_steps - 1]) / (len(ends) - warmup_steps)
 
-    def median_step_s(self, warmup_steps: int) -> float:
+    def median_step_s(self, warmup_steps: int) -> float | None:
         """Median wall-clock step on this rank, leaving out the first `warmup_steps` steps: each step from the end
         of the one before (the first from the start). Unlike the mean, one slow step does not move it: on this
         CPU the step after a 2-step warm-up ran 1.2-1.9x the later ones (ddp and zero2, 12 launches logging every
-        step), and a launch's mean over 8 steps moved with it."""
+        step), and a launch's mean over 8 steps moved with it.
+
+        None on a GPU: a step's end is read there when its work was queued, not done (the loop synchronises once a
+        logging window, never each step), so single steps are not timed; the mean over the windows is."""
         ends = self.step_end_s
+        if any(d.type == "cuda" for d in self.strategy.devices):
+            return None
         if not ends:
             return 0.0
         spans = [b - a for a, b in zip([self.start_s, *ends[:-1]], ends)]

@@ -380,14 +380,19 @@ def test_a_verified_step_is_the_median_after_the_warm_up_so_one_slow_step_does_n
 
     from dist_train.telemetry.recorder import Telemetry, Workload
 
-    runtime = SimpleNamespace(rank=0, is_main=True, has_group=False, device=torch.device("cpu"))
-    telemetry = Telemetry(runtime=runtime, strategy=None, sink=None, skips_allowed=False,
-                          workload=Workload(tokens_per_step=1, samples_per_step=1, flops_per_token=1.0,
-                                            peak_flops=None, num_devices=1))
+    def telemetry_on(device: str) -> Telemetry:
+        runtime = SimpleNamespace(rank=0, is_main=True, has_group=False, device=torch.device(device))
+        return Telemetry(runtime=runtime, strategy=SimpleNamespace(devices=[torch.device(device)]), sink=None,
+                         skips_allowed=False, workload=Workload(tokens_per_step=1, samples_per_step=1,
+                                                                flops_per_token=1.0, peak_flops=None, num_devices=1))
+
+    telemetry, on_gpu = telemetry_on("cpu"), telemetry_on("cuda")
     telemetry.start_s = 10.0
     # steps of 1.0 and 0.5 s (the warm-up), then 0.6 (slow), 0.2, 0.2, 0.3
-    telemetry.step_end_s = [11.0, 11.5, 12.1, 12.3, 12.5, 12.8]
-    assert telemetry.mean_step_s(2) == pytest.approx(0.325)
+    telemetry.step_end_s = on_gpu.step_end_s = [11.0, 11.5, 12.1, 12.3, 12.5, 12.8]
+    on_gpu.start_s = 10.0
+    assert telemetry.mean_step_s(2) == on_gpu.mean_step_s(2) == pytest.approx(0.325)
+    assert on_gpu.median_step_s(2) is None  # a GPU's steps end on the host when queued: the mean over windows only
     assert telemetry.median_step_s(2) == pytest.approx(0.25)
     assert telemetry.median_step_s(0) == pytest.approx(0.4)
     assert telemetry.median_step_s(9) == pytest.approx(0.4)  # a warm-up as long as the run: all of it
